@@ -1,0 +1,50 @@
+"""Error types shared by every layer. They live in the bundle layer because it imports nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TvmpipeError(Exception):
+    """Base of every error tvmpipe raises on purpose; the CLI prints these without a traceback."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an input file, located precisely enough to fix it by hand."""
+
+    file: str
+    where: str  # e.g. "node 12 'fused_add'", "entry 7", "function 'fused_dense'", "" for the file
+    field: str  # e.g. "inputs[1]", "attrs.shape", "launches[0].kernel"
+    message: str
+
+    def __str__(self) -> str:
+        loc = ", ".join(p for p in (self.where, self.field) if p)
+        return f"{self.file}: {loc}: {self.message}" if loc else f"{self.file}: {self.message}"
+
+
+class ProblemsError(TvmpipeError):
+    """Carries every problem found, so users fix a file in one pass instead of one error at a time."""
+
+    def __init__(self, problems: list[Problem], what: str = "input"):
+        self.problems = list(problems)
+        head = f"{len(self.problems)} problem(s) in {what}"
+        shown = self.problems[:20]
+        lines = [head + ":"] + [f"  - {p}" for p in shown]
+        if len(self.problems) > len(shown):
+            lines.append(f"  ... and {len(self.problems) - len(shown)} more")
+        super().__init__("\n".join(lines))
+
+
+class GraphError(ProblemsError):
+    """graph.json is malformed or inconsistent."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems, "graph.json")
+
+
+class BundleError(ProblemsError):
+    """A bundle directory is incomplete or its files disagree with each other."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems, "bundle")

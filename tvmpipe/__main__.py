@@ -1,0 +1,5 @@
+import sys
+
+from tvmpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,59 @@
+"""The `tvmpipe` command. Each layer registers its own subcommands, so this file only dispatches.
+
+Heavy imports (ray, tvm, pycuda) stay inside the command functions: `tvmpipe inspect` must start
+fast and work on a machine that has none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tvmpipe.bundle.errors import TvmpipeError
+
+# Modules that define `register(subparsers)`, in the order their commands appear in --help.
+COMMAND_MODULES = [
+    "tvmpipe.bundle.cli",  # inspect
+    "tvmpipe.compiler.cli",  # compile
+    "tvmpipe.executor.cli",  # profile, extract
+    "tvmpipe.partition.cli",  # partition
+    "tvmpipe.cluster.cli",  # run, sweep
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tvmpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # a layer not built yet must not break the others
+            if exc.name == name:
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except TvmpipeError as exc:
+        if args.traceback:
+            raise
+        print(f"tvmpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tvmpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
