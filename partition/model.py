@@ -1,0 +1,95 @@
+"""Everything a planner weighs, in one object: the graph's dataflow, op times, devices and link.
+
+Built once per planning request; planners and predictions only read it. Stage s of a plan runs on
+device s: `speeds[s]` divides its compute time (1 = the device the op times are for) and
+`memory_caps[s]` bounds its memory. A single speed or cap applies to every stage; per-stage lists
+longer than the plan are cut to its length, so one device list serves a sweep over stage counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tvmpipe.bundle import Bundle
+from tvmpipe.partition.cost import (UNIFORM_OP_US, OpCosts, analytic_costs, measured_costs, read_profile,
+                                    uniform_costs, workspace_bytes)
+from tvmpipe.partition.cuts import GraphFlow
+from tvmpipe.partition.devices import DeviceSpec, Link, get_device
+from tvmpipe.partition.errors import PartitionError
+from tvmpipe.partition.tables import RangeTables
+
+COST_MODELS = ("auto", "measured", "analytic", "uniform")
+
+
+@dataclass
+class PipelineModel:
+    bundle: Bundle
+    flow: GraphFlow
+    costs: OpCosts
+    tables: RangeTables
+    link: Link = field(default_factory=Link)
+    speeds: list[float] = field(default_factory=lambda: [1.0])
+    memory_caps: list[int | None] = field(default_factory=lambda: [None])
+    device: DeviceSpec | None = None
+
+    @classmethod
+    def build(cls, bundle: Bundle, *, cost: str = "auto", profile: str | Path | dict[str, Any] | None = None,
+              device: str | DeviceSpec = "h100", link: Link | None = None, speeds: list[float] | None = None,
+              memory_caps: list[int | None] | None = None, inputs: list[str] | None = None,
+              uniform_op_us: float = UNIFORM_OP_US) -> PipelineModel:
+        """`cost="auto"`: the profile if given, else analytic when the bundle has ops.json, else uniform."""
+        if cost not in COST_MODELS:
+            raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
+        spec = get_device(device) if isinstance(device, str) else device
+        flow = GraphFlow.from_bundle(bundle, inputs)
+        unknown = [n for n in flow.inputs if n not in bundle.graph.node_index or bundle.graph.nodes[bundle.graph.node_index[n]].is_op]
+        if unknown:
+            raise PartitionError(f"input(s) {unknown} are not null nodes of the graph")
+        if cost == "auto":
+            cost = "measured" if profile is not None else ("analytic" if bundle.ops else "uniform")
+        if cost == "measured":
+            if profile is None:
+                raise PartitionError("the measured cost model needs a profile (--profile FILE from `tvmpipe profile`)")
+            prof = profile if isinstance(profile, dict) else read_profile(profile)
+            costs = measured_costs(prof, flow, source=str(profile) if not isinstance(profile, dict) else "profile")
+        elif cost == "analytic":
+            costs = analytic_costs(bundle, flow, spec)
+        else:
+            costs = uniform_costs(flow, uniform_op_us)
+        model = cls(bundle, flow, costs, RangeTables.build(flow, costs.time_us, workspace_bytes(bundle)),
+                    link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec)
+        if any(not (s > 0) for s in model.speeds):
+            raise PartitionError(f"speed factors must be positive, got {model.speeds}")
+        if any(c is not None and c <= 0 for c in model.memory_caps):
+            raise PartitionError(f"memory caps must be positive, got {model.memory_caps}")
+        return model
+
+    @property
+    def num_ops(self) -> int:
+        return self.flow.num_ops
+
+    @property
+    def batch(self) -> int:
+        return self.bundle.manifest.batch if self.bundle.manifest else 1
+
+    def _per_stage(self, values: list, k: int, what: str) -> list:
+        if len(values) == 1:
+            return values * k
+        if len(values) < k:
+            raise PartitionError(f"{len(values)} {what} given for {k} stages: give one per stage, or a single value")
+        return values[:k]
+
+    def stage_speeds(self, k: int) -> list[float]:
+        return self._per_stage(self.speeds, k, "speed factors")
+
+    def stage_caps(self, k: int) -> list[int | None]:
+        return self._per_stage(self.memory_caps, k, "memory caps")
+
+    def stage_time_us(self, i: int, j: int, speed: float) -> float:
+        return self.tables.compute_us(i, j) / speed + self.link.transfer_us(self.tables.recv[i, j])
+
+    def stage_memory(self, i: int, j: int) -> int:
+        t = self.tables
+        return int(t.params[i, j] + t.workspace[i, j] + t.recv[i, j] + t.activations[i, j])

@@ -1,0 +1,56 @@
+"""The pure half of `tvmpipe sweep`: which plans a sweep runs and what each should do.
+
+The cluster layer runs the plans and fills in `measured`; report.py turns the cases into tables and
+plots. A stage count that cannot be planned (memory caps, too few op nodes) stays in the sweep as a
+case with `error` set, so the report shows why a row is missing instead of silently dropping it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvmpipe.partition.errors import PartitionError
+from tvmpipe.partition.model import PipelineModel
+from tvmpipe.partition.plan import Plan
+from tvmpipe.partition.planners import DEFAULT_TOLERANCE, make_plan
+from tvmpipe.partition.predict import Prediction, predict
+
+SWEEP_STRATEGIES = ("equal", "optimal")
+
+
+@dataclass
+class Measured:
+    """What the cluster measured for one plan (throughput in samples/s, latencies in microseconds)."""
+
+    throughput: float
+    latency_p50_us: float
+    latency_p99_us: float
+    bubble: float | None = None
+
+
+@dataclass
+class SweepCase:
+    stages: int
+    strategy: str
+    plan: Plan | None
+    prediction: Prediction | None
+    error: str | None = None
+    measured: Measured | None = None
+
+
+def sweep_plans(model: PipelineModel, max_stages: int, strategies: tuple[str, ...] = SWEEP_STRATEGIES,
+                min_stages: int = 1, tolerance: float = DEFAULT_TOLERANCE,
+                requests: int | None = None) -> list[SweepCase]:
+    """One case per (stage count in min..max, strategy), predictions attached, in that order."""
+    if min_stages < 1 or max_stages < min_stages:
+        raise PartitionError(f"a sweep needs 1 <= min stages <= max stages, got {min_stages}..{max_stages}")
+    cases = []
+    for k in range(min_stages, max_stages + 1):
+        for strategy in strategies:
+            try:
+                plan = make_plan(model, k, strategy, tolerance=tolerance, requests=requests)
+            except PartitionError as exc:
+                cases.append(SweepCase(k, strategy, None, None, error=str(exc)))
+                continue
+            cases.append(SweepCase(k, strategy, plan, predict(model, plan, requests)))
+    return cases
