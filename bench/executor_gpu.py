@@ -1,0 +1,108 @@
+"""CUDA backend overhead: end-to-end run() time against the sum of its kernels' CUDA-event times,
+with plain launches and with CUDA-graph replay (target: <= 1.05x with replay), and against PyTorch
+eager on the same built-in model.
+
+Run on a GPU machine: python bench/executor_gpu.py [BUNDLE ...] [--repeat N]
+(writes bench/results/executor_gpu.json). Without arguments it benchmarks the built-in models
+(examples/, others compiled on the fly when TVM is installed). Without pycuda or a GPU it prints
+why and exits 0, so `make bench` runs on CPU machines.
+
+run() times include what a pipeline stage pays per request: input validation, the copy into
+page-locked buffers, H2D, the kernels, D2H and the copy out. PyTorch eager is timed the same way
+(tensor from NumPy, .cuda(), forward, .cpu()); its weights are the builtin's torch weights, not the
+bundle's, which does not matter for time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_cpu import RESULTS, benchmark_bundles, time_runs  # noqa: E402
+
+from tvmpipe.executor import GraphRunner, random_inputs  # noqa: E402
+
+TARGET = 1.05
+
+
+def gpu_name() -> str | None:
+    try:
+        import pycuda.driver as cuda
+
+        cuda.init()
+        return cuda.Device(0).name() if cuda.Device.count() else None
+    except Exception as exc:  # no pycuda, no driver, no device
+        print(f"executor_gpu: no GPU here ({type(exc).__name__}: {exc}); nothing to benchmark")
+        return None
+
+
+def torch_eager_us(bundle, inputs, repeat: int) -> float | None:
+    source = (bundle.manifest.source if bundle.manifest else {}) or {}
+    if source.get("kind") != "builtin":
+        return None
+    try:
+        import torch
+
+        from tvmpipe.compiler.models import build_builtin
+    except ImportError:
+        return None
+    model = build_builtin(source["name"], bundle.manifest.batch, source.get("seed", 0)).cuda()
+    (x,) = inputs.values()
+
+    def run() -> None:
+        with torch.no_grad():
+            model(torch.from_numpy(x).cuda()).cpu()
+
+    return statistics.median(time_runs(run, repeat, warmup=10)) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundles", nargs="*")
+    ap.add_argument("--repeat", type=int, default=200)
+    args = ap.parse_args()
+    device = gpu_name()
+    if device is None:
+        return 0
+    rows = []
+    for b in benchmark_bundles(args.bundles):
+        inputs = random_inputs(b)
+        row = {"model": b.name}
+        with GraphRunner(b, backend="cuda") as plain:
+            row["kernels"] = len(plain.program.launches)
+            plain.set_input(**inputs)
+            prof = plain.profile(repeat=50)
+            row["kernel_sum_us"] = prof.kernel_total_us
+            row["plain_us"] = statistics.median(time_runs(plain.run, args.repeat, warmup=10)) * 1e6
+        with GraphRunner(b, backend="cuda", graphs=True) as graphed:
+            graphed.set_input(**inputs)
+            row["graph_us"] = statistics.median(time_runs(graphed.run, args.repeat, warmup=10)) * 1e6
+        row["plain_ratio"] = row["plain_us"] / row["kernel_sum_us"]
+        row["graph_ratio"] = row["graph_us"] / row["kernel_sum_us"]
+        row["torch_us"] = torch_eager_us(b, inputs, args.repeat)
+        row["vs_torch"] = row["graph_us"] / row["torch_us"] if row["torch_us"] else None
+        rows.append(row)
+        print(f"  {b.name}: done", flush=True)
+    head = f"{'model':<14}{'kernels':>8}{'kern us':>10}{'run us':>10}{'ratio':>7}{'graph us':>10}{'ratio':>7}{'torch us':>10}{'/torch':>8}"
+    print(f"\n{device}\n{head}")
+    for r in rows:
+        torch_s = f"{r['torch_us']:>10.1f}{r['vs_torch']:>8.2f}" if r["torch_us"] else f"{'-':>10}{'-':>8}"
+        flag = "" if r["graph_ratio"] <= TARGET else f"  (graph ratio over the {TARGET}x target)"
+        print(f"{r['model']:<14}{r['kernels']:>8}{r['kernel_sum_us']:>10.1f}{r['plain_us']:>10.1f}{r['plain_ratio']:>7.2f}"
+              f"{r['graph_us']:>10.1f}{r['graph_ratio']:>7.2f}{torch_s}{flag}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"benchmark": "executor_gpu", "device": device, "platform": platform.platform(), "repeat": args.repeat,
+           "target_graph_ratio": TARGET, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "models": rows}
+    (RESULTS / "executor_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {RESULTS / 'executor_gpu.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

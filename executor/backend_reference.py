@@ -1,0 +1,91 @@
+"""The `reference` backend: runs each fused function's ops.json program with NumPy.
+
+It honours the stage's storage plan (every entry is a view into its slot's bytes), so a wrong plan
+shows up as wrong numbers here too, not only on the GPU. Unknown ops are reported when the backend
+is built, all at once, naming op, function and node.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tvmpipe.bundle import Bundle
+from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.executor.backend import StepTiming
+from tvmpipe.executor.errors import ExecutorError, UnsupportedOpError
+from tvmpipe.executor.program import COPY, KERNELS, StageProgram
+from tvmpipe.executor.reference_ops import OpFailure, run_function, unknown_ops
+
+ALIGN = 64  # slot alignment, so BLAS sees the same alignment whichever stage a tensor lives in
+
+
+def aligned_bytes(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return raw[off:off + nbytes]
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, bundle: Bundle, program: StageProgram):
+        self.program = program
+        if bundle.is_bare:
+            raise UnsupportedOpError(f"{bundle.path} is a bare graph.json: it has no ops.json for the reference "
+                                     "backend (use --backend simulated, or a bundle)")
+        self.functions = {}
+        problems = []
+        for s in program.steps:
+            if s.kind != KERNELS:
+                continue
+            fn = bundle.ops.get(s.func)
+            if fn is None:
+                problems.append(f"node {s.node} '{s.name}': function '{s.func}' has no op program in ops.json")
+                continue
+            for name in unknown_ops(fn.op_names):
+                problems.append(f"op '{name}' in function '{s.func}' (node {s.node} '{s.name}')")
+            self.functions[s.func] = fn
+        if problems:
+            raise UnsupportedOpError("the reference backend cannot run this stage:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
+        self.slots = [aligned_bytes(max(s.nbytes, 1)) for s in program.storage.slots]
+        self.views = {e: self.view(e) for e in program.entry_specs}
+        for name, e in program.param_entries.items():
+            self.views[e][...] = bundle.params[name]
+
+    def view(self, entry: int) -> np.ndarray:
+        spec = self.program.entry_specs[entry]
+        dt = np_dtype(spec.dtype)
+        buf = self.slots[self.program.storage.entry_slot[entry]]
+        return buf[:spec.nbytes].view(dt).reshape(spec.shape)
+
+    def write(self, entry: int, value: np.ndarray) -> None:
+        np.copyto(self.views[entry], value)
+
+    def read(self, entry: int) -> np.ndarray:
+        return self.views[entry].copy()
+
+    def execute(self, profile: bool = False) -> list[StepTiming] | None:
+        timings: list[StepTiming] = []
+        for i, s in enumerate(self.program.steps):
+            t0 = time.perf_counter()
+            if s.kind == KERNELS:
+                try:
+                    outs = run_function(self.functions[s.func], [self.views[e] for e in s.inputs])
+                except OpFailure as exc:
+                    raise ExecutorError(f"node {s.node} '{s.name}' (function '{s.func}'): {exc}") from None
+                for e, v in zip(s.outputs, outs):
+                    if v.shape != self.views[e].shape or v.dtype != self.views[e].dtype:
+                        raise ExecutorError(f"node {s.node} '{s.name}' (function '{s.func}') produced "
+                                            f"{v.dtype}{list(v.shape)} for {self.program.describe(e)}")
+                    np.copyto(self.views[e], v)
+            elif s.kind == COPY:
+                np.copyto(self.views[s.outputs[0]], self.views[s.inputs[0]].reshape(self.views[s.outputs[0]].shape))
+            # NOP: the output is a view of the input's slot already
+            if profile:
+                timings.append(StepTiming(i, time.perf_counter() - t0))
+        return timings if profile else None
+
+    def close(self) -> None:
+        self.slots, self.views = [], {}

@@ -1,0 +1,90 @@
+"""Stage: one node range of a bundle on one backend. What a pipeline worker holds.
+
+The stage is only "what runs and its buffers": it takes entries by id and returns entries by id.
+Scheduling, queues and transport belong to the cluster layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from tvmpipe.bundle import Bundle, load_bundle
+from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.executor.backend import StepTiming, make_backend
+from tvmpipe.executor.errors import InputError
+from tvmpipe.executor.program import StageProgram, build_stage_program
+
+
+def as_bundle(bundle: Bundle | str | Path) -> Bundle:
+    return bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+
+
+class Stage:
+    """Graph nodes [start, end) of `bundle`, built on `backend` with backend options `opts`."""
+
+    def __init__(self, bundle: Bundle | str | Path, start: int, end: int, backend: str = "reference", **opts: Any):
+        self.bundle = as_bundle(bundle)
+        self.program: StageProgram = build_stage_program(self.bundle, start, end)
+        self.backend = make_backend(backend, self.bundle, self.program, **opts)
+        self.backend_name = backend
+
+    def run(self, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
+        received from earlier stages); return the entries it sends, by entry id."""
+        return self._run(inputs, profile=False)[0]
+
+    def run_profiled(self, inputs: Mapping[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+        """`run`, plus the backend's per-step timings (wall, CUDA-event or modelled)."""
+        return self._run(inputs, profile=True)
+
+    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+        feeds = check_feeds(self.program, inputs)
+        for e, v in feeds.items():
+            self.backend.write(e, v)
+        timings = self.backend.execute(profile=profile) or []
+        return {e: self.backend.read(e) for e in self.program.send_entries}, timings
+
+    def set_param(self, name: str, value: np.ndarray) -> None:
+        """Overwrite one param this stage loaded (shape and dtype must match)."""
+        e = self.program.param_entries.get(name)
+        if e is None:
+            raise InputError(f"'{name}' is not a param of nodes [{self.program.start}, {self.program.end}) "
+                             f"(params: {', '.join(self.program.param_names) or 'none'})")
+        self.backend.write(e, check_array(self.program, e, value, f"param '{name}'"))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "Stage":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_array(program: StageProgram, entry: int, value: Any, what: str) -> np.ndarray:
+    spec = program.entry_specs[entry]
+    if not isinstance(value, np.ndarray):
+        raise InputError(f"{what}: expected a numpy array {spec}, got {type(value).__name__}")
+    if value.dtype != np_dtype(spec.dtype) or tuple(value.shape) != spec.shape:
+        raise InputError(f"{what}: expected {spec}, got {value.dtype}{list(value.shape)}")
+    return value
+
+
+def check_feeds(program: StageProgram, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
+    """Every fed entry present, nothing else, each of the right shape and dtype; else InputError
+    listing what the stage expects. Runs before anything touches the device."""
+    want = program.feed_entries
+    expected = "; ".join(program.describe(e) for e in want) or "no inputs"
+    unknown = [k for k in inputs if k not in want]
+    if unknown:
+        raise InputError(f"stage [{program.start}, {program.end}) does not take entr{'y' if len(unknown) == 1 else 'ies'} "
+                         f"{', '.join(map(repr, unknown))}; it expects: {expected}")
+    missing = [e for e in want if e not in inputs]
+    if missing:
+        raise InputError(f"stage [{program.start}, {program.end}) is missing "
+                         f"{'; '.join(program.describe(e) for e in missing)}")
+    return {e: check_array(program, e, inputs[e], program.label(e)) for e in want}

@@ -1,0 +1,86 @@
+"""The cuda backend's launch path on CPU, through the recording fake device (exfake.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from exfake import RecordingDevice, check_stage_launches, ranges
+from exhelp import CPU_MODELS, get_bundle
+from tvmpipe.executor import BackendUnavailable, Stage, feeds_by_entry, random_inputs
+from tvmpipe.executor.cubin import compile_cubin
+
+
+@pytest.mark.parametrize("model", CPU_MODELS)
+def test_recorded_launches_match_bundle(bundles, model):
+    bundle = get_bundle(bundles, model)
+    for start, end in ranges(len(bundle.graph.nodes)):
+        check_stage_launches(bundle, start, end)
+
+
+def test_graph_capture_replays(bundles):
+    bundle = bundles["skipnet"]
+    feeds = feeds_by_entry(bundle, random_inputs(bundle))
+    plain_dev, graph_dev = RecordingDevice(), RecordingDevice()
+    plain = Stage(bundle, 0, len(bundle.graph.nodes), backend="cuda", device=plain_dev)
+    graphed = Stage(bundle, 0, len(bundle.graph.nodes), backend="cuda", device=graph_dev, graphs=True)
+    n0, m0 = len(plain_dev.calls), len(graph_dev.calls)
+    plain.run(feeds)
+    for _ in range(3):
+        graphed.run(feeds)
+    enqueued = plain_dev.calls[n0:-1]  # without the final sync
+    calls = graph_dev.calls[m0:]
+    b, e = calls.index(("begin_capture",)), calls.index(("end_capture",))
+    assert calls[b + 1:e] == enqueued, "the captured graph holds the same copies and launches"
+    rest = calls[:b] + calls[e + 1:]
+    assert rest == [("replay", "graph-0"), ("sync",)] * 3
+    assert calls.count(("begin_capture",)) == 1
+
+
+def test_profiled_run_times_each_kernel(bundles):
+    bundle = bundles["tiny"]
+    stage = Stage(bundle, 0, len(bundle.graph.nodes), backend="cuda", device=RecordingDevice())
+    _, timings = stage.run_profiled({0: np.ones((1, 4), np.float32)})
+    assert [[k for k, _ in t.kernels] for t in timings] == [["dense_add_kernel", "dense_add_kernel_1"], [], ["scale_kernel"]]
+    assert all(t.seconds == pytest.approx(sum(s for _, s in t.kernels)) for t in timings)
+
+
+def test_bare_graph_refused(fixtures_dir):
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.executor import ExecutorError
+
+    b = load_bundle(fixtures_dir / "wrn_fc_nnvm.json")
+    with pytest.raises(ExecutorError, match="no kernels.json launch list for node .* bare graph.json"):
+        Stage(b, 0, len(b.graph.nodes), backend="cuda", device=RecordingDevice())
+
+
+def test_no_pycuda_import_and_clear_error(bundles):
+    import tvmpipe.executor.backend_cuda  # noqa: F401
+
+    assert "pycuda" not in sys.modules
+    try:
+        import pycuda.driver  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailable, match="needs pycuda and an NVIDIA driver"):
+            Stage(bundles["tiny"], 0, 6, backend="cuda")
+    else:
+        pytest.skip("pycuda is importable here")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/bin/nvcc"),
+                    reason="nvcc not installed")
+def test_compile_cubin_cached(bundles, tmp_path):
+    src = bundles["tiny"].cuda_source
+    cubin = compile_cubin(src, "sm_90", cache_dir=tmp_path)
+    assert cubin[:4] == b"\x7fELF"
+    (cached,) = (tmp_path / "cubin").glob("*.cubin")
+    stamp = cached.stat().st_mtime_ns
+    assert compile_cubin(src, "sm_90", cache_dir=tmp_path) == cubin
+    assert cached.stat().st_mtime_ns == stamp
+    assert len(list((tmp_path / "cubin").glob("*.cubin"))) == 1
+    compile_cubin(src, "sm_80", cache_dir=tmp_path)
+    assert len(list((tmp_path / "cubin").glob("*.cubin"))) == 2
