@@ -13,14 +13,14 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from tvmpipe.bundle.errors import BundleError, GraphError, Problem
-from tvmpipe.bundle.graph import Graph, parse_graph_text
+from tvmpipe.bundle.graph import Graph, read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
 from tvmpipe.bundle.params import check_params, generate_params, load_params_file, save_npz
 
@@ -29,6 +29,8 @@ FORMAT_VERSION = 1
 MANIFEST_KEYS = {"format", "version", "model", "source", "target", "batch", "dtype", "tvm_version",
                  "created_by", "params", "inputs", "files"}
 PARAMS_KEYS = {"file", "generated", "names"}
+REQUIRED_FILES = ("graph.json", "kernels.cu", "kernels.json", "ops.json")
+_UNREADABLE = object()
 _KERNEL_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 
 
@@ -124,10 +126,14 @@ def _param_names(graph: Graph, m: Manifest) -> list[str]:
 # ---- loading -------------------------------------------------------------------------------------
 
 def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
-    """Load a bundle directory, or a bare graph.json file, cross-checking everything."""
+    """Load a bundle directory, or a bare graph.json file, cross-checking everything.
+
+    Every file that can be read is parsed even when another is broken, so one BundleError lists
+    all the problems; only the cross-checks that need a file wait for it to be readable.
+    """
     path = Path(path)
     if path.is_file() and path.suffix == ".json" and path.name != "bundle.json":
-        return Bundle(path=path, graph=_read_graph(path))
+        return Bundle(path=path, graph=read_graph(path))
     if path.is_file() and path.name == "bundle.json":
         path = path.parent
     if not path.is_dir():
@@ -136,47 +142,59 @@ def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
     manifest = _read_manifest(path / "bundle.json", problems)
     if manifest is None:
         raise BundleError(problems)
-    for name, want in manifest.files.items():
-        f = path / name
-        if not f.is_file():
-            problems.append(Problem(str(f), "", "", "listed in bundle.json files but missing"))
-        elif verify_checksums and sha256_file(f) != want:
-            problems.append(Problem(str(f), "", "", "sha256 differs from bundle.json: the file changed after export"))
-    for required in ("graph.json", "kernels.cu", "kernels.json", "ops.json"):
-        if not (path / required).is_file():
-            problems.append(Problem(str(path / required), "", "", "missing required bundle file"))
-    if problems:
-        raise BundleError(problems)
+    _check_files(path, manifest, verify_checksums, problems)
 
-    try:
-        graph = _read_graph(path / "graph.json")
-    except GraphError as exc:
-        raise BundleError(exc.problems) from None
-    cuda_source = (path / "kernels.cu").read_text(encoding="utf-8", errors="replace")
-    kernels = parse_kernels(_read_json(path / "kernels.json", problems), problems, str(path / "kernels.json"))
-    ops = parse_ops(_read_json(path / "ops.json", problems), problems, str(path / "ops.json"))
-    params = _load_params(path, graph, manifest, problems)
-    _cross_check(path, graph, manifest, kernels, ops, cuda_source, problems)
+    graph = None
+    if (path / "graph.json").is_file():
+        try:
+            graph = read_graph(path / "graph.json")
+        except GraphError as exc:
+            problems.extend(exc.problems)
+    cuda_source = None
+    if (path / "kernels.cu").is_file():
+        cuda_source = (path / "kernels.cu").read_text(encoding="utf-8", errors="replace")
+    kernels = _parse_file(path / "kernels.json", parse_kernels, problems)
+    ops = _parse_file(path / "ops.json", parse_ops, problems)
+    params = {} if graph is None else _load_params(path, graph, manifest, problems)
+    _cross_check(path, graph, kernels, ops, cuda_source, problems)
     if problems:
         raise BundleError(problems)
     return Bundle(path=path, graph=graph, manifest=manifest, kernels=kernels, ops=ops,
                   cuda_source=cuda_source, params=params)
 
 
-def _read_graph(path: Path) -> Graph:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GraphError([Problem(str(path), "", "", f"cannot read: {exc}")]) from None
-    return parse_graph_text(text, source=str(path))
+def _check_files(path: Path, m: Manifest, verify_checksums: bool, problems: list[Problem]) -> None:
+    """Required files (and the params file) exist, and every bundle file has a matching sha256."""
+    needed = REQUIRED_FILES + ((m.params_file,) if m.params_file else ())
+    for name in needed:
+        if not (path / name).is_file():
+            problems.append(Problem(str(path / name), "", "", "missing required bundle file"))
+        elif name not in m.files:
+            problems.append(Problem(str(path / "bundle.json"), "", f"files.{name}", "no sha256 for this bundle file"))
+    for name, want in m.files.items():
+        f = path / name
+        if not f.is_file():
+            if name not in needed:  # a missing needed file is reported once, above
+                problems.append(Problem(str(f), "", "", "listed in bundle.json files but missing"))
+        elif verify_checksums and sha256_file(f) != want:
+            problems.append(Problem(str(f), "", "", "sha256 differs from bundle.json: the file changed after export"))
+
+
+def _parse_file(path: Path, parse: Callable[[Any, list[Problem], str], dict], problems: list[Problem]) -> dict | None:
+    """kernels.json / ops.json parsed, or None when the file is missing or unreadable (reported elsewhere)."""
+    if not path.is_file():
+        return None
+    obj = _read_json(path, problems)
+    return None if obj is _UNREADABLE else parse(obj, problems, str(path))
 
 
 def _read_json(path: Path, problems: list[Problem]) -> Any:
+    """The decoded file, or _UNREADABLE (reported): JSON `null` is a value the parsers must judge."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON, huge ints
         problems.append(Problem(str(path), "", "", f"not readable JSON: {exc}"))
-        return None
+        return _UNREADABLE
 
 
 def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
@@ -185,12 +203,12 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         problems.append(Problem(f, "", "", "missing: not a tvmpipe bundle (no bundle.json)"))
         return None
     obj = _read_json(path, problems)
-    if obj is None:
+    if obj is _UNREADABLE:
         return None
     if not isinstance(obj, dict):
         problems.append(Problem(f, "", "", "top level must be a JSON object"))
         return None
-    before = len(problems)
+    # Unknown keys and a wrong format/version are reported, but the other files are still checked.
     for k in obj:
         if k not in MANIFEST_KEYS:
             problems.append(Problem(f, "", k, f"unknown key (expected one of {sorted(MANIFEST_KEYS)})"))
@@ -198,41 +216,72 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         problems.append(Problem(f, "", "format", f"must be {FORMAT!r}, got {obj.get('format')!r}"))
     if obj.get("version") != FORMAT_VERSION:
         problems.append(Problem(f, "", "version", f"unsupported format version {obj.get('version')!r} (this tvmpipe reads {FORMAT_VERSION})"))
+    before = len(problems)  # problems from here on leave no usable manifest
     for k, typ in (("model", str), ("source", dict), ("target", dict), ("dtype", str), ("inputs", list), ("files", dict), ("params", dict)):
         if not isinstance(obj.get(k), typ):
             problems.append(Problem(f, "", k, f"missing or not a {typ.__name__}"))
-    if not isinstance(obj.get("batch"), int) or obj.get("batch", 0) < 1:
+    if not _is_count(obj.get("batch")) or obj["batch"] < 1:
         problems.append(Problem(f, "", "batch", f"must be a positive integer, got {obj.get('batch')!r}"))
     if len(problems) > before:
         return None
+    files = {}  # a bad entry is reported and left out: the other checksums still count
+    for name, digest in obj["files"].items():
+        if _plain_file_name(name) and isinstance(digest, str):
+            files[name] = digest
+        else:
+            problems.append(Problem(f, "", f"files.{name}", "must map a file name inside the bundle to its sha256 hex digest"))
     p = obj["params"]
     for k in p:
         if k not in PARAMS_KEYS:
             problems.append(Problem(f, "", f"params.{k}", f"unknown key (expected one of {sorted(PARAMS_KEYS)})"))
-    gen = p.get("generated")
-    seed = None
-    if gen is not None:
-        if not (isinstance(gen, dict) and set(gen) == {"seed"} and isinstance(gen["seed"], int)):
-            problems.append(Problem(f, "", "params.generated", 'must be null or {"seed": <int>}'))
-        else:
-            seed = gen["seed"]
-    if p.get("file") is None and seed is None:
+    before = len(problems)
+    if not all(isinstance(n, str) for n in obj["inputs"]):
+        problems.append(Problem(f, "", "inputs", f"must be a list of node names, got {obj['inputs']!r}"))
+    pfile, names, gen = p.get("file"), p.get("names"), p.get("generated")
+    if pfile is not None and not (_plain_file_name(pfile) and pfile.endswith((".npz", ".params"))):
+        problems.append(Problem(f, "", "params.file", f"must be null or a .npz / .params file name inside the bundle, got {pfile!r}"))
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        problems.append(Problem(f, "", "params.names", f"must be null or a list of node names, got {names!r}"))
+    if gen is not None and not (isinstance(gen, dict) and set(gen) == {"seed"} and _is_count(gen["seed"])):
+        problems.append(Problem(f, "", "params.generated", 'must be null or {"seed": <non-negative int>}'))
+    if pfile is None and gen is None:
         problems.append(Problem(f, "", "params", "neither a params file nor generated weights"))
+    if len(problems) > before:
+        return None
     return Manifest(model=obj["model"], source=obj["source"], target=obj["target"], batch=obj["batch"],
-                    dtype=obj["dtype"], inputs=obj["inputs"], params_file=p.get("file"), params_seed=seed,
-                    param_names=p.get("names"), tvm_version=obj.get("tvm_version"),
-                    created_by=obj.get("created_by", ""), files=obj["files"])
+                    dtype=obj["dtype"], inputs=obj["inputs"], params_file=pfile,
+                    params_seed=None if gen is None else gen["seed"], param_names=names,
+                    tvm_version=obj.get("tvm_version"), created_by=obj.get("created_by", ""), files=files)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _plain_file_name(name: Any) -> bool:
+    """A name directly inside the bundle directory: bundle.json must not point outside it."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem]) -> dict[str, np.ndarray]:
+    mfile = str(path / "bundle.json")
     unknown = [n for n in m.inputs + (m.param_names or []) if n not in graph.node_index or graph.nodes[graph.node_index[n]].is_op]
     for n in unknown:
-        problems.append(Problem(str(path / "bundle.json"), "", "inputs/params.names", f"'{n}' is not a null node of graph.json"))
+        problems.append(Problem(mfile, "", "inputs/params.names", f"'{n}' is not a null node of graph.json"))
     if unknown:
         return {}
     names = _param_names(graph, m)
+    fed = set(m.inputs) | set(names)
+    for n in sorted(set(m.inputs) & set(names)):
+        problems.append(Problem(mfile, "", "inputs/params.names", f"'{n}' is listed both as a graph input and as a param"))
+    for i in graph.null_nodes:  # only reachable with params.names: by default every other null node is a param
+        if graph.nodes[i].name not in fed:
+            problems.append(Problem(mfile, "", "inputs/params.names",
+                                    f"{graph.nodes[i].label()} is neither a graph input nor a param: nothing would feed it"))
     if m.params_file is None:
         return generate_params(graph, names, m.params_seed or 0)
+    if not (path / m.params_file).is_file():
+        return {}  # reported by _check_files
     try:
         params = load_params_file(path / m.params_file)
     except BundleError as exc:
@@ -242,41 +291,43 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
     return params
 
 
-def _cross_check(path: Path, graph: Graph, m: Manifest, kernels: dict[str, KernelFunction],
-                 ops: dict[str, FusedFunction], cuda_source: str, problems: list[Problem]) -> None:
+def _cross_check(path: Path, graph: Graph | None, kernels: dict[str, KernelFunction] | None,
+                 ops: dict[str, FusedFunction] | None, cuda_source: str | None, problems: list[Problem]) -> None:
+    """Agreement between files; each check runs when the files it needs were readable (None: not)."""
     kfile, ofile, gfile = str(path / "kernels.json"), str(path / "ops.json"), str(path / "graph.json")
-    defined = defined_kernels(cuda_source)
-    used: set[str] = set()
+    if kernels is not None and cuda_source is not None:
+        defined = defined_kernels(cuda_source)
+        for fn, kf in kernels.items():
+            for i, l in enumerate(kf.launches):
+                if l.kernel not in defined:
+                    problems.append(Problem(kfile, f"function '{fn}'", f"launches[{i}].kernel",
+                                            f"kernel '{l.kernel}' is not defined in kernels.cu"))
+    if graph is None:
+        return
     for n in graph.nodes:
         if not n.launches_kernels:
             continue
         fn = n.func_name
-        used.add(fn)
         n_args = len(n.inputs) + n.num_outputs
-        if fn not in kernels:
+        if kernels is not None and fn not in kernels:
             problems.append(Problem(gfile, n.label(), "attrs.func_name", f"function '{fn}' has no launch list in kernels.json"))
-        else:
+        elif kernels is not None:
             for i, l in enumerate(kernels[fn].launches):
                 for k, a in enumerate(l.args):
                     if a.kind == "arg" and a.index >= n_args:
                         problems.append(Problem(kfile, f"function '{fn}'", f"launches[{i}].args[{k}]",
                                                 f"argument {a.index} is out of range: {n.label()} passes {n_args} arguments"))
-        if fn not in ops:
+        if ops is not None and fn not in ops:
             problems.append(Problem(gfile, n.label(), "attrs.func_name", f"function '{fn}' has no op list in ops.json"))
-        elif (ops[fn].num_inputs, ops[fn].num_outputs) != (len(n.inputs), n.num_outputs):
+        elif ops is not None and (ops[fn].num_inputs, ops[fn].num_outputs) != (len(n.inputs), n.num_outputs):
             problems.append(Problem(ofile, f"function '{fn}'", "num_inputs/num_outputs",
                                     f"says {ops[fn].num_inputs} in / {ops[fn].num_outputs} out but {n.label()} has "
                                     f"{len(n.inputs)} in / {n.num_outputs} out"))
-    for fn, kf in kernels.items():
-        if fn not in used:
-            problems.append(Problem(kfile, f"function '{fn}'", "", "not called by any graph.json node"))
-        for i, l in enumerate(kf.launches):
-            if l.kernel not in defined:
-                problems.append(Problem(kfile, f"function '{fn}'", f"launches[{i}].kernel",
-                                        f"kernel '{l.kernel}' is not defined in kernels.cu"))
-    for fn in ops:
-        if fn not in used:
-            problems.append(Problem(ofile, f"function '{fn}'", "", "not called by any graph.json node"))
+    used = {n.func_name for n in graph.nodes if n.launches_kernels}
+    for table, file in ((kernels, kfile), (ops, ofile)):
+        for fn in table or {}:
+            if fn not in used:
+                problems.append(Problem(file, f"function '{fn}'", "", "not called by any graph.json node"))
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -307,7 +358,10 @@ def write_bundle(out_dir: str | Path, *, model: str, source: dict, target: dict,
                             params_file=params_file, params_seed=params_seed if params is None else None,
                             tvm_version=tvm_version, created_by=f"tvmpipe {__version__}", files=files)
         (tmp / "bundle.json").write_text(json.dumps(manifest.to_json(), indent=1))
-        load_bundle(tmp)  # never rename an invalid bundle into place
+        try:
+            load_bundle(tmp)  # never rename an invalid bundle into place
+        except BundleError as exc:  # name the files the caller asked for, not the deleted temp dir
+            raise BundleError([replace(p, file=p.file.replace(str(tmp), str(out), 1)) for p in exc.problems]) from None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_MESSAGE = 300
+
 
 class TvmpipeError(Exception):
     """Base of every error tvmpipe raises on purpose; the CLI prints these without a traceback."""
@@ -20,7 +22,9 @@ class Problem:
 
     def __str__(self) -> str:
         loc = ", ".join(p for p in (self.where, self.field) if p)
-        return f"{self.file}: {loc}: {self.message}" if loc else f"{self.file}: {self.message}"
+        # Messages quote offending values; a corrupt file can make one megabytes long.
+        msg = self.message if len(self.message) <= MAX_MESSAGE else self.message[:MAX_MESSAGE] + " ..."
+        return f"{self.file}: {loc}: {msg}" if loc else f"{self.file}: {msg}"
 
 
 class ProblemsError(TvmpipeError):

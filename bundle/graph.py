@@ -32,6 +32,9 @@ ENTRY_ATTRS = {
 REQUIRED_ENTRY_ATTRS = ("shape", "dltype", "storage_id")
 # A single tensor above this is certainly a corrupt file, not a model.
 MAX_ENTRY_BYTES = 1 << 40
+# No model has a tensor of higher rank (params.py reads .params with the same bound); a corrupt
+# shape with thousands of dimensions must not cost a huge product or message.
+MAX_NDIM = 32
 DEVICE_TYPES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 13: "cuda_managed"}
 
 
@@ -226,6 +229,8 @@ def parse_graph_text(text: str, source: str = "graph.json") -> Graph:
         raise GraphError([Problem(source, "", "", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")]) from None
     except RecursionError:
         raise GraphError([Problem(source, "", "", "not valid JSON: nested too deeply")]) from None
+    except ValueError as exc:  # e.g. an integer literal over Python's 4300-digit conversion limit
+        raise GraphError([Problem(source, "", "", f"not valid JSON: {exc}")]) from None
     return parse_graph(obj, source=source)
 
 
@@ -285,6 +290,8 @@ class _Reader:
         metadata = obj.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             self.bad("", "metadata", "must be an object")
+        if row_ptr is None:  # entry ids are not addressable: the attrs arrays cannot be read
+            self.fail_if_any()
         entries, extra = self.read_attrs(obj["attrs"], nodes, row_ptr)
         self.fail_if_any()
         return Graph(nodes=nodes, arg_nodes=arg_nodes, node_row_ptr=row_ptr, heads=heads,
@@ -402,13 +409,15 @@ class _Reader:
                         self.bad(n.label(), f"inputs[{k}]",
                                  f"forward reference to node {r.node}: nodes must be in topological order")
 
-    def read_row_ptr(self, raw: Any, nodes: list[Node]) -> list[int]:
+    def read_row_ptr(self, raw: Any, nodes: list[Node]) -> list[int] | None:
+        """node_row_ptr, or None (with problems reported) when it disagrees with the nodes' outputs."""
         if not isinstance(raw, list) or not all(_is_int(v) for v in raw):
             self.bad("", "node_row_ptr", "must be a list of integers")
             self.fail_if_any()
         if len(raw) != len(nodes) + 1:
             self.bad("", "node_row_ptr", f"has {len(raw)} items, expected nodes + 1 = {len(nodes) + 1}")
             self.fail_if_any()
+        before = len(self.problems)
         if raw[0] != 0:
             self.bad("", "node_row_ptr[0]", f"must be 0, got {raw[0]}")
         for i, n in enumerate(nodes):
@@ -418,17 +427,24 @@ class _Reader:
             elif step != n.num_outputs:
                 self.bad(n.label(), f"node_row_ptr[{i + 1}]",
                          f"gives {step} entries but the node has {n.num_outputs} output(s)")
-        return list(raw)
+        return list(raw) if len(self.problems) == before else None
 
     def read_arg_nodes(self, raw: Any, nodes: list[Node]) -> list[int]:
         if not isinstance(raw, list) or not all(_is_int(v) for v in raw):
             self.bad("", "arg_nodes", "must be a list of node indices")
             return []
+        listed: set[int] = set()
         for k, a in enumerate(raw):
             if not 0 <= a < len(nodes):
                 self.bad("", f"arg_nodes[{k}]", f"node {a} is out of range (graph has {len(nodes)} nodes)")
             elif nodes[a].is_op:
                 self.bad("", f"arg_nodes[{k}]", f"{nodes[a].label()} is a tvm_op, not a null node")
+            elif a in listed:
+                self.bad("", f"arg_nodes[{k}]", f"{nodes[a].label()} is listed twice")
+            listed.add(a)
+        for n in nodes:  # TVM can only feed a null node through arg_nodes; one left out is never set
+            if not n.is_op and n.index not in listed:
+                self.bad(n.label(), "arg_nodes", "null node (graph input or param) is not listed in arg_nodes")
         return list(raw)
 
     # -- per-entry attrs --
@@ -445,11 +461,17 @@ class _Reader:
                 self.bad("", f"attrs.{key}", "missing required attribute")
         for key, val in raw.items():
             tag = ENTRY_ATTRS.get(key)
+            if tag is None and isinstance(val, list) and len(val) == 2 and val[0] == "size_t":
+                # TVM skips unknown graph attrs tagged list_int or size_t; size_t holds one number.
+                if not (_is_int(val[1]) and val[1] >= 0):
+                    self.bad("", f"attrs.{key}", f"size_t attribute must hold a non-negative integer, got {val[1]!r}")
+                extra[key] = val
+                continue
             if not (isinstance(val, list) and len(val) == 2 and isinstance(val[0], str) and isinstance(val[1], list)):
                 self.bad("", f"attrs.{key}", 'must be ["<type>", [values...]]')
                 continue
             if tag is None:
-                if val[0] not in ("list_int", "list_str", "list_shape", "size_t"):
+                if val[0] not in ("list_int", "list_str", "list_shape"):
                     self.bad("", f"attrs.{key}", f"unknown attribute with unknown type tag {val[0]!r}")
                 extra[key] = val  # TVM ignores unknown list attrs; we keep them for round trips
                 continue
@@ -479,20 +501,24 @@ class _Reader:
             if any(d < 0 for d in shape):
                 self.bad(where, "attrs.shape", f"negative dimension in {shape}")
                 continue
+            if len(shape) > MAX_NDIM:
+                self.bad(where, "attrs.shape", f"rank {len(shape)} is over the {MAX_NDIM}-dimension limit")
+                continue
             dt = cols["dltype"][eid]
             if not dtypes.is_known(dt):
                 self.bad(where, "attrs.dltype", f"unknown dtype {dt!r} (known: {', '.join(dtypes.DTYPES)})")
                 continue
             if "dtype" in cols:
                 code = cols["dtype"][eid]
-                if dtypes.NNVM_TYPE_CODES.get(code) != dt:
+                if not _is_int(code) or dtypes.NNVM_TYPE_CODES.get(code) != dt:
                     self.bad(where, "attrs.dtype", f"NNVM type code {code!r} disagrees with dltype {dt!r}")
             nbytes = math.prod(shape) * dtypes.itemsize(dt)
             if nbytes > MAX_ENTRY_BYTES:
-                self.bad(where, "attrs.shape", f"shape {shape} needs {nbytes} bytes, over the {MAX_ENTRY_BYTES}-byte limit")
+                self.bad(where, "attrs.shape", f"shape {shape} of {dt} is over the {MAX_ENTRY_BYTES}-byte tensor limit")
             sid = cols["storage_id"][eid]
-            if not _is_int(sid) or sid < 0:
-                self.bad(where, "attrs.storage_id", f"must be a non-negative integer, got {sid!r}")
+            if not _is_int(sid) or not 0 <= sid < n_entries:
+                # TVM numbers storage densely (at most one id per entry); executors index pools by id.
+                self.bad(where, "attrs.storage_id", f"must be an integer in [0, {n_entries}), got {sid!r}")
                 continue
             dev = None
             if "device_index" in cols:

@@ -7,13 +7,20 @@ record is how kernels end up launched with the wrong grid.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from tvmpipe.bundle import dtypes
 from tvmpipe.bundle.errors import Problem
 
 SCALAR_DTYPES = ("int32", "int64", "uint32", "uint64", "float32", "float64")
+# CUDA's launch limits on every architecture since sm_30; a launch past them fails only at run time.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_BLOCK = (1024, 1024, 64)
+MAX_SHARED_MEM = 227 * 1024  # the largest opt-in dynamic shared memory of any GPU (sm_80/sm_90)
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,19 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _list(obj: dict, key: str, c: _Collector, where: str, prefix: str = "") -> list:
+    """An optional list field; anything else is reported (iterating it would crash or mislead)."""
+    v = obj.get(key, [])
+    if isinstance(v, list):
+        return v
+    c.bad(where, prefix + key, f"must be a list, got {v!r}")
+    return []
+
+
+def _shapes_ok(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(sh, list) and all(_int(d) and d >= 0 for d in sh) for sh in v)
+
+
 def _top_functions(obj: Any, c: _Collector) -> dict[str, Any]:
     if not isinstance(obj, dict):
         c.bad("", "", "top level must be a JSON object")
@@ -167,7 +187,8 @@ def parse_kernels(obj: Any, problems: list[Problem], file: str = "kernels.json")
             continue
         c.keys(f, {"launches", "workspaces"}, where)
         workspaces = []
-        for j, w in enumerate(f.get("workspaces", [])):
+        raw_workspaces = _list(f, "workspaces", c, where)
+        for j, w in enumerate(raw_workspaces):
             fld = f"workspaces[{j}]"
             if not isinstance(w, dict):
                 c.bad(where, fld, "must be an object")
@@ -188,12 +209,11 @@ def parse_kernels(obj: Any, problems: list[Problem], file: str = "kernels.json")
         if not isinstance(raw_launches, list) or not raw_launches:
             c.bad(where, "launches", "missing or empty: every fused function launches at least one kernel")
             raw_launches = []
-        launches = []
-        for i, l in enumerate(raw_launches):
-            launch = _parse_launch(l, c, where, f"launches[{i}]", len(workspaces))
-            if launch is not None:
-                launches.append(launch)
-        out[name] = KernelFunction(name, launches, workspaces)
+        # operands index the workspaces as declared, broken ones (reported above) included
+        launches = [_parse_launch(l, c, where, f"launches[{i}]", len(raw_workspaces)) for i, l in enumerate(raw_launches)]
+        # Cross-checks name launches by position: with one unparseable (reported), skip them all
+        # rather than report the survivors under shifted indices.
+        out[name] = KernelFunction(name, [] if None in launches else launches, workspaces)
     return out
 
 
@@ -210,8 +230,12 @@ def _parse_launch(l: Any, c: _Collector, where: str, fld: str, n_ws: int) -> Lau
     dims = {}
     for key in ("grid", "block"):
         v = l.get(key)
+        limit = MAX_GRID if key == "grid" else MAX_BLOCK
         if not (isinstance(v, list) and len(v) == 3 and all(_int(d) and d >= 1 for d in v)):
             c.bad(where, f"{fld}.{key}", f"must be [x, y, z] of positive integers, got {v!r}")
+            ok = False
+        elif any(d > m for d, m in zip(v, limit)):
+            c.bad(where, f"{fld}.{key}", f"{v} is over CUDA's {key} limit {list(limit)}")
             ok = False
         else:
             dims[key] = tuple(v)
@@ -219,8 +243,8 @@ def _parse_launch(l: Any, c: _Collector, where: str, fld: str, n_ws: int) -> Lau
         c.bad(where, f"{fld}.block", f"{dims['block']} has more than 1024 threads")
         ok = False
     smem = l.get("shared_mem", 0)
-    if not _int(smem) or smem < 0:
-        c.bad(where, f"{fld}.shared_mem", f"must be a non-negative integer, got {smem!r}")
+    if not _int(smem) or not 0 <= smem <= MAX_SHARED_MEM:
+        c.bad(where, f"{fld}.shared_mem", f"must be an integer in [0, {MAX_SHARED_MEM}] bytes, got {smem!r}")
         ok = False
     args = []
     raw_args = l.get("args")
@@ -240,8 +264,8 @@ def _parse_launch(l: Any, c: _Collector, where: str, fld: str, n_ws: int) -> Lau
             else:
                 args.append(Operand(kind, index=idx))
         elif isinstance(a, dict) and set(a) == {"scalar", "dtype"}:
-            if a["dtype"] not in SCALAR_DTYPES or not isinstance(a["scalar"], (int, float)) or isinstance(a["scalar"], bool):
-                c.bad(where, afld, f"scalar needs a number and a dtype in {SCALAR_DTYPES}, got {a!r}")
+            if not _scalar_ok(a["scalar"], a["dtype"]):
+                c.bad(where, afld, f"scalar needs a dtype in {SCALAR_DTYPES} and a number that fits it, got {a!r}")
                 ok = False
             else:
                 args.append(Operand("scalar", value=a["scalar"], dtype=a["dtype"]))
@@ -251,6 +275,16 @@ def _parse_launch(l: Any, c: _Collector, where: str, fld: str, n_ws: int) -> Lau
     if not ok:
         return None
     return Launch(kernel, dims["grid"], dims["block"], smem, tuple(args))
+
+
+def _scalar_ok(v: Any, dtype: Any) -> bool:
+    """A scalar operand is packed by value at launch: an int dtype needs an int in its range."""
+    if dtype not in SCALAR_DTYPES or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if dtype.startswith("float"):
+        return True
+    info = np.iinfo(dtype)
+    return _int(v) and info.min <= v <= info.max
 
 
 def _parse_ref(r: Any, c: _Collector, where: str, fld: str, n_args: int, n_ops: int) -> Ref | None:
@@ -266,13 +300,28 @@ def _parse_ref(r: Any, c: _Collector, where: str, fld: str, n_args: int, n_ops: 
         return Ref("op", r["op"], r.get("index", 0))
     if isinstance(r, dict) and set(r) == {"const"} and isinstance(r["const"], dict):
         k = r["const"]
-        if set(k) != {"dtype", "shape", "data"} or not dtypes.is_known(k["dtype"]) or not isinstance(k["data"], list) \
-                or not isinstance(k["shape"], list):
-            c.bad(where, fld, "const must be {'dtype': known dtype, 'shape': [...], 'data': [...]}")
+        if set(k) != {"dtype", "shape", "data"} or not dtypes.is_known(k["dtype"]) or not _shapes_ok([k["shape"]]) \
+                or not isinstance(k["data"], list) or not all(isinstance(x, (int, float)) for x in k["data"]) \
+                or len(k["data"]) != math.prod(k["shape"]):
+            c.bad(where, fld, "const must be {'dtype': known dtype, 'shape': [...], 'data': [prod(shape) numbers]}")
             return None
         return Ref("const", const=k)
     c.bad(where, fld, f"must be {{'arg': i}}, {{'op': j[, 'index': k]}} or {{'const': {{...}}}}, got {r!r}")
     return None
+
+
+def _check_signature(o: dict, n_inputs: int, c: _Collector, where: str, fld: str) -> None:
+    """input/output shapes and dtypes: the reference backend allocates and checks by them."""
+    for side in ("input", "output"):
+        shapes, dts = o.get(f"{side}_shapes", []), o.get(f"{side}_dtypes", [])
+        if not _shapes_ok(shapes):
+            c.bad(where, f"{fld}.{side}_shapes", f"must be a list of shapes (lists of non-negative integers), got {shapes!r}")
+        elif not (isinstance(dts, list) and all(dtypes.is_known(d) for d in dts)):
+            c.bad(where, f"{fld}.{side}_dtypes", f"must be a list of known dtypes, got {dts!r}")
+        elif len(dts) != len(shapes):
+            c.bad(where, f"{fld}.{side}_dtypes", f"has {len(dts)} dtype(s) for {len(shapes)} shape(s)")
+        elif side == "input" and len(shapes) != n_inputs:
+            c.bad(where, f"{fld}.input_shapes", f"has {len(shapes)} shape(s) for {n_inputs} input(s)")
 
 
 def parse_ops(obj: Any, problems: list[Problem], file: str = "ops.json") -> dict[str, FusedFunction]:
@@ -300,7 +349,9 @@ def parse_ops(obj: Any, problems: list[Problem], file: str = "ops.json") -> dict
                 continue
             c.keys(o, {"op", "attrs", "inputs", "input_shapes", "input_dtypes", "output_shapes", "output_dtypes"},
                    where, fld + ".")
-            refs = [_parse_ref(r, c, where, f"{fld}.inputs[{k}]", n_in, i) for k, r in enumerate(o.get("inputs", []))]
+            raw_refs = _list(o, "inputs", c, where, fld + ".")
+            refs = [_parse_ref(r, c, where, f"{fld}.inputs[{k}]", n_in, i) for k, r in enumerate(raw_refs)]
+            _check_signature(o, len(raw_refs), c, where, fld)
             if not isinstance(o.get("op"), str):
                 c.bad(where, fld + ".op", "missing op name")
             attrs = o.get("attrs", {})

@@ -33,12 +33,21 @@ def _fail(file: str, where: str, msg: str) -> BundleError:
 def load_npz(path: str | Path) -> dict[str, np.ndarray]:
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # a bare .npy array loads as an ndarray
+            raise ValueError("a single .npy array, not an archive of named arrays")
+        with z:
+            out = {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise _fail(str(path), "", "file not found") from None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, MemoryError) as exc:
+        # NotImplementedError: zipfile's answer to an unknown compression method in a damaged header;
+        # MemoryError: numpy allocates what an .npy header claims before it reads the data
         raise _fail(str(path), "", f"not a readable .npz archive: {exc}") from None
+    bad = [k for k, v in out.items() if not isinstance(v, np.ndarray)]  # np.load returns raw bytes for non-.npy members
+    if bad:
+        raise _fail(str(path), f"member '{bad[0]}'", "is not a .npy array")
+    return out
 
 
 def save_npz(path: str | Path, params: dict[str, np.ndarray]) -> None:
@@ -131,7 +140,7 @@ def save_tvm_params(params: dict[str, np.ndarray]) -> bytes:
         f.write(struct.pack("<Q", len(b)) + b)
     f.write(struct.pack("<Q", len(params)))
     for arr in params.values():
-        arr = np.ascontiguousarray(arr)
+        arr = np.require(arr, requirements="C")  # not ascontiguousarray: it turns a 0-d array into 1-d
         code, bits, lanes = _numpy_to_dl(arr.dtype)
         f.write(struct.pack("<QQiii", NDARRAY_MAGIC, 0, 1, 0, arr.ndim))
         f.write(struct.pack("<BBH", code, bits, lanes))

@@ -1,0 +1,34 @@
+"""`tvmpipe inspect`: the bundle layer's command. Imports nothing of the other layers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tvmpipe.bundle.bundle import load_bundle
+from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="summarise a bundle or graph.json: nodes, kernels launched, fused ops",
+        description="Show what a tvmpipe bundle (or a bare TVM graph.json) holds: a summary, then one row "
+                    "per graph node with its inputs, outputs, storage id, the kernels it launches "
+                    "(grid x block, shared memory) and the model ops fused into its function.")
+    p.add_argument("path", help="bundle directory, its bundle.json, or a bare graph.json")
+    p.add_argument("--json", action="store_true", help=f"print the report as JSON (schema {SCHEMA})")
+    p.add_argument("--wide", action="store_true", help="do not shorten names to fit 100 columns")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = build_report(load_bundle(args.path))
+    text = json.dumps(report, indent=2) + "\n" if args.json else render_text(report, wide=args.wide)
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `tvmpipe inspect ... | head`: the reader left, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0

@@ -1,0 +1,256 @@
+"""`tvmpipe inspect`: what a bundle (or a bare graph.json) holds, node by node.
+
+It answers the questions users bring to a compiled model: "graph.json has 5 nodes but nsight shows
+6 kernels: which kernels does each node launch, with which grid and block?" and "which model ops
+were fused into this function?". `build_report` returns a plain dict, which is also the `--json`
+output (schema SCHEMA: add keys, never rename them); `render_text` draws the summary and the node
+table from that dict, so both views always say the same thing.
+
+A bare graph.json knows nothing of kernels, fused ops, or which null nodes are inputs rather than
+params: the report says `null` for those, and the text says "unknown", instead of guessing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvmpipe.bundle.bundle import Bundle
+from tvmpipe.bundle.graph import DEVICE_TYPES, Entry, Graph, Node
+
+SCHEMA = "tvmpipe-inspect/1"
+WIDTH = 100  # the terminal width the text table is laid out for, unless --wide
+BARE = "unknown (bare graph.json)"
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def build_report(bundle: Bundle) -> dict[str, Any]:
+    """Everything `inspect` shows, as JSON-ready data; `None` marks what the input cannot tell."""
+    g = bundle.graph
+    m = bundle.manifest
+    no_reuse, with_reuse = g.activation_bytes()
+    null_entries = [_entry(g, i) for i in g.null_nodes]
+    param_names = None if m is None else bundle.param_names
+    nodes = [_node_report(bundle, n) for n in g.nodes]
+    launches = None if m is None else sum(len(n["launches"]) for n in nodes)
+    return {
+        "schema": SCHEMA,
+        "path": str(bundle.path),
+        "kind": "graph" if m is None else "bundle",
+        "model": bundle.name,
+        "source": None if m is None else m.source,
+        "target": None if m is None else m.target,
+        "batch": None if m is None else m.batch,
+        "dtype": None if m is None else m.dtype,
+        "tvm_version": None if m is None else m.tvm_version,
+        "created_by": None if m is None else m.created_by,
+        "params": {
+            "file": None if m is None else m.params_file,
+            "generated": None if m is None or m.params_seed is None else {"seed": m.params_seed},
+            "count": None if param_names is None else len(param_names),
+            "bytes": None if param_names is None else sum(_entry(g, g.node_index[n]).nbytes for n in param_names),
+        },
+        "counts": {
+            "nodes": len(g.nodes),
+            "op_nodes": len(g.op_nodes),
+            "null_nodes": len(g.null_nodes),
+            "null_bytes": sum(e.nbytes for e in null_entries),
+            "entries": g.num_entries,
+            "heads": len(g.heads),
+            "storage_ids": len(g.storage_sizes()),
+            "functions": len({n.func_name for n in g.nodes if n.launches_kernels}),  # __nop/__copy launch nothing
+            "kernel_launches": launches,
+        },
+        "activation_bytes": {"no_reuse": no_reuse, "with_reuse": with_reuse},
+        "inputs": None if m is None else [_tensor(g, g.node_index[n]) for n in bundle.input_names],
+        "outputs": [
+            {"node": h.node, "name": g.nodes[h.node].name, "index": h.index, "entry": g.ref_entry(h),
+             "shape": list(g.entries[g.ref_entry(h)].shape), "dtype": g.entries[g.ref_entry(h)].dtype}
+            for h in g.heads
+        ],
+        "nodes": nodes,
+    }
+
+
+def _entry(g: Graph, nid: int) -> Entry:
+    return g.entries[g.entry_id(nid)]
+
+
+def _tensor(g: Graph, nid: int) -> dict[str, Any]:
+    e = _entry(g, nid)
+    return {"node": nid, "name": g.nodes[nid].name, "shape": list(e.shape), "dtype": e.dtype}
+
+
+def _kind(bundle: Bundle, n: Node) -> str:
+    if n.is_op:
+        return "nop" if n.is_nop else "copy" if n.is_copy else "op"
+    if bundle.manifest is None:
+        return "null"  # input or param: a bare graph.json does not say
+    return "input" if n.name in bundle.manifest.inputs else "param"
+
+
+def _node_report(bundle: Bundle, n: Node) -> dict[str, Any]:
+    g = bundle.graph
+    bare = bundle.manifest is None
+    launches: list | None = []
+    workspaces: list | None = []
+    ops: list | None = []
+    if n.launches_kernels:
+        if bare:
+            launches = workspaces = ops = None
+        else:
+            kf = bundle.kernels[n.func_name]
+            launches = [l.to_json() for l in kf.launches]
+            workspaces = [w.to_json() for w in kf.workspaces]
+            ops = [o.to_json() for o in bundle.ops[n.func_name].ops]
+    return {
+        "index": n.index,
+        "name": n.name,
+        "op": n.op,
+        "kind": _kind(bundle, n),
+        "func_name": n.func_name,
+        "inputs": [{"node": r.node, "index": r.index, "entry": g.ref_entry(r)} for r in n.inputs],
+        "outputs": [
+            {"entry": e.id, "shape": list(e.shape), "dtype": e.dtype, "storage_id": e.storage_id,
+             "device_type": e.device_type, "storage_scope": e.storage_scope}
+            for e in (g.entries[i] for i in g.node_entry_ids(n.index))
+        ],
+        "launches": launches,
+        "workspaces": workspaces,
+        "ops": ops,
+    }
+
+
+# ---- text ----------------------------------------------------------------------------------------
+
+def render_text(report: dict[str, Any], wide: bool = False) -> str:
+    """The summary, then one row per node with its launches and fused ops indented below it."""
+    title, *rows = _summary(report)
+    rows = rows if wide else [_clip(r, WIDTH) for r in rows]
+    return "\n".join([title, *rows, "", *_table(report, wide)]) + "\n"
+
+
+def _human_bytes(n: int) -> str:
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _tensor_type(dtype: str, shape: list[int]) -> str:
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def _summary(r: dict[str, Any]) -> list[str]:
+    c, p = r["counts"], r["params"]
+    bare = r["kind"] == "graph"
+    kinds = [n["kind"] for n in r["nodes"]]
+    special = ", ".join(f"{kinds.count(k)} {f}" for k, f in (("nop", "__nop"), ("copy", "__copy")) if k in kinds)
+    rows = [("nodes", f"{c['nodes']}: {c['op_nodes']} op{f' ({special})' if special else ''}, {c['null_nodes']} null"),
+            ("entries", f"{c['entries']} in {c['storage_ids']} storage ids; {c['heads']} head(s)")]
+    if bare:
+        rows += [("inputs", f"{BARE}: {c['null_nodes']} null nodes, {_human_bytes(c['null_bytes'])}, "
+                            "are inputs and params together"),
+                 ("params", BARE)]
+    else:
+        src, tgt = r["source"], r["target"]
+        rows = [("source", " ".join(str(src.get(k)) for k in ("kind", "name") if src.get(k) is not None)
+                 + (f" sha256 {str(src['sha256'])[:12]}" if src.get("sha256") else "")),
+                ("target", " ".join([str(tgt[k]) for k in ("kind", "arch") if k in tgt]
+                                    + [f"{k}={v}" for k, v in tgt.items() if k not in ("kind", "arch")])
+                 + f"; batch {r['batch']}, dtype {r['dtype']}"),
+                ("built by", f"{r['created_by'] or 'unknown'}, TVM {r['tvm_version'] or 'unknown'}")] + rows
+        rows.append(("inputs", f"{len(r['inputs'])}: " + ", ".join(
+            f"{i['name']} {_tensor_type(i['dtype'], i['shape'])}" for i in r["inputs"])))
+        where = (f"generated on load from seed {p['generated']['seed']} (not stored in the bundle)"
+                 if p["file"] is None else f"in {p['file']}")
+        rows.append(("params", f"{p['count']}, {_human_bytes(p['bytes'])}, {where}"))
+    rows.append(("outputs", f"{len(r['outputs'])}: " + ", ".join(
+        f"node {o['node']}" + (f":{o['index']}" if o["index"] else "") + f" '{o['name']}' "
+        + _tensor_type(o["dtype"], o["shape"]) for o in r["outputs"])))
+    a = r["activation_bytes"]
+    rows.append(("activations", f"{_human_bytes(a['no_reuse'])} without storage reuse, "
+                                f"{_human_bytes(a['with_reuse'])} with TVM's storage plan"))
+    if bare:
+        rows += [("kernels", BARE), ("fused ops", BARE)]
+    else:
+        rows.append(("kernels", f"{c['kernel_launches']} launch(es) per run from {c['functions']} function(s)"))
+    title = f"{r['model']}  ({'bare graph.json' if bare else 'bundle'} {r['path']})"
+    return [title] + [f"  {k:<12} {v}" for k, v in rows]
+
+
+def _ellipsize(s: str, width: int) -> str:
+    """Cut the middle out, keeping more of the end: fused names share long prefixes
+    (tvmgen_default_fused_...) and differ at the end (..._relu_1, ..._kernel_2)."""
+    if len(s) <= width:
+        return s
+    if width <= 3:
+        return s[:width]
+    head = (width - 3) // 3
+    return s[:head] + "..." + s[len(s) - (width - 3 - head):]
+
+
+def _clip(s: str, width: int) -> str:
+    """Cut the end: for lists (inputs, ops) the start matters most."""
+    return s if len(s) <= width else s[:max(width - 3, 0)] + "..."
+
+
+# Column name, width in the 100-column layout, how to shorten a cell that does not fit.
+_COLUMNS = (("#", 4, _clip), ("name", 22, _ellipsize), ("func_name", 30, _ellipsize),
+            ("inputs", 9, _clip), ("outputs", 21, _clip), ("sid", 9, _clip))
+_SUB_INDENT = 7  # launches / ops lines sit under the name column
+
+
+def _table(r: dict[str, Any], wide: bool) -> list[str]:
+    mixed_devices = len({o["device_type"] for n in r["nodes"] for o in n["outputs"]}) > 1
+    items: list[list[str] | str] = []  # table rows (cells) and the detail lines under them (str)
+    for n in r["nodes"]:
+        first, *more = [[_tensor_type(o["dtype"], o["shape"]), _storage(o, mixed_devices)] for o in n["outputs"]]
+        inputs = ",".join(f"{i['node']}:{i['index']}" if i["index"] else str(i["node"]) for i in n["inputs"])
+        items.append([str(n["index"]), n["name"], n["func_name"] or f"({n['kind']})", inputs, *first])
+        items += [["", "", "", "", *cells] for cells in more]  # further outputs of a multi-output node
+        items += _details(n, r["kind"] == "graph", wide)
+    rows = [i for i in items if isinstance(i, list)]
+    widths = [max([len(h)] + [len(row[k]) for row in rows]) if wide else w for k, (h, w, _) in enumerate(_COLUMNS)]
+    lines = [_join([h for h, _, _ in _COLUMNS], widths)]
+    for item in items:
+        if isinstance(item, list):
+            lines.append(_join([cut(c, w) for c, w, (_, _, cut) in zip(item, widths, _COLUMNS)], widths))
+        else:
+            lines.append(" " * _SUB_INDENT + (item if wide else _clip(item, WIDTH - _SUB_INDENT)))
+    return lines
+
+
+def _join(cells: list[str], widths: list[int]) -> str:
+    return " ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def _storage(o: dict[str, Any], mixed_devices: bool) -> str:
+    s = str(o["storage_id"])
+    if mixed_devices and o["device_type"] is not None:
+        s += "@" + DEVICE_TYPES.get(o["device_type"], f"dev{o['device_type']}")
+    if o["storage_scope"] not in (None, "", "global"):
+        s += f" ({o['storage_scope']})"
+    return s
+
+
+def _details(n: dict[str, Any], bare: bool, wide: bool) -> list[str]:
+    """The lines under a node row: its kernel launches, workspaces and fused model ops."""
+    if n["kind"] == "nop":
+        return ["no launch: __nop output aliases its input's storage"]
+    if n["kind"] == "copy":
+        return ["no kernel: __copy copies across devices"]
+    if n["kind"] != "op" or bare:
+        return []  # null nodes; for a bare graph.json the summary says kernels/ops are unknown
+    dims = [f"  grid {'x'.join(map(str, l['grid']))}  block {'x'.join(map(str, l['block']))}  smem {l['shared_mem']}"
+            for l in n["launches"]]
+    name_w = max(len(l["kernel"]) for l in n["launches"])
+    if not wide:  # shorten kernel names, never the grid/block figures after them
+        name_w = min(name_w, WIDTH - _SUB_INDENT - len("launch ") - max(map(len, dims)))
+    out = [f"launch {_ellipsize(l['kernel'], name_w).ljust(name_w)}{d}" for l, d in zip(n["launches"], dims)]
+    if n["workspaces"]:
+        out.append("workspaces " + ", ".join(_human_bytes(w["nbytes"]) for w in n["workspaces"]))
+    out.append("ops    " + ", ".join(o["op"] for o in n["ops"]))
+    return out
