@@ -29,6 +29,8 @@ FORMAT_VERSION = 1
 MANIFEST_KEYS = {"format", "version", "model", "source", "target", "batch", "dtype", "tvm_version",
                  "created_by", "params", "inputs", "files"}
 PARAMS_KEYS = {"file", "generated", "names"}
+# Generated weights are for small shipped examples; a graph asking for more is corrupt or hostile.
+MAX_GENERATED_PARAM_BYTES = 4 << 30
 REQUIRED_FILES = ("graph.json", "kernels.cu", "kernels.json", "ops.json")
 _UNREADABLE = object()
 _KERNEL_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
@@ -279,6 +281,12 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
             problems.append(Problem(mfile, "", "inputs/params.names",
                                     f"{graph.nodes[i].label()} is neither a graph input nor a param: nothing would feed it"))
     if m.params_file is None:
+        need = sum(graph.entries[graph.entry_id(graph.node_index[n])].nbytes for n in names)
+        if need > MAX_GENERATED_PARAM_BYTES:
+            problems.append(Problem(mfile, "", "params.generated",
+                                    f"generating weights would allocate {need} bytes, over the "
+                                    f"{MAX_GENERATED_PARAM_BYTES}-byte limit: ship a params file instead"))
+            return {}
         return generate_params(graph, names, m.params_seed or 0)
     if not (path / m.params_file).is_file():
         return {}  # reported by _check_files

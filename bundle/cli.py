@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from tvmpipe.bundle.bundle import load_bundle
@@ -26,9 +25,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     report = build_report(load_bundle(args.path))
     text = json.dumps(report, indent=2) + "\n" if args.json else render_text(report, wide=args.wide)
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:  # `tvmpipe inspect ... | head`: the reader left, which is not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.stdout.write(text)
     return 0

@@ -272,3 +272,14 @@ def test_write_with_generated_params(tmp_path):
     with pytest.raises(BundleError, match="neither a params file nor generated weights"):
         write_tiny(tmp_path / "none", params=None)
     assert _leftovers(tmp_path) == ["gen"]
+
+
+def test_generated_params_over_the_size_limit_are_refused(tmp_path):
+    """A graph that asks for terabytes of generated weights must fail on load, not allocate."""
+    from handmade import tiny_graph
+
+    g = tiny_graph()
+    g["attrs"]["shape"][1][1] = [1 << 16, 1 << 16]  # param 'w': 16 GiB of float32
+    with pytest.raises(BundleError, match=r"generating weights would allocate \d+ bytes"):
+        write_tiny(tmp_path / "huge", graph=g, params=None, params_seed=0)
+    assert _leftovers(tmp_path) == []
