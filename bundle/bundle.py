@@ -352,6 +352,7 @@ def write_bundle(out_dir: str | Path, *, model: str, source: dict, target: dict,
         raise BundleError([Problem(str(out), "", "", "already exists (pass overwrite=True / --force to replace it)")])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is shared with stage actors and other users
     try:
         (tmp / "graph.json").write_text(json.dumps(graph, indent=1))
         (tmp / "kernels.json").write_text(json.dumps(kernels, indent=1))

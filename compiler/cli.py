@@ -1,0 +1,45 @@
+"""`tvmpipe compile SOURCE -o DIR`: registered by tvmpipe/cli.py. Imports no TVM until it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tvmpipe.compiler.models import BUILTIN_MODELS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "compile",
+        help="compile a model (ONNX, torch.export .pt2, or built-in) into a bundle (needs the compile extra)",
+        description="Compile SOURCE with Apache TVM into a tvmpipe bundle directory: graph.json, CUDA "
+                    "kernels, launch lists, op programs and params. SOURCE is an .onnx file, a "
+                    "torch.export program (.pt2, torch.export.save), or a built-in model: "
+                    + ", ".join(f"{m.name} ({m.description})" for m in BUILTIN_MODELS.values()) + ".",
+    )
+    p.add_argument("source", metavar="SOURCE", help=".onnx file, .pt2 file, or built-in model name")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="bundle directory to write")
+    p.add_argument("--arch", default="sm_90", help="CUDA architecture to generate code for (default: sm_90)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size (built-in models: default 1; files: must match a static batch, "
+                        "or sets a symbolic leading ONNX dimension)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default=None,
+                   help="compute dtype (built-in models: default float32; files: must match the model)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in models' weights (default 0)")
+    p.add_argument("--omit-params", action="store_true",
+                   help="leave the weights out; the bundle says they are generated from --seed on load "
+                        "(tvmpipe.bundle.params.generate_params, not the built-in model's weights)")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--quiet", action="store_true", help="no step lines on stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tvmpipe.compiler.export import compile_model
+    from tvmpipe.compiler.progress import Progress
+
+    progress = Progress(stream=None if args.quiet else sys.stderr)
+    path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
+                         seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress)
+    print(path)
+    return 0

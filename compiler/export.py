@@ -1,0 +1,257 @@
+"""The compile pipeline: model source -> bundle dicts (graph, kernels, ops, CUDA source, params).
+
+Steps (each timed on stderr): import, fold (cleanup + constant folding), fuse (record ops,
+legalize, fuse, graph), schedule (dlight), codegen (launch lists + CUDA source). TVM is imported
+here, inside functions: `import tvmpipe.compiler` works without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
+from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError
+from tvmpipe.compiler.progress import Progress
+
+DEFAULT_ARCH = "sm_90"
+DTYPES = ("float32", "float16")
+# dlight's fp16 matmul tensorization crashes for sm_70+ when any dimension exceeds 64 (see
+# docs/compiler.md); scheduling fp16 under this arch and generating code for the real one works.
+FP16_SCHEDULE_ARCH = "sm_61"
+
+
+def require_tvm() -> None:
+    """Fail with the install hint, not an ImportError, when the compile extra is missing."""
+    for module in ("tvm", "torch", "onnx"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise TvmMissingError(module) from None
+
+
+@dataclass
+class Exported:
+    """Everything a bundle holds, as JSON-ready dicts, plus the unscheduled fused functions.
+
+    `unscheduled` (an IRModule of the graph's PrimFuncs before GPU scheduling) is what the CPU
+    check builds with LLVM: the same fused functions, compiled independently of the CUDA path.
+    """
+
+    model: str
+    source: dict[str, Any]
+    target: dict[str, Any]
+    batch: int
+    dtype: str
+    inputs: list[str]
+    input_shapes: list[tuple[int, ...]]
+    input_dtypes: list[str]
+    graph: dict[str, Any]
+    kernels: dict[str, Any]
+    ops: dict[str, Any]
+    cuda_source: str
+    params: dict[str, np.ndarray]
+    tvm_version: str
+    unscheduled: Any = None
+    torch_module: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def write(self, out_dir: str | Path, *, params_seed: int | None = None, overwrite: bool = False) -> Path:
+        """Write the bundle atomically. With `params_seed`, weights are left out and generated on load."""
+        from tvmpipe.bundle import write_bundle
+
+        return write_bundle(
+            out_dir, model=self.model, source=self.source, target=self.target, batch=self.batch,
+            dtype=self.dtype, graph=self.graph, kernels=self.kernels, ops=self.ops,
+            cuda_source=self.cuda_source, inputs=self.inputs,
+            params=None if params_seed is not None else self.params, params_seed=params_seed,
+            tvm_version=self.tvm_version, overwrite=overwrite,
+        )
+
+
+def default_rules() -> list[Any]:
+    import tvm.s_tir.dlight as dl
+
+    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
+           seed: int = 0, progress: Progress | None = None) -> Exported:
+    """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`."""
+    from tvmpipe.compiler import launches
+
+    progress = progress or Progress()
+    launches.check_arch(arch)
+    if dtype not in (None, *DTYPES):
+        raise CompileError(f"unsupported --dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    with progress.step("load", "tvm, torch, onnx"):
+        require_tvm()
+    import tvm
+
+    from tvmpipe.compiler import frontend
+
+    with progress.step("import", source):
+        imp = frontend.load_source(source, batch, seed)
+    target = launches.cuda_target(arch)
+    names = imp.const_names
+    with progress.step("fold"), target:
+        mod = _fold(imp.mod, names)
+        if dtype is not None and dtype != imp.dtype:
+            mod = _convert(mod, imp, dtype, names)
+    with progress.step("fuse"), target:
+        fused = _fuse(mod, names)
+    prims = {name: fused.mod[name] for name in fused.calls}
+    with progress.step("schedule", f"{len(prims)} functions"):
+        # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
+        fp16 = any(d == "float16" for n in fused.graph.nodes for _, d in n.outputs)
+        with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
+            scheduled = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
+    with progress.step("codegen", f"CUDA {arch}"):
+        kernels, ops, src = _codegen(fused, scheduled, prims, target)
+    return Exported(
+        model=imp.model, source=imp.source, target={"kind": "cuda", "arch": arch}, batch=imp.batch,
+        dtype=imp.dtype, inputs=fused.graph.inputs, input_shapes=imp.input_shapes, input_dtypes=imp.input_dtypes,
+        graph=fused.graph.graph,
+        kernels={"version": 1, "functions": {k: v.to_json() for k, v in kernels.items()}},
+        ops={"version": 1, "functions": {k: v.to_json() for k, v in ops.items()}},
+        cuda_source=src, params=fused.graph.params, tvm_version=tvm.__version__,
+        unscheduled=tvm.IRModule(prims), torch_module=imp.torch_module, timings=dict(progress.timings),
+    )
+
+
+def _fold(mod: Any, names: Any) -> Any:
+    """Inference cleanups and constant folding (weights pre-transposed, batch norm folded)."""
+    import tvm
+    from tvm import relax
+
+    from tvmpipe.compiler import npfold
+
+    mod = tvm.transform.Sequential([
+        relax.transform.FoldBatchnormToConv2D(), relax.transform.DecomposeOpsForInference(),
+        relax.transform.CanonicalizeBindings(),  # without it batch-norm leftovers block relu fusion
+    ])(mod)
+    mod = npfold.fold_constants(mod, names)
+    folded = relax.transform.FoldConstant()(mod)
+    names.track_fold(mod["main"], folded["main"])
+    return relax.transform.DeadCodeElimination()(folded)
+
+
+def _convert(mod: Any, imp: Any, dtype: str, names: Any) -> Any:
+    """--dtype float16 on a float32 model: convert inputs, weights and compute (after folding)."""
+    from tvmpipe.compiler.precision import to_float16
+
+    if (imp.dtype, dtype) != ("float32", "float16"):
+        raise CompileError(f"{imp.model}: cannot convert a {imp.dtype} model to {dtype} (only float32 -> float16)")
+    imp.input_dtypes = ["float16" if d == "float32" else d for d in imp.input_dtypes]
+    imp.dtype = dtype
+    return to_float16(mod, names)
+
+
+@dataclass
+class _Fused:
+    """The fused module, its graph.json, and for each launched function its first node and group."""
+
+    mod: Any
+    graph: Any  # graphjson.BuiltGraph
+    fusion: Any  # opmap.Fusion
+    prog: Any  # opmap.Program
+    calls: dict[str, tuple[str, Any]]
+
+
+def _fuse(mod: Any, names: Any) -> _Fused:
+    """Record the model ops, legalize, fuse, and build graph.json from the fused main."""
+    import tvm
+    from tvm import relax
+
+    from tvmpipe.compiler import graphjson, opmap
+
+    prog = opmap.record_ops(mod["main"])
+    mod = tvm.transform.Sequential([
+        relax.backend.DispatchSortScan(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+    ])(mod)
+    refolded = relax.transform.FoldConstant()(mod)
+    names.track_fold(mod["main"], refolded["main"])
+    fusion = opmap.Fusion(refolded["main"], prog)
+    mod = relax.transform.FuseOps()(refolded)
+    groups = fusion.groups(mod)
+    mod = tvm.transform.Sequential([
+        relax.transform.FuseTIR(), relax.transform.RewriteDataflowReshape(), relax.transform.DeadCodeElimination(),
+    ])(mod)
+    group_of = {opmap.key(g.main_var): g for g in groups}
+
+    def op_of_var(var: Any) -> str | None:
+        """The model op(s) behind a binding of the final main, for error messages."""
+        g = group_of.get(opmap.key(var))
+        if g is not None and g.op_vars + g.split_ops:
+            return ", ".join(prog.ops[opmap.key(v)].op for v in g.op_vars + g.split_ops)
+        k = opmap.key(fusion.canonical(var))
+        owner = fusion.owner.get(k)
+        hit = prog.ops.get(k) or (prog.ops.get(opmap.key(owner)) if owner is not None else None)
+        return hit.op if hit else None
+
+    built = graphjson.build_graph(mod["main"], names.get, op_of_var)
+    return _Fused(mod, built, fusion, prog, _calls_by_function(built, group_of))
+
+
+def _codegen(fused: _Fused, scheduled: Any, prims: dict[str, Any],
+             target: Any) -> tuple[dict[str, KernelFunction], dict[str, FusedFunction], str]:
+    """Launch lists, op programs and the CUDA source; rejects functions a launch list cannot run."""
+    from tvmpipe.compiler import launches, opmap
+
+    kernels: dict[str, KernelFunction] = {}
+    ops: dict[str, FusedFunction] = {}
+    device: dict[str, Any] = {}
+    for name, (node_name, group) in fused.calls.items():
+        model_ops = ", ".join(fused.prog.ops[opmap.key(v)].op for v in group.op_vars + group.split_ops) or name
+        try:
+            lowered = launches.lower_function(name, scheduled[name], target)
+        except launches.HostCodeError as exc:
+            raise UnsupportedOpError(model_ops, node_name, f"{exc}; a flat launch list cannot express it") from None
+        if group.split_ops:
+            raise UnsupportedOpError(model_ops, node_name, "TVM lowers it to several functions, which "
+                                     "ops.json cannot describe as one model op")
+        kernels[name] = lowered.kernels
+        device.update(lowered.device_funcs)
+        ops[name] = fused.fusion.program(group, name)
+        _check_arity(name, ops[name], prims[name])
+    return kernels, ops, launches.cuda_source(device, target)
+
+
+def _calls_by_function(built: Any, group_of: dict[int, Any]) -> dict[str, tuple[str, Any]]:
+    """Function name -> (first graph node calling it, its fused group), for kernel-launching nodes."""
+    from tvmpipe.compiler.opmap import key
+
+    out: dict[str, tuple[str, Any]] = {}
+    for n in built.nodes:
+        if n.op != "tvm_op" or n.func_name == "__nop" or n.func_name in out:
+            continue
+        group = group_of.get(key(n.main_var))
+        if group is None:
+            raise CompileError(f"internal: graph node '{n.name}' calls '{n.func_name}', which no fused group explains")
+        out[n.func_name] = (n.name, group)
+    return out
+
+
+def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
+    """ops.json's calling convention must be the PrimFunc's: inputs then outputs, same count."""
+    if program.num_inputs + program.num_outputs != len(prim.params):
+        raise CompileError(f"internal: '{name}' takes {len(prim.params)} arguments but its op program has "
+                           f"{program.num_inputs} inputs + {program.num_outputs} outputs")
+
+
+def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
+                  dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
+                  progress: Progress | None = None) -> Path:
+    """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
+    progress = progress or Progress()
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CompileError(f"{out} already exists (pass --force to replace it)")
+    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress)
+    with progress.step("write", str(out)):
+        path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
+    return path

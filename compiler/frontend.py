@@ -1,0 +1,190 @@
+"""Model sources -> one Relax `main` whose weights are bound as named constants.
+
+Three kinds of SOURCE: an ONNX file, a torch.export program (.pt2), or a built-in model name.
+Every importer ends the same way: the Relax module with weights as constants (so FoldConstant can
+pre-transpose them instead of emitting transpose kernels) and a map from each bound constant to the
+weight name, which the graph's null nodes carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.compiler.constnames import ConstNames
+from tvmpipe.compiler.errors import SourceError
+from tvmpipe.compiler.models import build_builtin, get_builtin
+
+
+@dataclass
+class Imported:
+    """A model as a Relax module, ready for the export pipeline.
+
+    `const_names` names each bound weight constant; `inputs` are the names of main's parameters,
+    which become the graph inputs. `torch_module` is kept for built-in
+    models so checks can compute the source model's own output.
+    """
+
+    mod: Any  # tvm.IRModule
+    model: str
+    source: dict[str, Any]
+    inputs: list[str]
+    input_shapes: list[tuple[int, ...]]
+    input_dtypes: list[str]
+    batch: int
+    dtype: str
+    const_names: ConstNames = field(default_factory=ConstNames)
+    torch_module: Any = None
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_source(source: str, batch: int | None = None, seed: int = 0) -> Imported:
+    """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins)."""
+    if batch is not None and batch < 1:
+        raise SourceError(f"--batch must be a positive integer, got {batch}")
+    path = Path(source)
+    if path.suffix == ".onnx":
+        return _from_onnx(path, batch)
+    if path.suffix == ".pt2":
+        return _from_pt2(path, batch)
+    if path.exists():
+        raise SourceError(f"{source}: unknown model file type '{path.suffix}' (expected .onnx or .pt2)")
+    return _from_builtin(source, batch or 1, seed)
+
+
+# ---- torch ----------------------------------------------------------------------------------------
+
+def _from_builtin(name: str, batch: int, seed: int) -> Imported:
+    import torch
+
+    spec = get_builtin(name)
+    module = build_builtin(name, batch, seed)
+    example = torch.zeros(spec.input_shape(batch), dtype=torch.float32)
+    with warnings.catch_warnings():  # torch's own deprecation noise would bury the step lines
+        warnings.simplefilter("ignore", FutureWarning)
+        ep = torch.export.export(module, (example,))
+    imp = _from_exported(ep, name, {"kind": "builtin", "name": name, "sha256": None, "seed": seed})
+    imp.torch_module = module
+    return imp
+
+
+def _from_pt2(path: Path, batch: int | None) -> Imported:
+    import torch
+
+    if not path.is_file():
+        raise SourceError(f"{path}: no such file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.load(str(path))
+    except Exception as exc:  # torch raises many types for a bad archive
+        raise SourceError(f"{path}: not a readable torch.export program (.pt2): {type(exc).__name__}: {exc}") from None
+    imp = _from_exported(ep, path.stem, {"kind": "torch", "name": path.name, "sha256": sha256_of(path)})
+    if batch is not None and imp.batch != batch:
+        raise SourceError(f"{path}: the program was exported with batch {imp.batch}; --batch {batch} needs a "
+                          "re-export (torch.export fixes static shapes)")
+    return imp
+
+
+def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
+    from tvm.relax.frontend.torch import from_exported_program
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    except Exception as exc:
+        raise SourceError(f"TVM cannot import the torch program '{model}': {type(exc).__name__}: {exc}") from None
+    return _bind(mod, model, source)
+
+
+# ---- onnx -----------------------------------------------------------------------------------------
+
+_ONNX_DTYPES = {1: "float32", 10: "float16", 11: "float64", 6: "int32", 7: "int64", 9: "bool"}
+
+
+def _from_onnx(path: Path, batch: int | None) -> Imported:
+    import onnx
+
+    if not path.is_file():
+        raise SourceError(f"{path}: no such file")
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise SourceError(f"{path}: not a readable ONNX model: {type(exc).__name__}: {exc}") from None
+    if not model.graph.node:
+        raise SourceError(f"{path}: the ONNX graph has no nodes (corrupt or empty model)")
+    initializers = {i.name for i in model.graph.initializer}
+    shape_dict: dict[str, list[int]] = {}
+    dtype_dict: dict[str, str] = {}
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        ttype = vi.type.tensor_type
+        dtype_dict[vi.name] = _ONNX_DTYPES.get(ttype.elem_type, "unsupported")
+        if dtype_dict[vi.name] == "unsupported":
+            raise SourceError(f"{path}: input '{vi.name}' has unsupported ONNX element type {ttype.elem_type}")
+        dims = []
+        for k, d in enumerate(ttype.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                dims.append(d.dim_value)
+            elif k == 0:
+                dims.append(batch or 1)  # a symbolic leading dim is the batch
+            else:
+                raise SourceError(f"{path}: input '{vi.name}' dimension {k} is symbolic ('{d.dim_param}'); "
+                                  "only the leading (batch) dimension may be")
+        shape_dict[vi.name] = dims
+    from tvm.relax.frontend.onnx import from_onnx
+
+    try:
+        mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
+    except Exception as exc:
+        raise SourceError(f"{path}: TVM cannot import this ONNX model: {type(exc).__name__}: {exc}") from None
+    imp = _bind(mod, path.stem, {"kind": "onnx", "name": path.name, "sha256": sha256_of(path)})
+    if batch is not None and imp.batch != batch:
+        raise SourceError(f"{path}: the model has a static batch of {imp.batch}; --batch {batch} needs a "
+                          "model with a symbolic (or matching) leading dimension")
+    return imp
+
+
+# ---- binding --------------------------------------------------------------------------------------
+
+def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
+    """Bind main's weight parameters as constants we create, so we know each constant's name."""
+    from tvm import relax
+
+    mod, detached = relax.frontend.detach_params(mod)
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
+    weights = detached.get("main", [])
+    param_vars = list(main.params[n_in:])
+    if len(param_vars) != len(weights):
+        raise SourceError(f"{model}: {len(param_vars)} weight parameters but {len(weights)} weight values")
+    binding: dict[Any, Any] = {}
+    const_names = ConstNames()
+    for var, value in zip(param_vars, weights):
+        const = relax.const(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+        binding[var] = const
+        const_names.add(const, var.name)
+    if binding:
+        mod = relax.transform.BindParams("main", binding)(mod)
+    inputs = list(mod["main"].params)
+    try:
+        shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]
+    except TypeError:
+        raise SourceError(f"{model}: input shapes {[str(v.ty) for v in inputs]} are symbolic; tvmpipe bundles "
+                          "need static shapes (export with fixed sizes)") from None
+    dtypes = [str(v.ty.dtype) for v in inputs]
+    batch = shapes[0][0] if shapes and shapes[0] else 1
+    float_dtypes = [d for d in dtypes if d.startswith("float")]
+    return Imported(mod=mod, model=model, source=source, inputs=[v.name for v in inputs], input_shapes=shapes,
+                    input_dtypes=dtypes, batch=batch, dtype=float_dtypes[0] if float_dtypes else "float32",
+                    const_names=const_names)

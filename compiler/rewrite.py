@@ -1,0 +1,65 @@
+"""Re-emit Relax `main` binding by binding, so a rewrite only has to say what changes.
+
+Used by the float16 conversion and the NumPy constant folder. Re-emitting through a BlockBuilder
+makes Relax infer every binding's type again, so changed dtypes or shapes propagate by themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tvmpipe.compiler.errors import CompileError
+
+# (binding, op, mapped args) -> the new value: a Call to emit, or a constant that replaces the var.
+CallRewrite = Callable[[Any, Any, list[Any]], Any]
+
+
+def rewrite_main(mod: Any, *, map_param: Callable[[Any], Any] = lambda p: p,
+                 map_const: Callable[[Any], Any] = lambda c: c, map_call: CallRewrite | None = None) -> Any:
+    """A new module whose main is `mod["main"]` with params, constants and op calls mapped."""
+    import tvm
+    from tvm import relax
+
+    main = mod["main"]
+    vmap: dict[int, Any] = {}
+
+    def conv(expr: Any) -> Any:
+        k = expr.__chandle__()
+        if k in vmap:
+            return vmap[k]
+        if isinstance(expr, tvm.ir.GenericConst):
+            vmap[k] = map_const(expr)
+            return vmap[k]
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([conv(f) for f in expr.fields])
+        return expr
+
+    params = []
+    for p in main.params:
+        new = map_param(p)
+        vmap[p.__chandle__()] = new
+        params.append(new)
+
+    attrs = {k: main.attrs[k] for k in ("num_input",) if main.attrs is not None and k in main.attrs}
+    bb = relax.BlockBuilder()
+    with bb.function("main", params, attrs=attrs):
+        with bb.dataflow():
+            for block in main.body.blocks:
+                for b in block.bindings:
+                    v = b.value
+                    if isinstance(v, tvm.ir.Call) and isinstance(v.op, tvm.ir.Op):
+                        args = [conv(a) for a in v.args]
+                        new_value = map_call(b, v.op, args) if map_call else relax.Call(v.op, args, v.attrs, v.ty_args)
+                    elif isinstance(v, relax.TupleGetItem):
+                        new_value = relax.TupleGetItem(conv(v.tuple_value), v.index)
+                    elif isinstance(v, (relax.Var, relax.Tuple, tvm.ir.GenericConst)):
+                        new_value = conv(v)
+                    else:
+                        raise CompileError(f"cannot rewrite binding '{b.var.name}' ({type(v).__name__})")
+                    if isinstance(new_value, tvm.ir.GenericConst) and isinstance(b.var, relax.DataflowVar):
+                        vmap[b.var.__chandle__()] = new_value  # folded: uses read the constant
+                        continue
+                    emit = bb.emit if isinstance(b.var, relax.DataflowVar) else bb.emit_output
+                    vmap[b.var.__chandle__()] = emit(new_value, name_hint=b.var.name)
+        bb.emit_func_output(conv(main.body.body))
+    return tvm.IRModule({"main": bb.get()["main"]})
