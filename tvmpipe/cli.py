@@ -24,7 +24,9 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tvmpipe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tvmpipe",
+        description="Run Apache TVM graph-executor models as pipelines of GPU stages on a Ray cluster.")
     parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
