@@ -1,0 +1,369 @@
+"""`python -m tvmpipe.job`: one pipeline run as a cluster job, leaving a self-contained run directory.
+
+The same entry point serves every way a job reaches a cluster:
+- `ray job submit --working-dir DIR -- python -m tvmpipe.job ...`: the driver runs on the head node
+  inside a Ray job, and the default `--address auto` joins that job's cluster;
+- `ray submit CLUSTER.yaml deploy/job.py -- ...`: this file runs as a plain script on the head node,
+  and `--address auto` finds the node's running Ray;
+- a laptop or CI: `--local` starts a private loopback Ray, `--processes` uses no Ray at all.
+
+The cluster options (--address/--local/--processes, --backend, --placement, --gpus-per-stage, ...)
+are `tvmpipe run`'s own, parsed and applied by tvmpipe.cluster.cli, so a job and an interactive
+run of the same command line place and run the stages the same way.
+
+The run directory (`--run-dir`, default runs/<timestamp>-<model>) receives plan.json, outputs.npz,
+metrics.json, trace.json, timeline.png and job.log, each written atomically. A failed job writes
+the outputs of the micro-batches that completed, error.json saying what failed where, and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.bundle import Bundle, load_bundle
+from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.cluster import cli as run_cli
+from tvmpipe.deploy.batches import Batch, npz_batches, random_batches
+from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir
+
+log = logging.getLogger("tvmpipe.job")
+
+DEFAULT_MICRO_BATCHES = 8
+
+
+class JobStopped(BaseException):
+    """SIGTERM (what `ray job stop` sends): end like a failure, so completed outputs are written. A
+    BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+
+@dataclass
+class JobConfig:
+    """The job's own options; `cluster` holds the options shared with `tvmpipe run`."""
+
+    bundle: str
+    plan: str | None
+    stages: int
+    strategy: str
+    inputs: str | None
+    seed: int
+    micro_batches: int | None
+    ship_bundle: str
+    run_dir: str | None
+    cluster: argparse.Namespace
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cluster"}
+        return {**fields, **vars(self.cluster)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tvmpipe.job",
+        description="Run a bundle as a pipeline, as a cluster job, and leave a run directory (plan.json, outputs.npz, "
+                    "metrics.json, trace.json, timeline.png, job.log; error.json when it fails). Without --local, "
+                    "--address or --processes it joins the running Ray cluster (--address auto). "
+                    "See docs/cluster-jobs.md.")
+    p.add_argument("bundle", nargs="?", default=run_cli.BUILTIN_EXAMPLE,
+                   help=f"bundle directory (on shared storage or in the job's working dir), or the name of a "
+                        f"built-in example (default: {run_cli.BUILTIN_EXAMPLE})")
+    plan = p.add_mutually_exclusive_group()
+    plan.add_argument("--plan", metavar="PLAN.json", help="plan from `tvmpipe partition -o`")
+    plan.add_argument("--stages", "-k", type=int, default=2, help="number of stages when no --plan is given (default 2)")
+    p.add_argument("--strategy", choices=["equal", "optimal"], default="equal",
+                   help="how --stages K are cut: equal op counts, or the cost model's optimum (default equal)")
+    p.add_argument("--inputs", metavar="IN.npz", help="one array per graph input name, of its shape (the same in "
+                   "every micro-batch) or [N, *shape] for N micro-batches (default: seeded random inputs)")
+    p.add_argument("--seed", type=int, default=0, help="random inputs: micro-batch i uses seed + i (default 0)")
+    p.add_argument("--micro-batches", "-n", type=int,
+                   help=f"number of micro-batches (default: the rows in --inputs, else {DEFAULT_MICRO_BATCHES})")
+    p.add_argument("--ship-bundle", choices=["auto", "yes", "no"], default="auto",
+                   help="send the bundle's files to the stage actors through Ray instead of having them read its "
+                        "path; auto: when the cluster has more than one node (default auto)")
+    p.add_argument("--run-dir", help="results directory, new or empty; use shared storage or an absolute path on the "
+                                     "head node (default runs/<timestamp>-<model> under the current directory)")
+    run_cli._cluster_args(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.stages < 1:
+        parser.error(f"--stages must be >= 1, got {ns.stages}")
+    if ns.micro_batches is not None and ns.micro_batches < 1:
+        parser.error(f"--micro-batches must be >= 1, got {ns.micro_batches}")
+    if ns.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    if not (ns.local or ns.processes or ns.address):
+        ns.address = "auto"  # a job runs on a cluster: inside `ray job submit`, or on a node of it
+    own = {f.name for f in dataclasses.fields(JobConfig)} - {"cluster"}
+    return JobConfig(**{k: getattr(ns, k) for k in own},
+                     cluster=argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own}))
+
+
+def resolve_bundle(name: str) -> Path:
+    """A path as given if it exists, else a built-in example of that name, else the path (which
+    then fails to load with the bundle loader's own message)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.resolve()
+    try:
+        return run_cli.builtin_example(name)
+    except TvmpipeError:
+        return path
+
+
+class Job:
+    """One run: everything it learns goes into `info` (metrics.json) or error.json."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.phase = "load"
+        self.rundir: RunDir | None = None
+        self.batches: list[Batch] = []
+        self.outputs: list[list[np.ndarray]] = []
+        self.record: Any = None  # the pipeline's RunRecord, once taken
+        self.info: dict[str, Any] = {"config": cfg.to_json(), "host": socket.gethostname(), "started": time.time()}
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        path = resolve_bundle(self.cfg.bundle)
+        bundle: Bundle | None = None
+        load_error: BaseException | None = None
+        try:
+            bundle = load_bundle(path)
+        except TvmpipeError as exc:
+            load_error = exc
+        model = bundle.name if bundle else path.name
+        try:
+            target = self.cfg.run_dir or default_run_dir(model)
+            self.rundir = RunDir.create(target, unique=self.cfg.run_dir is None)
+        except RunDirError as exc:
+            print(f"tvmpipe job: error: {exc}", file=sys.stderr)
+            return 2
+        self.info.update(bundle=str(path), model=model, run_dir=str(self.rundir.path))
+        try:
+            with _job_logging(self.rundir.partial_log):
+                return self._logged_run(bundle, load_error)
+        finally:
+            self.rundir.finish_log()
+
+    def _logged_run(self, bundle: Bundle | None, load_error: BaseException | None) -> int:
+        previous = _trap_sigterm()
+        try:
+            log.info("run directory %s", self.rundir.path)
+            if load_error is not None:
+                raise load_error
+            self._run(bundle)
+            log.info("done: %d micro-batches, results in %s", len(self.outputs), self.rundir.path)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - every failure must leave error.json behind
+            self._fail(exc)
+            return 130 if isinstance(exc, KeyboardInterrupt) else 1
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _run(self, bundle: Bundle) -> None:
+        from tvmpipe.cluster.driver import Pipeline
+
+        self.phase = "plan"
+        plan = self._plan(bundle)
+        self.rundir.write_json("plan.json", plan.to_json())
+        log.info("plan (%s): %d stages %s", plan.strategy, plan.num_stages, plan.stages)
+
+        self.phase = "inputs"
+        if self.cfg.inputs:
+            self.batches = npz_batches(bundle, self.cfg.inputs, self.cfg.micro_batches)
+        else:
+            self.batches = random_batches(bundle, self.cfg.micro_batches or DEFAULT_MICRO_BATCHES, self.cfg.seed)
+        self.info["micro_batches"] = len(self.batches)
+
+        self.phase = "connect"
+        with run_cli.open_cluster(self.cfg.cluster, plan.num_stages) as cluster:
+            _trap_sigterm()
+            cluster = self._ship(cluster)
+            backend = run_cli.pick_backend(self.cfg.cluster.backend, cluster.gpus)
+            self.info.update(cluster=_describe(cluster), backend=backend)
+            self.phase = "start"
+            log.info("starting %d stages on %s, backend %s", plan.num_stages, cluster.description, backend)
+            kwargs = run_cli.pipeline_kwargs(self.cfg.cluster, cluster, backend, plan.num_stages)
+            with Pipeline(bundle, plan, **kwargs) as pipeline:
+                try:
+                    self.phase = "run"
+                    self._stream(pipeline)
+                finally:
+                    self._take_record(pipeline)  # while the workers are up: their spans live there
+        self.phase = "write"
+        self._write_results(title=f"{bundle.name}: {plan.num_stages} stages, {backend}")
+
+    def _plan(self, bundle: Bundle):
+        from tvmpipe.partition import Plan, validate_plan
+
+        if self.cfg.plan:
+            plan = Plan.load(self.cfg.plan)
+            validate_plan(bundle.graph, plan)
+            return plan
+        from tvmpipe.partition.model import PipelineModel
+        from tvmpipe.partition.planners import make_plan
+
+        return make_plan(PipelineModel.build(bundle), self.cfg.stages, self.cfg.strategy)
+
+    def _ship(self, cluster: run_cli.Cluster) -> run_cli.Cluster:
+        if self.cfg.ship_bundle == "auto" or cluster.launcher != "ray":
+            return cluster
+        return dataclasses.replace(cluster, ship_bundle=self.cfg.ship_bundle == "yes")
+
+    def _stream(self, pipeline: Any) -> None:
+        """Submit every micro-batch and collect outputs as they complete, so that an interrupted
+        run still holds every output that was delivered (a PipelineError carries the rest)."""
+        from tvmpipe.cluster.driver import PipelineError
+
+        for batch in self.batches:  # every micro-batch is checked before the first is sent
+            pipeline.check_inputs(batch)
+        try:
+            for submitted, batch in enumerate(self.batches, 1):
+                pipeline.submit(batch)
+                self._drain(pipeline, submitted)
+            while len(self.outputs) < len(self.batches):
+                self._delivered(pipeline.get())
+        except PipelineError as exc:
+            self.outputs.extend(exc.completed)
+            raise
+
+    def _drain(self, pipeline: Any, submitted: int) -> None:
+        """Take the outputs that are ready, without waiting."""
+        while len(self.outputs) < submitted:
+            try:
+                out = pipeline.get(timeout=0)
+            except TimeoutError:
+                return
+            self._delivered(out)
+
+    def _delivered(self, out: list[np.ndarray]) -> None:
+        self.outputs.append(out)
+        log.info("micro-batch %d/%d done", len(self.outputs), len(self.batches))
+
+    def _take_record(self, pipeline: Any) -> None:
+        try:
+            self.record = pipeline.record()
+        except Exception as exc:  # noqa: BLE001 - a failed run may have no workers left to ask
+            log.warning("no run record (metrics, timeline): %s", exc)
+        self.info.update(restarts=list(pipeline.restarts), errors=list(pipeline.errors))
+
+    # ---- results ---------------------------------------------------------------------------------
+    def _write_results(self, title: str, best_effort: bool = False) -> None:
+        """outputs.npz, trace.json + timeline.png (need a completed micro-batch), metrics.json. On
+        the failure path each is attempted on its own: one that cannot be written loses only itself."""
+        steps = [("outputs", self._write_outputs), ("timeline", lambda: self._write_timeline(title)),
+                 ("metrics", self._write_metrics)]
+        for what, step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001
+                if not best_effort:
+                    raise
+                log.error("could not write %s: %s: %s", what, type(exc).__name__, exc)
+
+    def _write_timeline(self, title: str) -> None:
+        if self.record is None or not self.record.done_times:
+            return
+        from tvmpipe.cluster.metrics import compute_metrics
+        from tvmpipe.cluster.timeline import trace, write_gantt
+
+        self.info["pipeline"] = compute_metrics(self.record).to_json()
+        self.rundir.write_json("trace.json", trace(self.record))
+        with self.rundir.writing("timeline.png") as tmp:
+            write_gantt(self.record, tmp, title=title)
+
+    def _write_outputs(self) -> None:
+        if not self.outputs:
+            return
+        arrays = {f"output{k}": np.stack([o[k] for o in self.outputs]) for k in range(len(self.outputs[0]))}
+        arrays["micro_batch"] = np.arange(len(self.outputs), dtype=np.int64)
+        self.rundir.write_npz("outputs.npz", arrays)
+
+    def _write_metrics(self) -> None:
+        import tvmpipe
+
+        self.info.update(completed=len(self.outputs), finished=time.time(), tvmpipe_version=tvmpipe.__version__)
+        self.info["wall_s"] = self.info["finished"] - self.info["started"]
+        self.rundir.write_json("metrics.json", self.info)
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("job failed in phase %s: %s: %s", self.phase, type(exc).__name__, exc)
+        summary = {"error": type(exc).__name__, "message": str(exc), "phase": self.phase,
+                   "stage": getattr(exc, "stage", None), "last_error": getattr(exc, "last_error", None),
+                   "completed_micro_batches": len(self.outputs), "micro_batches": len(self.batches),
+                   "traceback": "".join(traceback.format_exception(exc))}
+        self._write_results(title=f"failed in phase {self.phase}", best_effort=True)
+        self.rundir.write_json("error.json", summary)
+
+
+def _describe(cluster: run_cli.Cluster) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": cluster.description, "launcher": cluster.launcher, "gpus": cluster.gpus,
+                           "ship_bundle": cluster.ship_bundle, "nodes": 1}
+    if cluster.launcher == "ray":
+        import ray
+
+        out["nodes"] = sum(1 for n in ray.nodes() if n.get("Alive"))
+        out["ray_version"] = ray.__version__
+    return out
+
+
+@contextmanager
+def _job_logging(path: Path) -> Iterator[None]:
+    """tvmpipe's log records go to the partial log, and to stderr (what `ray job logs` shows) unless
+    the host program already handles logging; everything is undone afterwards, for in-process use."""
+    logger = logging.getLogger("tvmpipe")
+    handlers: list[logging.Handler] = [logging.FileHandler(path, encoding="utf-8")]
+    handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if not logging.getLogger().handlers:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    level = logger.level
+    for h in handlers:
+        logger.addHandler(h)
+    if level == logging.NOTSET or level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+            h.close()
+        logger.setLevel(level)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise JobStopped("stopped by SIGTERM (ray job stop?)")
+
+
+def _trap_sigterm() -> Any:
+    """Make SIGTERM raise JobStopped; returns the handler it replaced (None off the main thread,
+    where Python cannot set handlers). Called again after connecting: ray.init installs its own."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Job(parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
