@@ -1,0 +1,143 @@
+"""StageActor: the thin Ray wrapper around StageWorker, and the launcher that places them.
+
+The actor adds nothing to the worker but Ray's lifecycle: resources (`num_gpus`, `num_cpus`),
+placement, and a handle the driver can call and kill. A build failure is kept and re-raised by
+every call, so the driver reports "stage 2 failed to start: <reason>" instead of Ray's actor-died
+traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from tvmpipe.cluster.launch import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe, thread_env
+from tvmpipe.cluster.placement import Placement, create_placement_group
+from tvmpipe.cluster.transport import Address
+from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
+
+
+class StageActor:
+    def __init__(self, spec: StageSpec, bundle_files: dict[str, bytes] | None = None):
+        if spec.host is None:  # bind the data plane where other nodes can reach this one
+            spec.host = ray.util.get_node_ip_address()
+        self.stage = spec.index
+        self.start_error: str | None = None
+        self.worker: StageWorker | None = None
+        try:
+            self.worker = StageWorker(spec, bundle_files)
+        except Exception as exc:  # kept and reported through call(), see module docstring
+            self.start_error = describe(exc)
+
+    def call(self, method: str, *args: Any) -> Any:
+        if self.worker is None:
+            raise WorkerError(self.stage, f"failed to start: {self.start_error}")
+        if method not in CONTROL_METHODS:
+            raise WorkerError(self.stage, f"unknown control method {method!r}")
+        return getattr(self.worker, method)(*args)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+def _unwrap(stage: int, exc: Exception) -> WorkerError:
+    """Ray's exceptions, as the launcher interface's two kinds."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, WorkerError):
+            return WorkerError(stage, cause.message)
+        return WorkerError(stage, describe(cause) if cause is not None else str(exc))
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return WorkerLost(stage, f"no answer within the control timeout ({describe(exc)})")
+    return WorkerLost(stage, f"actor died: {type(exc).__name__}")
+
+
+class RayLauncher:
+    """Stage actors in one placement group (one bundle per stage). The bundle reaches the actors as
+    a path (shared filesystem, local mode) or as its files' bytes through the object store."""
+
+    def __init__(self, placement: Placement = Placement(), timeouts: Timeouts = Timeouts(),
+                 ship_bundle: bool = False):
+        self.placement = placement
+        self.timeouts = timeouts
+        self.ship_bundle = ship_bundle
+        self._pg = None
+        self._specs: list[StageSpec] = []
+        self._actors: list[Any] = []
+        self._bundle_ref = None
+        self._remote = ray.remote(StageActor)
+
+    def _create(self, spec: StageSpec) -> Any:
+        opts = self.placement.actor_options(self._pg, spec.index)
+        return self._remote.options(max_restarts=0, runtime_env={"env_vars": thread_env()},
+                                    **opts).remote(spec, self._bundle_ref)
+
+    def _addresses(self, stages: list[int]) -> list[Address]:
+        refs = [self._actors[i].call.remote("address") for i in stages]
+        out = []
+        for i, ref in zip(stages, refs):
+            try:
+                out.append(tuple(ray.get(ref, timeout=self.timeouts.start)))
+            except Exception as exc:  # any Ray failure becomes WorkerError/WorkerLost
+                raise _unwrap(i, exc) from None
+        return out
+
+    def start(self, specs: list[StageSpec]) -> list[Address]:
+        self._specs = list(specs)
+        self._pg = create_placement_group(self.placement, len(specs), self.timeouts.start)
+        if self.ship_bundle:
+            self._bundle_ref = ray.put(read_bundle_files(specs[0].bundle_path))
+        self._actors = [self._create(s) for s in specs]
+        try:
+            return self._addresses(list(range(len(specs))))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def restart(self, stage: int) -> Address:
+        self.kill(stage)
+        self._actors[stage] = self._create(self._specs[stage])
+        return self._addresses([stage])[0]
+
+    def call(self, stage: int, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(self._actors[stage].call.remote(method, *args), timeout=self.timeouts.call)
+        except Exception as exc:  # any Ray failure becomes WorkerError/WorkerLost
+            raise _unwrap(stage, exc) from None
+
+    def call_all(self, method: str, args: list[tuple] | None = None) -> list[Any]:
+        args = args or [()] * len(self._actors)
+        refs = [a.call.remote(method, *x) for a, x in zip(self._actors, args)]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=self.timeouts.call))
+            except Exception as exc:  # reported per stage, see Launcher.call_all
+                out.append(_unwrap(i, exc))
+        return out
+
+    def actor(self, stage: int) -> Any:
+        """The stage's actor handle (for fault-injection tests and debugging)."""
+        return self._actors[stage]
+
+    def kill(self, stage: int) -> None:
+        ray.kill(self._actors[stage], no_restart=True)
+
+    def shutdown(self) -> None:
+        """Close each worker (sockets, stage) gracefully, then kill the actors and free the group."""
+        from ray.util.placement_group import remove_placement_group
+
+        refs = [a.close.remote() for a in self._actors]
+        try:
+            ray.get(refs, timeout=self.timeouts.shutdown)
+        except Exception:  # dead or stuck actors are killed below either way
+            pass
+        for a in self._actors:
+            ray.kill(a, no_restart=True)
+        self._actors = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None

@@ -1,0 +1,493 @@
+"""Pipeline: the driver. It owns the schedule, not the stages.
+
+The driver keeps at most `window` micro-batches in flight (submit blocks beyond that), sends each
+micro-batch's graph inputs straight to the stages that read them, and receives graph outputs
+straight from the stages that produce them; activations flow stage to stage without it. Results
+come back in submission order.
+
+Faults. Every stage keeps a link to the driver, so a stage that dies or fails shows up here as a
+closed connection or an `error` frame; a stall (nothing completes for `timeouts.progress` seconds)
+triggers the same health check. The supervisor thread then asks every worker for its status,
+restarts the ones that are dead, failed or stuck, re-wires the whole data plane under a new epoch
+(frames of older epochs are refused everywhere) and replays every micro-batch that had not
+completed, from its inputs, which the driver keeps until completion. Outputs are accepted only for
+the next sequence numbers, so each is delivered exactly once and in order. A stage that fails more
+than `max_restarts` times ends the run with a `PipelineError` naming it and its last error, carrying
+the outputs that did complete.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from tvmpipe.bundle import Bundle, load_bundle
+from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous
+from tvmpipe.cluster.launch import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
+from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
+from tvmpipe.cluster.topology import Topology, build_topology
+from tvmpipe.cluster.transport import Address, Link, Listener, Peer
+from tvmpipe.cluster.worker import Inbound, StageSpec, Wiring
+from tvmpipe.executor.errors import InputError
+from tvmpipe.partition import Plan, plan_equal_ops
+
+Outputs = list[np.ndarray]
+
+
+class PipelineError(TvmpipeError):
+    """The run ended early. `stage` is the stage at fault (None if unknown), `last_error` its last
+    error, and `completed` the outputs that completed and had not been returned yet, in order, from
+    micro-batch `completed_from` on (for run(): all of that call's completed outputs, from 0)."""
+
+    def __init__(self, message: str, stage: int | None = None, last_error: str | None = None,
+                 completed: list[Outputs] | None = None, completed_from: int = 0):
+        self.stage = stage
+        self.last_error = last_error
+        self.completed = list(completed or [])
+        self.completed_from = completed_from
+        super().__init__(message)
+
+
+@dataclass
+class _Signal:
+    """Something the supervisor must look at: a stage's report or a broken connection."""
+
+    epoch: int
+    stage: int
+    message: str
+
+
+class Pipeline:
+    """Run `bundle` as the pipeline `plan` (or K equal-op stages if an int) on stage workers.
+
+    `launcher`: "ray" (actors in a placement group; needs `ray.init()` first), "process" (child
+    processes on this machine, no Ray) or a Launcher instance. `host` is the interface the driver and
+    (with the process launcher, or in local mode) the workers bind; None means this node's address
+    and each worker's own node address, for multi-node clusters.
+    """
+
+    def __init__(self, bundle: Bundle | str | Path, plan: Plan | int, *, backend: str = "reference",
+                 backend_opts: dict[str, Any] | None = None, window: int | None = None,
+                 launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
+                 max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
+                 ship_bundle: bool = False):
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.plan = plan_equal_ops(self.bundle.graph, plan) if isinstance(plan, int) else plan
+        self.topology: Topology = build_topology(self.bundle, self.plan)
+        self.window = window or 2 * self.topology.num_stages
+        if self.window < 1:
+            raise TvmpipeError(f"window must be >= 1, got {self.window}")
+        self.timeouts = timeouts
+        self.max_restarts = max_restarts
+        self.run_id = uuid.uuid4().hex[:12]
+        self.restarts = [0] * self.topology.num_stages
+        self.errors: list[str] = []  # every failure the supervisor handled, for the report
+        self._head_stages = sorted({e.src for e in self.topology.inbound(DRIVER) if e.entries})
+        self._head_from = {eid: e.src for e in self.topology.inbound(DRIVER) for eid in e.entries}
+        missing = [h for h in self.topology.heads if h not in self._head_from
+                   and h not in self.topology.inputs.values()]
+        if missing or not self._head_stages:
+            raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
+        self._expect = {e.src: Inbound.of(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
+        self._names = {e.dst: {x: self.topology.names[x] for x in e.entries} for e in self.topology.outbound(DRIVER)}
+
+        # schedule state, guarded by _cond
+        self._cond = threading.Condition()
+        self._epoch = 0
+        self._submitted = 0  # next sequence number to hand out
+        self._completed = 0  # every micro-batch below this has all its outputs
+        self._delivered = 0  # every micro-batch below this was returned to the caller
+        self._inputs: dict[int, dict[int, np.ndarray]] = {}  # kept until completion, for replay
+        self._partial: dict[int, dict[int, Frame]] = {}
+        self._results: dict[int, Outputs] = {}
+        self.submit_times: dict[int, float] = {}
+        self.done_times: dict[int, float] = {}
+        self._last_progress = time.time()
+        self._fatal: PipelineError | None = None
+        self._closing = False
+
+        # data plane, guarded by _wire_lock (sending vs re-wiring)
+        self._wire_lock = threading.Lock()
+        self._sent = 0  # next sequence number to send in the current epoch
+        self._links: dict[int, Link] = {}
+        self.bytes_out: dict[int, int] = {}  # per stage, of links already closed
+        self.frames_out: dict[int, int] = {}
+        self._signals: queue.Queue[_Signal | None] = queue.Queue()
+
+        self.launcher = _make_launcher(launcher, placement, timeouts, ship_bundle)
+        self._listener = Listener(host or _node_ip(), self._accept_hello, self._on_frame, self._on_close,
+                                  retains_frames=True)
+        specs = [StageSpec(i, s, e, str(self.bundle.path), backend, dict(backend_opts or {}), host, warmup, seed)
+                 for i, (s, e) in enumerate(self.plan.stages)]
+        self._addresses: list[Address] = []
+        try:
+            self._addresses = self.launcher.start(specs)
+            self._wire(0, 0)
+        except BaseException:
+            self._listener.close()
+            self.launcher.shutdown()
+            raise
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="tvmpipe-supervisor")
+        self._supervisor.start()
+
+    # ---- public API ------------------------------------------------------------------------------
+    def check_inputs(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
+        """Graph inputs by name -> by entry id, each of exactly the graph's shape and dtype; else
+        InputError listing what the graph takes. Nothing is sent before this passes."""
+        want = self.topology.inputs
+        expected = ", ".join(f"{n}: {self.topology.specs[e]}" for n, e in want.items()) or "none"
+        if not isinstance(inputs, Mapping):
+            raise InputError(f"a micro-batch is a dict of graph inputs by name ({expected}), "
+                             f"got {type(inputs).__name__}")
+        unknown = [k for k in inputs if k not in want]
+        missing = [k for k in want if k not in inputs]
+        if unknown or missing:
+            parts = ([f"unknown input(s) {', '.join(map(repr, unknown))}"] if unknown else []) + (
+                [f"missing input(s) {', '.join(map(repr, missing))}"] if missing else [])
+            raise InputError(f"{'; '.join(parts)}; the graph takes: {expected}")
+        out = {}
+        for name, eid in want.items():
+            value = inputs[name]
+            spec = self.topology.specs[eid]
+            if not isinstance(value, np.ndarray) or value.dtype != np_dtype(spec.dtype) or value.shape != spec.shape:
+                got = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
+                raise InputError(f"input '{name}': expected {spec}, got {got}")
+            out[eid] = contiguous(value)
+        return out
+
+    def submit(self, inputs: Mapping[str, Any]) -> int:
+        """Queue one micro-batch; blocks while `window` are in flight. Returns its sequence number."""
+        return self._submit_checked(self.check_inputs(inputs))
+
+    def get(self, timeout: float | None = None) -> Outputs:
+        """The outputs of the next micro-batch in submission order (blocking)."""
+        deadline = None if timeout is None else time.time() + timeout
+        with self._cond:
+            while self._delivered >= self._completed:
+                if self._fatal is not None:
+                    raise self._fatal_with_results()
+                if self._delivered >= self._submitted:
+                    raise TvmpipeError("get(): no micro-batch is in flight")
+                left = None if deadline is None else deadline - time.time()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"micro-batch {self._delivered} not done within {timeout} s")
+                self._cond.wait(left if left is not None else 1.0)
+            out = self._results.pop(self._delivered)
+            self._delivered += 1
+            return out
+
+    def results(self) -> Iterator[Outputs]:
+        """Outputs of every micro-batch submitted so far, in order, as each completes."""
+        while True:
+            with self._cond:
+                if self._delivered >= self._submitted:
+                    return
+            yield self.get()
+
+    def run(self, batches: list[Mapping[str, Any]]) -> list[Outputs]:
+        """Run micro-batches (dicts of graph inputs by name) and return their outputs, in order.
+
+        Every micro-batch is checked before the first is sent. On failure the PipelineError carries
+        the outputs of this call's micro-batches that completed (`completed_from` is relative to it).
+        """
+        checked = [self.check_inputs(b) for b in batches]
+        with self._cond:
+            if self._delivered != self._submitted:
+                raise TvmpipeError("run() while streamed micro-batches are still undelivered: get() them first")
+        outputs: list[Outputs] = []
+        try:
+            for arrays in checked:
+                self._submit_checked(arrays)
+            for _ in checked:
+                outputs.append(self.get())
+        except PipelineError as exc:
+            exc.completed = outputs + exc.completed
+            exc.completed_from = 0
+            raise
+        return outputs
+
+    @property
+    def submitted(self) -> int:
+        """Micro-batches submitted so far (the next one gets this sequence number)."""
+        return self._submitted
+
+    @property
+    def ready(self) -> int:
+        """Completed micro-batches whose outputs get() would return without waiting."""
+        return self._completed - self._delivered
+
+    @property
+    def addresses(self) -> list[Address]:
+        """Data-plane addresses: every stage worker's listener, then the driver's."""
+        return [*self._addresses, self._listener.address]
+
+    def record(self) -> RunRecord:
+        """Everything measured so far: driver timings and every worker's spans and byte counts."""
+        stats = self.launcher.call_all("stats")
+        with self._wire_lock:
+            bytes_out, frames_out = dict(self.bytes_out), dict(self.frames_out)
+            for dst, link in self._links.items():
+                bytes_out[dst] = bytes_out.get(dst, 0) + link.bytes_sent
+                frames_out[dst] = frames_out.get(dst, 0) + link.frames_sent
+        with self._cond:
+            done = dict(self.done_times)
+            submitted = {s: self.submit_times[s] for s in done}
+        g = self.bundle.graph
+        return RunRecord(
+            stages=list(self.plan.stages), ops=self.plan.op_counts(g),
+            batch=self.bundle.manifest.batch if self.bundle.manifest else 1,
+            submit_times=submitted, done_times=done,
+            worker_stats=[s if isinstance(s, dict) else None for s in stats],
+            edges=[(e.src, e.dst, self.topology.edge_bytes(e)) for e in self.topology.edges if e.carries_data],
+            driver_bytes_out=bytes_out, driver_frames_out=frames_out,
+            restarts=list(self.restarts), errors=list(self.errors))
+
+    def metrics(self) -> PipelineMetrics:
+        return compute_metrics(self.record())
+
+    def status(self) -> list[dict[str, Any] | str]:
+        """Each worker's status, or the error a status call got."""
+        return [s if isinstance(s, dict) else str(s) for s in self.launcher.call_all("status")]
+
+    def close(self) -> None:
+        """Stop everything this pipeline started: links, workers (actors/processes), sockets."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._signals.put(None)
+        self._supervisor.join(timeout=self.timeouts.call + self.timeouts.start)
+        with self._wire_lock:
+            self._close_links()
+        self.launcher.shutdown()
+        self._listener.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def _submit_checked(self, arrays: dict[int, np.ndarray]) -> int:
+        with self._cond:
+            while self._submitted - self._completed >= self.window and self._fatal is None and not self._closing:
+                self._cond.wait(1.0)
+            if self._fatal is not None:
+                raise self._fatal_with_results()
+            if self._closing:
+                raise TvmpipeError("the pipeline is closed")
+            if self._submitted == self._completed:  # idle until now: the stall clock starts here
+                self._last_progress = time.time()
+            seq = self._submitted
+            self._submitted += 1
+            self._inputs[seq] = arrays
+            self.submit_times[seq] = time.time()
+        with self._wire_lock:
+            self._pump()
+        return seq
+
+    def _pump(self) -> None:
+        """Send, in order, every submitted micro-batch not yet sent in this epoch (_wire_lock held)."""
+        with self._cond:
+            todo = [(s, self._inputs[s]) for s in range(self._sent, self._submitted) if s in self._inputs]
+            self._sent = self._submitted
+            epoch = self._epoch
+        for seq, arrays in todo:
+            for e in self.topology.outbound(DRIVER):
+                self._links[e.dst].put(Frame("data", self.run_id, epoch, seq, DRIVER,
+                                             {x: arrays[x] for x in e.entries}, self._names[e.dst]))
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def _accept_hello(self, peer: Peer) -> FrameLimits:
+        if peer.run != self.run_id or peer.epoch != self._epoch or not 0 <= peer.stage < self.topology.num_stages:
+            raise FrameError(f"hello from stage {peer.stage} run {peer.run} epoch {peer.epoch} is not for this "
+                             f"pipeline (run {self.run_id} epoch {self._epoch})")
+        return self._expect[peer.stage].limits
+
+    def _on_frame(self, peer: Peer, frame: Frame) -> None:
+        if frame.kind == "error":
+            self._signals.put(_Signal(peer.epoch, peer.stage, frame.error or "unspecified error"))
+            return
+        if frame.kind != "data":
+            raise FrameError(f"stage {peer.stage} sent a {frame.kind} frame to the driver")
+        self._expect[peer.stage].check(frame, f"stage {peer.stage}")
+        with self._cond:
+            if peer.epoch != self._epoch or frame.seq < self._completed:
+                return  # a replayed or stale micro-batch: already delivered, drop it
+            self._partial.setdefault(frame.seq, {})[peer.stage] = frame
+            while len(self._partial.get(self._completed, ())) == len(self._head_stages):
+                seq = self._completed
+                parts = self._partial.pop(seq)
+                inputs = self._inputs.pop(seq)
+                self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
+                                      else inputs[h] for h in self.topology.heads]
+                self.done_times[seq] = self._last_progress = time.time()
+                self._completed += 1
+                if len(self.done_times) > TIMELINE_KEPT:
+                    old = next(iter(self.done_times))
+                    del self.done_times[old], self.submit_times[old]
+            self._cond.notify_all()
+
+    def _on_close(self, peer: Peer, error: Exception | None) -> None:
+        if not self._closing and peer.epoch == self._epoch:
+            why = f"{type(error).__name__}: {error}" if error else "connection closed"
+            self._signals.put(_Signal(peer.epoch, peer.stage, f"link to the driver lost ({why})"))
+
+    def _link_failed(self, epoch: int, stage: int):
+        def on_error(exc: Exception) -> None:
+            self._signals.put(_Signal(epoch, stage, f"driver could not send to it: {type(exc).__name__}: {exc}"))
+        return on_error
+
+    # ---- wiring and recovery ---------------------------------------------------------------------
+    def _wire(self, epoch: int, first_seq: int) -> None:
+        """Connect every edge for `epoch`: all workers expect it first, then all connect."""
+        topo = self.topology
+        addr = lambda i: self._listener.address if i == DRIVER else self._addresses[i]  # noqa: E731
+        wirings = [Wiring(self.run_id, epoch, first_seq, {e.src: e.entries for e in topo.inbound(i)},
+                          [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1)
+                   for i in range(topo.num_stages)]
+        _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
+        _raise_first(self.launcher.call_all("connect"))
+        hello = Frame("hello", self.run_id, epoch, first_seq, DRIVER)
+        for e in topo.outbound(DRIVER):
+            try:
+                self._links[e.dst] = Link(self._addresses[e.dst], hello, self._link_failed(epoch, e.dst),
+                                          depth=self.window + 1)
+            except OSError as exc:
+                raise WorkerLost(e.dst, f"the driver cannot connect to it: {exc}") from None
+
+    def _close_links(self) -> None:
+        """Close the driver's outbound links (_wire_lock held), keeping their byte counts."""
+        for dst, link in self._links.items():
+            link.close(flush=False)
+            self.bytes_out[dst] = self.bytes_out.get(dst, 0) + link.bytes_sent
+            self.frames_out[dst] = self.frames_out.get(dst, 0) + link.frames_sent
+        self._links = {}
+
+    def _supervise(self) -> None:
+        tick = min(1.0, self.timeouts.progress / 4)
+        while True:
+            try:
+                signal = self._signals.get(timeout=tick)
+            except queue.Empty:
+                signal = None
+            with self._cond:
+                if self._closing:
+                    return
+                waited = time.time() - self._last_progress
+                stalled = self._submitted > self._completed and waited > self.timeouts.progress
+                stale = signal is not None and signal.epoch != self._epoch
+            if stale or (signal is None and not stalled):
+                continue
+            if signal is None:
+                signal = _Signal(self._epoch, -1, f"no micro-batch completed for {self.timeouts.progress:.0f} s")
+            try:
+                self._recover(signal)
+            except Exception as exc:  # the supervisor must end the run, never die silently
+                fatal = exc if isinstance(exc, PipelineError) else PipelineError(
+                    f"recovery from '{signal.message}' failed: {type(exc).__name__}: {exc}", None, str(exc))
+                with self._cond:
+                    self._fatal = fatal
+                    self._cond.notify_all()
+                return
+
+    def _diagnose(self, signal: _Signal) -> dict[int, str]:
+        """Which stages must be restarted, and why: dead or unresponsive, failed, or stuck."""
+        failed: dict[int, str] = {}
+        busy: dict[int, dict[str, Any]] = {}
+        for i, st in enumerate(self.launcher.call_all("status")):
+            if isinstance(st, WorkerError):
+                failed[i] = st.message
+            elif st["error"]:
+                failed[i] = st["error"]
+            elif st["busy_seq"] is not None:
+                busy[i] = st
+        if not failed and signal.stage >= 0:
+            failed[signal.stage] = signal.message  # it reported a fault it did not survive cleanly
+        if not failed and busy:  # a stall: the stage that has been computing longest holds it up
+            i = max(busy, key=lambda j: busy[j]["busy_for_s"])
+            failed[i] = (f"micro-batch {busy[i]['busy_seq']} has run for {busy[i]['busy_for_s']:.1f} s "
+                         f"({signal.message})")
+        return failed
+
+    def _recover(self, signal: _Signal) -> None:
+        while True:
+            failed = self._diagnose(signal)
+            if not failed:  # nobody dead, failed or stuck, and no stage reported: nothing to restart
+                self.errors.append(signal.message)
+                raise PipelineError(f"pipeline stalled: {signal.message}; worker status: {self.status()}",
+                                    None, signal.message)
+            for stage, why in failed.items():
+                self.errors.append(f"stage {stage}: {why}")
+                self.restarts[stage] += 1
+                if self.restarts[stage] > self.max_restarts:
+                    raise PipelineError(f"stage {stage} failed {self.restarts[stage]} times "
+                                        f"(max_restarts={self.max_restarts}); last error: {why}", stage, why)
+            try:
+                self._rewire(sorted(failed))
+                return
+            except WorkerError as exc:  # a restart or re-wiring failed: that stage failed again
+                signal = _Signal(self._epoch, exc.stage, exc.message)
+
+    def _rewire(self, restart: list[int]) -> None:
+        """New epoch: drop the data plane, restart `restart`, wire again, replay what is incomplete."""
+        with self._wire_lock:
+            with self._cond:
+                self._epoch += 1
+                epoch, first = self._epoch, self._completed
+                self._partial.clear()
+                self._sent = first
+            self._close_links()
+            self._listener.drop_connections()
+            for i in restart:
+                self._addresses[i] = self.launcher.restart(i)
+            self._wire(epoch, first)
+            with self._cond:
+                self._last_progress = time.time()
+            self._pump()
+
+    def _fatal_with_results(self) -> PipelineError:
+        """The fatal error, handing over every completed, undelivered output (_cond held): each
+        output leaves the pipeline once, through get() or through one raised error."""
+        f = self._fatal
+        first = self._delivered
+        completed = [self._results.pop(s) for s in range(first, self._completed)]
+        self._delivered = self._completed
+        return PipelineError(str(f), f.stage, f.last_error, completed, first)
+
+
+def _raise_first(results: list[Any]) -> None:
+    for r in results:
+        if isinstance(r, WorkerError):
+            raise r
+
+
+def _make_launcher(launcher: str | Launcher, placement: Any, timeouts: Timeouts, ship_bundle: bool) -> Launcher:
+    if launcher == "process":
+        return ProcessLauncher(timeouts, ship_bundle=ship_bundle)
+    if launcher == "ray":
+        from tvmpipe.cluster.actor import RayLauncher
+        from tvmpipe.cluster.placement import Placement
+
+        return RayLauncher(placement or Placement(), timeouts, ship_bundle=ship_bundle)
+    if isinstance(launcher, str):
+        raise TvmpipeError(f"unknown launcher {launcher!r} (ray, process, or a Launcher object)")
+    return launcher
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+

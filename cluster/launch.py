@@ -1,0 +1,270 @@
+"""Launchers: where stage workers live and how the driver reaches them (the control plane).
+
+Two implementations share one small interface: `RayLauncher` (actor.py) places `StageActor`s in a
+placement group; `ProcessLauncher` (here) runs each worker in a plain child process, for machines
+without Ray (the GPU test machine) and for fast local runs. The data plane is the same either way:
+workers talk to each other over transport sockets, never through the launcher.
+
+A control call either returns, raises `WorkerError` (the worker ran the call and it failed) or
+raises `WorkerLost` (the worker is dead or did not answer in time). The driver tells these apart
+to decide whether a stage must be restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.cluster.transport import Address
+from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
+
+# The worker methods the driver may call; anything else is refused on the worker side.
+CONTROL_METHODS = frozenset({"address", "prepare", "connect", "stop", "status", "stats"})
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. `start`: build + warm-up of a stage (a CUDA build can be slow); `call`: any other
+    control call; `progress`: no micro-batch completed while some are in flight -> health check;
+    `shutdown`: grace for a worker to close itself before it is killed."""
+
+    start: float = 300.0
+    call: float = 30.0
+    progress: float = 60.0
+    shutdown: float = 5.0
+
+
+class WorkerError(TvmpipeError):
+    """A stage worker ran a control call (or its build) and it raised."""
+
+    def __init__(self, stage: int, message: str):
+        self.stage = stage
+        self.message = message
+        super().__init__(f"stage {stage}: {message}")
+
+
+class WorkerLost(WorkerError):
+    """A stage worker is dead or unresponsive."""
+
+
+class Launcher(Protocol):
+    """Starts stage workers and carries the driver's control calls to them (see module docstring)."""
+
+    def start(self, specs: list[StageSpec]) -> list[Address]: ...
+    def restart(self, stage: int) -> Address: ...
+    def call(self, stage: int, method: str, *args: Any) -> Any: ...
+    def call_all(self, method: str, args: list[tuple] | None = None) -> list[Any]: ...
+    def kill(self, stage: int) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def thread_env() -> dict[str, str]:
+    """BLAS/OpenMP thread counts for workers: the driver's if it set them, else one."""
+    return {k: os.environ.get(k, "1") for k in THREAD_VARS}
+
+
+@contextlib.contextmanager
+def worker_environment(extra: dict[str, str] | None = None) -> Iterator[None]:
+    """Environment for processes spawned inside the block (a spawned child inherits it at start):
+    thread_env() plus `extra`. K workers each spinning a BLAS thread per core starve each other,
+    and OpenBLAS results depend on its thread count, so every worker (Ray actors get the same
+    variables) and the single-process reference (reference.py) must agree on it."""
+    env = {**thread_env(), **(extra or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ---- process launcher ----------------------------------------------------------------------------
+
+def _serve(conn, spec: StageSpec, bundle_files: dict[str, bytes] | None) -> None:
+    """Child process main: build the worker, then answer control calls until told to stop or the
+    parent goes away (EOF on the pipe), so a crashed driver never leaves workers behind."""
+    try:
+        worker = StageWorker(spec, bundle_files)
+    except BaseException as exc:  # report any build failure to the parent instead of dying silently
+        conn.send(("err", describe(exc)))
+        return
+    conn.send(("ok", worker.address()))
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                return
+            if method == "close":
+                return
+            try:
+                if method not in CONTROL_METHODS:
+                    raise TvmpipeError(f"unknown control method {method!r}")
+                conn.send(("ok", getattr(worker, method)(*args)))
+            except Exception as exc:  # the parent decides what a failed call means
+                conn.send(("err", describe(exc) if isinstance(exc, TvmpipeError) else traceback.format_exc()))
+    finally:
+        worker.close()
+        conn.close()
+
+
+class _Child:
+    def __init__(self, ctx, spec: StageSpec, bundle_files: dict[str, bytes] | None):
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child_conn, spec, bundle_files), daemon=True,
+                                name=f"tvmpipe-stage{spec.index}")
+        self.proc.start()
+        child_conn.close()
+        self.lock = threading.Lock()
+
+
+class ProcessLauncher:
+    """Each stage worker in its own `spawn`ed child process on this machine; control over a pipe.
+
+    `devices[i]`, if given, becomes stage i's CUDA_VISIBLE_DEVICES (one GPU per stage, or shared).
+    """
+
+    def __init__(self, timeouts: Timeouts = Timeouts(), ship_bundle: bool = False,
+                 devices: list[str] | None = None):
+        self.timeouts = timeouts
+        self.ship_bundle = ship_bundle
+        self.devices = devices
+        self._ctx = mp.get_context("spawn")
+        self._specs: list[StageSpec] = []
+        self._children: list[_Child | None] = []
+        self._bundle_files: dict[str, bytes] | None = None
+
+    def _spawn(self, spec: StageSpec) -> _Child:
+        env = {"CUDA_VISIBLE_DEVICES": self.devices[spec.index % len(self.devices)]} if self.devices else {}
+        with worker_environment(env):
+            return _Child(self._ctx, spec, self._bundle_files)
+
+    def _await_ready(self, stage: int) -> Address:
+        child = self._children[stage]
+        if not child.conn.poll(self.timeouts.start):
+            self.kill(stage)
+            raise WorkerLost(stage, f"did not start within {self.timeouts.start:.0f} s")
+        try:
+            status, value = child.conn.recv()
+        except (EOFError, OSError):
+            child.proc.join(timeout=5)
+            raise WorkerLost(stage, f"worker process exited while starting (exit code {child.proc.exitcode})") from None
+        if status != "ok":
+            child.proc.join(timeout=5)
+            raise WorkerError(stage, f"failed to start: {value}")
+        return tuple(value)
+
+    def start(self, specs: list[StageSpec]) -> list[Address]:
+        self._specs = list(specs)
+        if self.ship_bundle:
+            self._bundle_files = read_bundle_files(specs[0].bundle_path)
+        self._children = [self._spawn(s) for s in specs]
+        try:
+            return [self._await_ready(i) for i in range(len(specs))]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def restart(self, stage: int) -> Address:
+        self.kill(stage)
+        self._children[stage] = self._spawn(self._specs[stage])
+        return self._await_ready(stage)
+
+    def _request(self, stage: int, method: str, args: tuple) -> _Child:
+        child = self._children[stage]
+        if child is None or not child.proc.is_alive():
+            raise WorkerLost(stage, "worker process is not running"
+                             + (f" (exit code {child.proc.exitcode})" if child else " (killed)"))
+        try:
+            child.conn.send((method, args))
+        except (OSError, EOFError) as exc:
+            raise WorkerLost(stage, f"control pipe broken: {describe(exc)}") from None
+        return child
+
+    def _reply(self, stage: int, child: _Child, method: str, timeout: float) -> Any:
+        try:
+            if not child.conn.poll(timeout):
+                raise WorkerLost(stage, f"no answer to {method}() within {timeout:.0f} s")
+            status, value = child.conn.recv()
+        except (OSError, EOFError):
+            child.proc.join(timeout=1)
+            raise WorkerLost(stage, f"worker process died (exit code {child.proc.exitcode})") from None
+        if status != "ok":
+            raise WorkerError(stage, value)
+        return value
+
+    def call(self, stage: int, method: str, *args: Any) -> Any:
+        child = self._children[stage]
+        if child is None:
+            raise WorkerLost(stage, "worker process is not running (killed)")
+        with child.lock:
+            self._request(stage, method, args)
+            return self._reply(stage, child, method, self.timeouts.call)
+
+    def call_all(self, method: str, args: list[tuple] | None = None) -> list[Any]:
+        """The call on every stage at once; a failed stage's slot holds its WorkerError."""
+        args = args or [()] * len(self._children)
+        sent: list[Any] = []
+        held = []
+        for i, a in enumerate(args):
+            child = self._children[i]
+            if child:
+                child.lock.acquire()
+                held.append(child.lock)
+            try:
+                sent.append(self._request(i, method, a))
+            except WorkerError as exc:
+                sent.append(exc)
+        try:
+            return [s if isinstance(s, WorkerError) else self._catch(i, s, method) for i, s in enumerate(sent)]
+        finally:
+            for lock in held:
+                lock.release()
+
+    def _catch(self, stage: int, child: _Child, method: str) -> Any:
+        try:
+            return self._reply(stage, child, method, self.timeouts.call)
+        except WorkerError as exc:
+            return exc
+
+    def kill(self, stage: int) -> None:
+        child = self._children[stage]
+        if child is None:
+            return
+        child.proc.kill()
+        child.proc.join(timeout=10)
+        child.conn.close()
+        self._children[stage] = None
+
+    def shutdown(self) -> None:
+        """Ask each worker to close (sockets, stage), then make sure the process is gone."""
+        for child in self._children:
+            if child is not None and child.proc.is_alive():
+                try:
+                    child.conn.send(("close", ()))
+                except OSError:
+                    pass
+        for i, child in enumerate(self._children):
+            if child is None:
+                continue
+            child.proc.join(timeout=self.timeouts.shutdown)
+            if child.proc.is_alive():
+                child.proc.kill()
+                child.proc.join(timeout=10)
+            child.conn.close()
+            self._children[i] = None

@@ -1,0 +1,66 @@
+"""Local single-node mode: an embedded Ray cluster that only ever talks on 127.0.0.1.
+
+On Linux Ray rewrites 127.0.0.1 to the host's interface address and sends its own traffic there.
+Ray's internal switch RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, set to "0" before ray is imported, turns
+its multi-node mode off, and then every Ray socket stays on 127.0.0.1 (verified with `ss -tnp`,
+see docs/cluster.md; "1" is Linux's default and changes nothing). Local mode must not open ports on
+the network, so it sets it, binds the node to 127.0.0.1 and runs without the dashboard.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
+
+from tvmpipe.bundle.errors import TvmpipeError
+
+LOOPBACK = "127.0.0.1"
+# Ray's own switch: "0" turns its multi-node mode off on Linux, so the node address stays loopback.
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+MAX_TEMP_DIR = 48  # + "/session_<date>_<time>_<pid>/sockets/plasma_store" stays under 108 bytes
+
+
+@contextmanager
+def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -> Iterator[None]:
+    """An embedded Ray head on loopback for the duration of the block, shut down afterwards.
+
+    `temp_dir` defaults to a fresh short directory (Ray's socket paths must stay under 108 bytes),
+    removed on exit, so concurrent local runs never share Ray's session files.
+    """
+    os.environ[LOOPBACK_SWITCH] = "0"  # inherited by raylet, GCS and every worker process
+    import ray
+    from ray._private import ray_constants
+
+    # Ray reads the switch once, at import; if ray was imported earlier in this process, set the
+    # flag it read (Ray looks it up as a module attribute each time it resolves the node address).
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    if temp_dir is not None and len(os.path.abspath(temp_dir)) > MAX_TEMP_DIR:
+        raise TvmpipeError(f"Ray temp dir {temp_dir!r} is too long: Ray puts its sockets ~58 bytes below it and "
+                           f"a socket path must stay under 108 bytes; use at most {MAX_TEMP_DIR} characters")
+    own = temp_dir is None
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="tvp-ray-", dir="/tmp")
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+             _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if own:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def detect_gpus() -> int:
+    """NVIDIA GPUs on this machine (0 without a driver), for the local cluster's GPU resource."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))

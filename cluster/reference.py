@@ -1,0 +1,33 @@
+"""The single-process oracle: the whole graph on one GraphRunner, in a worker-like process.
+
+Pipelined outputs must equal this bit for bit. The run happens in a spawned child with the stage
+workers' environment (launch.worker_environment: one BLAS thread), because OpenBLAS sums in a
+different order with a different thread count, and a driver process's BLAS is already configured.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+import numpy as np
+
+from tvmpipe.cluster.launch import worker_environment
+
+
+def _run(bundle_path: str, backend: str, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    from tvmpipe.executor import GraphRunner
+
+    with GraphRunner(bundle_path, backend=backend) as runner:
+        out = []
+        for mb in batches:
+            runner.run(**mb)
+            out.append([runner.get_output(i).copy() for i in range(runner.get_num_outputs())])
+        return out
+
+
+def reference_outputs(bundle_path: str | Path, batches: list[dict[str, np.ndarray]],
+                      backend: str = "reference") -> list[list[np.ndarray]]:
+    """Outputs of every micro-batch, run one after another on a single GraphRunner."""
+    with worker_environment(), ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_run, str(bundle_path), backend, batches).result()

@@ -1,0 +1,357 @@
+"""StageWorker: one pipeline stage as a plain object, usable with or without Ray.
+
+The worker builds its `Stage` (executor) once, warms it up, and listens for frames. Everything
+per-run arrives as a `Wiring` (who sends it what, where to send its outputs, the epoch and the
+first micro-batch): after a failure the driver re-wires every worker with a new epoch instead of
+rebuilding stages, so a restart costs one stage build, not K.
+
+Threads: one receiver per inbound edge (transport.Listener), one sender per outbound edge
+(transport.Link), and micro-batches run strictly in sequence order, one at a time: by a compute
+thread when inputs are large, so a stage receives micro-batch s+1 and sends s-1 while it computes
+s; by the receiving thread itself when they are small, which saves a thread wake-up per hop.
+
+Failures are not handled here, only reported: an exception in the stage is sent to the driver as
+an `error` frame and the stage computes nothing more until it is re-wired; a broken inbound
+connection is recorded in `status()` and reported too. The driver decides who is at fault (it can
+see every worker) and re-wires.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import deque
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.bundle import load_bundle
+from tvmpipe.bundle import dtypes
+from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
+from tvmpipe.cluster.metrics import TIMELINE_KEPT
+from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
+from tvmpipe.cluster.topology import Edge
+from tvmpipe.executor import Stage, StageProgram
+
+
+@dataclass
+class StageSpec:
+    """What a worker needs to build its stage; plain data so it crosses process boundaries.
+
+    `bundle_path` must be readable where the worker runs (shared filesystem); otherwise the launcher
+    ships the bundle's files as bytes and the worker unpacks them into a private temp dir.
+    `host` is the interface the data listener binds (None: the node's address, found by the actor).
+    """
+
+    index: int
+    start: int
+    end: int
+    bundle_path: str
+    backend: str = "reference"
+    backend_opts: dict[str, Any] = field(default_factory=dict)
+    host: str | None = "127.0.0.1"
+    warmup: int = 1
+    seed: int = 0
+
+
+@dataclass
+class Wiring:
+    """One epoch of the data plane, as one worker sees it."""
+
+    run: str
+    epoch: int
+    first_seq: int
+    inbound: dict[int, tuple[int, ...]]  # producer stage (or DRIVER) -> entries it sends here
+    outbound: list[tuple[Edge, Address]]  # edges from this stage, with the consumer's address
+    queue_depth: int = 8
+
+
+def read_bundle_files(path: str | Path) -> dict[str, bytes]:
+    """A bundle directory's files as bytes, to ship through Ray's object store."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """What one producer sends per micro-batch: the limits its frames are read under (the
+    tightest that admit exactly the planned entries, so a peer cannot make us allocate more than
+    one micro-batch of what the plan says it sends) and the exact layout a frame must have."""
+
+    limits: FrameLimits
+    layout: dict[int, tuple[tuple[int, ...], np.dtype]]
+
+    @classmethod
+    def of(cls, entries: tuple[int, ...], specs: dict) -> Inbound:
+        sizes = [specs[e].nbytes for e in entries]
+        limits = FrameLimits(max_tensors=len(entries), max_ndim=max([len(specs[e].shape) for e in entries] + [0]),
+                             max_tensor_bytes=max(sizes + [0]), max_payload_bytes=payload_bytes(sizes),
+                             max_header_bytes=(64 << 10) + 256 * len(entries))
+        return cls(limits, {e: (tuple(specs[e].shape), dtypes.np_dtype(specs[e].dtype)) for e in entries})
+
+    def check(self, frame: Frame, source: str) -> None:
+        """A data frame must carry exactly the planned entries with the planned shapes and dtypes."""
+        if frame.tensors.keys() != self.layout.keys():
+            raise FrameError(f"{source} sent entries {sorted(frame.tensors)}, expected {sorted(self.layout)}")
+        for e, arr in frame.tensors.items():
+            shape, dt = self.layout[e]
+            if arr.shape != shape or arr.dtype != dt:
+                raise FrameError(f"{source} sent entry {e} as {arr.dtype}{list(arr.shape)}, expected {dt}{list(shape)}")
+
+
+def _name(stage: int) -> str:
+    return "the driver" if stage == DRIVER else f"stage {stage}"
+
+
+def warmup_feed(program: StageProgram, seed: int) -> dict[int, np.ndarray]:
+    """Seeded inputs for every fed entry: normal floats, zero integers (valid indices), False."""
+    rng = np.random.default_rng(seed)
+    feed = {}
+    for e in program.feed_entries:
+        spec = program.entry_specs[e]
+        dt = dtypes.np_dtype(spec.dtype)
+        feed[e] = rng.standard_normal(spec.shape).astype(dt) if dt.kind == "f" else np.zeros(spec.shape, dt)
+    return feed
+
+
+class StageWorker:
+    def __init__(self, spec: StageSpec, bundle_files: dict[str, bytes] | None = None):
+        t0 = time.time()
+        self.spec = spec
+        self.index = spec.index
+        self._tmpdir: str | None = None
+        path = spec.bundle_path
+        if bundle_files is not None:
+            self._tmpdir = tempfile.mkdtemp(prefix=f"tvmpipe-stage{spec.index}-")
+            for name, data in bundle_files.items():
+                Path(self._tmpdir, name).write_bytes(data)
+            path = self._tmpdir if len(bundle_files) > 1 else str(Path(self._tmpdir, next(iter(bundle_files))))
+        self.stage = Stage(load_bundle(path), spec.start, spec.end, backend=spec.backend, **spec.backend_opts)
+        self.program = self.stage.program
+        self.build_s = time.time() - t0
+        t1 = time.time()
+        feed = warmup_feed(self.program, spec.seed)
+        for _ in range(spec.warmup):
+            self.stage.run(feed)
+        self.warmup_s = time.time() - t1
+
+        self._cond = threading.Condition()
+        self._wiring: Wiring | None = None
+        self._pending: dict[int, dict[int, Frame]] = {}  # seq -> producer -> frame
+        self._next_from: dict[int, int] = {}  # producer -> next seq expected from it
+        self._inbound: dict[int, Inbound] = {}  # producer -> what it sends
+        self._links: list[tuple[Edge, Link, dict[int, str]]] = []  # with the names its frames carry
+        self._compute: threading.Thread | None = None
+        self._running = False  # connected: frames may be computed
+        self._inline = False  # inputs are small: the receiving thread computes (see _on_frame)
+        self._computing = False  # some thread holds the right to compute (one at a time, in order)
+        self._busy: tuple[int, float] | None = None  # (seq, start time) while computing
+        self._next_seq = 0
+        self._error: str | None = None
+        self._peer_errors: list[str] = []
+        # (epoch, seq, start, end) per micro-batch, wall clock; the newest TIMELINE_KEPT only
+        self.events: deque[tuple[int, int, float, float]] = deque(maxlen=TIMELINE_KEPT)
+        self.bytes_out: dict[int, int] = {}
+        self.frames_out: dict[int, int] = {}
+        self._listener = Listener(spec.host or "127.0.0.1", self._accept_hello, self._on_frame, self._on_close)
+
+    # ---- control plane -----------------------------------------------------------------------------
+    def address(self) -> Address:
+        return self._listener.address
+
+    def prepare(self, wiring: Wiring) -> None:
+        """Drop the current epoch's data plane and expect `wiring`'s peers (connect() opens links).
+
+        Two phases, so every worker expects the new epoch before any worker connects to it.
+        """
+        self.stop()
+        with self._cond:
+            self._wiring = wiring
+            self._pending.clear()
+            self._next_from = {p: wiring.first_seq for p in wiring.inbound}
+            self._inbound = {p: Inbound.of(es, self.program.entry_specs) for p, es in wiring.inbound.items()}
+            self._next_seq = wiring.first_seq
+            self._error = None
+            self._peer_errors = []
+
+    def connect(self) -> None:
+        """Open the outbound links of the prepared wiring and start computing.
+
+        Small inputs (all of a micro-batch within transport.INLINE_BYTES) are computed by the
+        receiving thread that completes them: one thread wake-up less per hop. Larger ones by a
+        compute thread, so the next micro-batch's bytes arrive while this one computes.
+        """
+        w = self._wiring
+        assert w is not None, "prepare() first"
+        hello = Frame("hello", w.run, w.epoch, w.first_seq, self.index)
+        for edge, addr in w.outbound:
+            link = Link(tuple(addr), hello, self._link_failed(edge.dst), depth=w.queue_depth)
+            self._links.append((edge, link, {e: self.program.entry_names[e] for e in edge.entries}))
+        inbound = sum(self.program.entry_specs[e].nbytes for es in w.inbound.values() for e in es)
+        with self._cond:
+            self._inline = inbound <= INLINE_BYTES
+            self._running = True
+        # a thread either way: frames that arrived before connect() are waiting to be computed
+        target = self._drain if self._inline else self._compute_loop
+        self._compute = threading.Thread(target=target, daemon=True, name=f"stage{self.index}-compute")
+        self._compute.start()
+
+    def stop(self) -> None:
+        """Stop computing and close every data connection; the stage and listener stay."""
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+            while self._computing:  # a micro-batch in progress finishes (it cannot be interrupted)
+                self._cond.wait()
+        if self._compute is not None:
+            self._compute.join()
+            self._compute = None
+        for edge, link, _ in self._links:
+            link.close(flush=False)
+            self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + link.bytes_sent
+            self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + link.frames_sent
+        self._links = []
+        self._listener.drop_connections()
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            busy = self._busy
+            return {"stage": self.index, "pid": os.getpid(), "epoch": self._wiring.epoch if self._wiring else None,
+                    "next_seq": self._next_seq, "busy_seq": busy[0] if busy else None,
+                    "busy_for_s": time.time() - busy[1] if busy else 0.0,
+                    "error": self._error, "peer_errors": list(self._peer_errors)}
+
+    def stats(self) -> dict[str, Any]:
+        """Timeline and traffic since the worker started (links still open are counted too)."""
+        bytes_out = dict(self.bytes_out)
+        frames_out = dict(self.frames_out)
+        for edge, link, _ in self._links:
+            bytes_out[edge.dst] = bytes_out.get(edge.dst, 0) + link.bytes_sent
+            frames_out[edge.dst] = frames_out.get(edge.dst, 0) + link.frames_sent
+        with self._cond:  # the computing thread appends
+            events = list(self.events)
+        return {"stage": self.index, "pid": os.getpid(), "host": self.address()[0],
+                "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "build_s": self.build_s,
+                "warmup_s": self.warmup_s, "events": events, "bytes_out": bytes_out, "frames_out": frames_out}
+
+    def close(self) -> None:
+        self.stop()
+        self._listener.close()
+        self.stage.close()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # ---- data plane --------------------------------------------------------------------------------
+    def _accept_hello(self, peer: Peer) -> FrameLimits:
+        w = self._wiring
+        if w is None or peer.run != w.run or peer.epoch != w.epoch:
+            raise FrameError(f"hello from stage {peer.stage} for run {peer.run} epoch {peer.epoch}: not the "
+                             "current wiring")
+        if peer.stage not in w.inbound:
+            raise FrameError(f"stage {peer.stage} is not a producer of stage {self.index}")
+        return self._inbound[peer.stage].limits
+
+    def _on_frame(self, peer: Peer, frame: Frame) -> None:
+        if frame.kind != "data":
+            raise FrameError(f"{_name(peer.stage)} sent a {frame.kind} frame; stages only take data")
+        self._inbound[peer.stage].check(frame, _name(peer.stage))
+        with self._cond:
+            want = self._next_from[peer.stage]
+            if frame.seq != want:
+                raise FrameError(f"{_name(peer.stage)} sent micro-batch {frame.seq}, expected {want}")
+            self._next_from[peer.stage] = want + 1
+            self._pending.setdefault(frame.seq, {})[peer.stage] = frame
+            if not self._inline:
+                self._cond.notify_all()
+                return
+        self._drain()
+
+    def _on_close(self, peer: Peer, error: Exception | None) -> None:
+        if error is None:
+            return
+        message = f"input from {_name(peer.stage)} failed: {type(error).__name__}: {error}"
+        with self._cond:
+            self._peer_errors.append(message)
+        self._report(self._next_seq, message)
+
+    def _link_failed(self, dst: int):
+        def on_error(exc: Exception) -> None:
+            with self._cond:
+                self._peer_errors.append(f"output to {_name(dst)} failed: {type(exc).__name__}: {exc}")
+        return on_error
+
+    def _report(self, seq: int, message: str) -> None:
+        """Tell the driver (on the driver link, which every stage has) that something went wrong."""
+        w = self._wiring
+        for edge, link, _ in self._links:
+            if edge.dst == DRIVER and w is not None:
+                link.put(Frame("error", w.run, w.epoch, seq, self.index, error=message[:60000]))
+
+    def _ready(self) -> bool:
+        """The next micro-batch has a frame from every producer (_cond held)."""
+        return len(self._pending.get(self._next_seq, ())) == len(self._wiring.inbound)
+
+    def _compute_loop(self) -> None:
+        """The compute thread (large inputs): wait for the next micro-batch, run what is ready."""
+        while True:
+            with self._cond:
+                while self._running and not (self._ready() and not self._computing):
+                    self._cond.wait()
+                if not self._running:
+                    return
+            self._drain()
+
+    def _drain(self) -> None:
+        """Run every micro-batch whose inputs are complete, strictly in sequence order, unless
+        another thread is already doing so. After giving up the right to compute, look again: a
+        micro-batch completed by a thread that found the right taken must not be left waiting."""
+        while True:
+            with self._cond:
+                if self._computing or not self._running or self._error or not self._ready():
+                    return
+                self._computing = True
+            try:
+                self._run_ready()
+            finally:
+                with self._cond:
+                    self._computing = False
+                    self._cond.notify_all()
+
+    def _run_ready(self) -> None:
+        """Compute and send micro-batches while the next one is complete (holding the right)."""
+        w = self._wiring
+        while True:
+            with self._cond:
+                if not self._running or self._error or not self._ready():
+                    return
+                seq = self._next_seq
+                parts = self._pending.pop(seq)
+                start = time.time()
+                self._busy = (seq, start)
+            feed: dict[int, np.ndarray] = {}
+            for f in parts.values():
+                feed.update(f.tensors)
+            try:
+                outputs = self.stage.run(feed)
+            except Exception as exc:  # any failure of the stage is reported, never raised in a thread
+                message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
+                with self._cond:
+                    self._busy = None
+                    self._error = message
+                self._report(seq, message)
+                return
+            with self._cond:  # recorded before the outputs leave: once the driver has them, so has stats()
+                self._busy = None
+                self.events.append((w.epoch, seq, start, time.time()))
+                self._next_seq = seq + 1
+            for edge, link, names in self._links:
+                if edge.carries_data:
+                    tensors = {e: outputs[e] for e in edge.entries}
+                    link.put(Frame("data", w.run, w.epoch, seq, self.index, tensors, names))

@@ -1,0 +1,88 @@
+"""`tvmpipe run` and `tvmpipe sweep`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tvmpipe.cli import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_builtin_example_with_processes_json(capsys):
+    code, out, _ = run_cli(capsys, "run", "--stages", "3", "--processes", "--json", "-n", "6")
+    summary = json.loads(out)
+    assert code == 0 and summary["match"] is True and summary["model"] == "mlp"
+    assert len(summary["stages"]) == 3 and summary["micro_batches"] == 6 and summary["backend"] == "reference"
+    m = summary["metrics"]
+    assert m["micro_batches"] == 6 and m["throughput"] > 0 and m["latency_p99_ms"] >= m["latency_p50_ms"] > 0
+    assert [s["micro_batches"] for s in m["stages"]] == [6, 6, 6]
+
+
+def test_run_table_inputs_outputs_trace(capsys, tmp_path, bundles):
+    x = np.random.default_rng(0).standard_normal((5, 1, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    code, out, _ = run_cli(capsys, "run", str(bundles["skipnet"]), "--stages", "2", "--processes", "-n", "5",
+                           "--inputs", str(tmp_path / "in.npz"), "--save-outputs", str(tmp_path / "out.npz"),
+                           "--trace", str(tmp_path / "t.json"))
+    assert code == 0, out
+    assert "outputs match single-process run: yes (5/5" in out and "busy %" in out and "p99" in out
+    with np.load(tmp_path / "out.npz") as z:
+        assert z["output0"].shape == (5, 8) and z["output1"].shape == (5, 16)
+    trace = json.loads((tmp_path / "t.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 10 and {e["pid"] for e in slices} == {0, 1}
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_run_exits_nonzero_on_mismatch(capsys, monkeypatch):
+    import tvmpipe.cluster.reference as reference
+
+    real = reference.reference_outputs
+    monkeypatch.setattr(reference, "reference_outputs",
+                        lambda *a, **k: [[o + 1 for o in outs] for outs in real(*a, **k)])
+    code, out, err = run_cli(capsys, "run", "--stages", "2", "--processes", "-n", "3")
+    assert code == 1 and "match single-process run: NO (0/3" in out and "max abs difference 1" in err
+
+
+def test_run_rejects_bad_inputs_and_missing_cluster_choice(capsys, tmp_path):
+    np.savez(tmp_path / "in.npz", x=np.zeros((2, 3), np.float32))
+    code, _, err = run_cli(capsys, "run", "--processes", "--inputs", str(tmp_path / "in.npz"))
+    assert code == 2 and "'x' has shape [2, 3], expected [1, 100]" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "run")
+    assert code == 2 and "--local" in err
+    code, _, err = run_cli(capsys, "run", "--local", "--ray-temp-dir", "/tmp/" + "x" * 60)
+    assert code == 2 and "too long" in err
+
+
+def test_sweep_simulated_writes_a_report(capsys, tmp_path, bundles):
+    out_dir = tmp_path / "report"
+    code, out, _ = run_cli(capsys, "sweep", str(bundles["skipnet"]), "--stages", "1..2", "--strategies", "equal",
+                           "--processes", "--backend", "simulated", "--time-scale", "300", "-n", "12",
+                           "-o", str(out_dir))
+    assert code == 0, out
+    assert "[equal-k1] predicted" in out and "[equal-k2] predicted" in out
+    for f in ("sweep.md", "sweep.csv", "throughput.png", "gantt.png", "plans/equal-k2.json",
+              "traces/equal-k2.json", "traces/equal-k2.metrics.json"):
+        assert (out_dir / f).is_file(), f
+    rows = (out_dir / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(r.split(",")[4] for r in rows[1:])  # meas_throughput filled
+
+
+@pytest.mark.ray
+def test_run_local_is_the_readme_command():
+    """`tvmpipe run --stages 2 --local`: its own embedded Ray (a separate process, since this test
+    session already holds one), the built-in example, outputs checked."""
+    proc = subprocess.run([sys.executable, "-m", "tvmpipe", "run", "--stages", "2", "--local", "-n", "8"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "local Ray on 127.0.0.1" in proc.stdout and "outputs match single-process run: yes (8/8" in proc.stdout

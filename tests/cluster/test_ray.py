@@ -1,0 +1,146 @@
+"""The pipeline on Ray actors: one loopback-only session cluster (conftest.ray_cluster)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from clhelp import alive, assert_bit_identical, case, descendants, listening_ports, record_ports, tcp_sockets
+
+from tvmpipe.bundle import load_bundle
+from tvmpipe.cluster.driver import Pipeline
+from tvmpipe.cluster.launch import Timeouts
+from tvmpipe.cluster.placement import Placement, PlacementError
+from tvmpipe.partition import plan_equal_ops
+
+pytestmark = pytest.mark.ray
+SMALL = Placement(cpus=0.25)
+
+
+def actor_states(ray) -> dict[str, str]:
+    from ray._private.state import state
+
+    return {aid: info["State"] for aid, info in state.actor_table(None).items()}
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "skipnet"])
+def test_pipelined_equals_single_process_for_1_to_4_stages(ray_cluster, bundles, model):
+    if model not in bundles:
+        pytest.skip(f"examples/{model} is not built")
+    inputs, want = case(bundles[model], 10)
+    n_ops = len(load_bundle(bundles[model]).graph.op_nodes)
+    for k in range(1, min(4, n_ops) + 1):
+        with Pipeline(bundles[model], k, launcher="ray", placement=SMALL, ship_bundle=(k == 2)) as pipe:
+            record_ports(pipe)
+            assert_bit_identical(pipe.run(inputs), want)
+            m = pipe.metrics()
+            assert [s.micro_batches for s in m.stages] == [10] * k
+            assert all(s.host == "127.0.0.1" for s in m.stages)
+
+
+def test_kill_a_stage_actor_mid_run(ray_cluster, bundles):
+    """ray.kill on stage 1 while 200 micro-batches stream: 200 outputs, each once, in order, equal
+    to a clean run; the replacement actor is new, the others are the same."""
+    ray = ray_cluster
+    inputs, want = case(bundles["mlp"], 200)
+    with Pipeline(bundles["mlp"], 3, launcher="ray", placement=SMALL, window=6,
+                  timeouts=Timeouts(progress=30)) as pipe:
+        record_ports(pipe)
+        pids = [s["pid"] for s in pipe.status()]
+        got = []
+        for i, x in enumerate(inputs):
+            pipe.submit(x)
+            if i == 80:
+                ray.kill(pipe.launcher.actor(1), no_restart=True)
+            while pipe.ready:
+                got.append(pipe.get())
+        got += list(pipe.results())
+        assert pipe.restarts == [0, 1, 0]
+        new = [s["pid"] for s in pipe.status()]
+    assert_bit_identical(got, want)
+    assert new[0] == pids[0] and new[2] == pids[2] and new[1] != pids[1]
+
+
+def test_everything_stays_on_loopback_and_nothing_survives_close(ray_cluster, bundles):
+    ray = ray_cluster
+    inputs, want = case(bundles["skipnet"], 40)
+    before = actor_states(ray)
+    pipe = Pipeline(bundles["skipnet"], 3, launcher="ray", placement=SMALL)
+    record_ports(pipe)
+    seen: list[tuple[int, str]] = []
+    ours = descendants(os.getpid()) | {os.getpid()}
+    done = threading.Event()
+
+    def watch():  # sample every socket of this process tree while frames are flowing
+        while not done.is_set():
+            seen.extend(tcp_sockets(ours))
+            done.wait(0.05)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        assert_bit_identical(pipe.run(inputs), want)
+    finally:
+        done.set()
+        t.join()
+    worker_pids = [s["pid"] for s in pipe.status()]
+    ports = {p for _, p in pipe.addresses}
+    assert ports <= listening_ports()
+    pipe.close()
+    hosts = {addr.rsplit(":", 1)[0].removeprefix("[::ffff:").rstrip("]") for _, addr in seen}
+    assert hosts == {"127.0.0.1"}, sorted({a for _, a in seen})
+    new = {a: s for a, s in actor_states(ray).items() if a not in before}
+    assert len(new) == 3 and set(new.values()) == {"DEAD"}
+    assert not ports & listening_ports()
+    from ray.util import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+    for _ in range(50):  # actor processes exit asynchronously after ray.kill
+        if not any(alive(p) for p in worker_pids):
+            break
+        threading.Event().wait(0.1)
+    assert not any(alive(p) for p in worker_pids)
+
+
+def test_fractional_gpus_and_node_pinning(ray_cluster, bundles):
+    """Four stages share the two (fake) GPUs at 0.5 each; every stage is pinned to this node."""
+    inputs, want = case(bundles["tiny"], 4)
+    placement = Placement(strategy="PACK", gpus=0.5, cpus=0.25, nodes=("127.0.0.1",) * 3)
+    with Pipeline(bundles["tiny"], 3, launcher="ray", placement=placement) as pipe:
+        assert_bit_identical(pipe.run(inputs), want)
+        devices = [st["devices"] for st in pipe.launcher.call_all("stats")]
+    assert all(d in ("0", "1") for d in devices), devices
+
+
+@pytest.mark.parametrize("strategy", ["SPREAD", "STRICT_PACK"])
+def test_soft_strategies_fit_one_node(ray_cluster, bundles, strategy):
+    inputs, want = case(bundles["tiny"], 3)
+    with Pipeline(bundles["tiny"], 2, launcher="ray", placement=Placement(strategy=strategy, cpus=0.25)) as pipe:
+        assert_bit_identical(pipe.run(inputs), want)
+
+
+def test_strict_spread_needs_a_node_per_stage(ray_cluster, bundles):
+    with pytest.raises(PlacementError, match="STRICT_SPREAD"):
+        Pipeline(bundles["tiny"], 2, launcher="ray", placement=Placement(strategy="STRICT_SPREAD", cpus=0.25),
+                 timeouts=Timeouts(start=2))
+
+
+def test_predicted_throughput_within_10_percent(ray_cluster, bundles):
+    """Simulated backend with a per-node profile that both the planner and the stages read: the
+    partition layer's prediction against the measured steady-state throughput."""
+    from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.predict import predict
+
+    b = load_bundle(bundles["skipnet"])
+    profile = {"nodes": [{"node": n, "name": b.graph.nodes[n].name, "time_us": 2500.0 + 1000.0 * (i % 3)}
+                         for i, n in enumerate(b.graph.op_nodes)]}
+    plan = plan_equal_ops(b.graph, 3)
+    predicted = predict(PipelineModel.build(b, profile=profile), plan)
+    inputs = case(bundles["skipnet"], 40)[0]
+    with Pipeline(b, plan, launcher="ray", placement=SMALL, backend="simulated",
+                  backend_opts={"cost_profile": profile}) as pipe:
+        pipe.run(inputs)
+        m = pipe.metrics()
+    measured = m.steady_throughput * m.batch
+    assert abs(measured - predicted.throughput) / predicted.throughput < 0.10, (measured, predicted.throughput)
