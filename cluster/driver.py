@@ -142,18 +142,18 @@ class Pipeline:
     # ---- public API ------------------------------------------------------------------------------
     def check_inputs(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
         """Graph inputs by name -> by entry id, each of exactly the graph's shape and dtype; else
-        InputError listing what the graph takes. Nothing is sent before this passes."""
+        InputError listing what the graph takes (built only then). Nothing is sent before this passes."""
         want = self.topology.inputs
-        expected = ", ".join(f"{n}: {self.topology.specs[e]}" for n, e in want.items()) or "none"
+        expected = lambda: ", ".join(f"{n}: {self.topology.specs[e]}" for n, e in want.items()) or "none"  # noqa: E731
         if not isinstance(inputs, Mapping):
-            raise InputError(f"a micro-batch is a dict of graph inputs by name ({expected}), "
+            raise InputError(f"a micro-batch is a dict of graph inputs by name ({expected()}), "
                              f"got {type(inputs).__name__}")
         unknown = [k for k in inputs if k not in want]
         missing = [k for k in want if k not in inputs]
         if unknown or missing:
             parts = ([f"unknown input(s) {', '.join(map(repr, unknown))}"] if unknown else []) + (
                 [f"missing input(s) {', '.join(map(repr, missing))}"] if missing else [])
-            raise InputError(f"{'; '.join(parts)}; the graph takes: {expected}")
+            raise InputError(f"{'; '.join(parts)}; the graph takes: {expected()}")
         out = {}
         for name, eid in want.items():
             value = inputs[name]

@@ -164,11 +164,24 @@ def _unpack_options(limits: FrameLimits) -> dict:
                 max_array_len=max(limits.max_tensors, limits.max_ndim, 5), max_map_len=len(HEADER_KEYS))
 
 
-def parse_header(data: bytes | memoryview, limits: FrameLimits) -> tuple[Frame, list[TensorMeta], int]:
-    """Decode and check a header; returns the frame (no tensors yet), tensor layout, payload size.
+class Layout(NamedTuple):
+    """The checked tensor list of a header, as sent (`raw`) and as decoded, under `limits`."""
 
-    Every count and size is bounded before it is used, so the payload size this returns is safe to
-    allocate. (This runs once per frame per hop: messages are only formatted on failure.)
+    raw: list
+    limits: FrameLimits
+    metas: list[TensorMeta]
+    names: dict[int, str]
+    size: int
+
+
+def parse_header(data: bytes | memoryview, limits: FrameLimits,
+                 last: Layout | None = None) -> tuple[Frame, Layout]:
+    """Decode and check a header; returns the frame (no tensors yet) and its tensor layout, whose
+    payload size is safe to allocate.
+
+    Every count and size is bounded before it is used. This runs once per frame per hop, so
+    messages are only formatted on failure, and the tensor list is checked only when it differs
+    from `last` (the previous layout on the same stream, which usually repeats it exactly).
     """
     try:
         h = msgpack.unpackb(data, **_unpack_options(limits))
@@ -186,13 +199,19 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits) -> tuple[Frame, 
     error = h["error"]
     if error is not None and type(error) is not str:
         raise FrameError("error must be a string or nil")
-    frame = Frame(h["kind"], h["run"], _int(h["epoch"], 0, "epoch"), _int(h["seq"], 0, "seq"),
-                  _int(h["stage"], DRIVER, "stage"), error=error)
     raw = h["tensors"]
+    layout = last if last is not None and last.limits is limits and last.raw == raw else _layout(raw, limits)
+    frame = Frame(h["kind"], h["run"], _int(h["epoch"], 0, "epoch"), _int(h["seq"], 0, "seq"),
+                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error)
+    return frame, layout
+
+
+def _layout(raw: object, limits: FrameLimits) -> Layout:
+    """Check a header's tensor list: [entry, name, dtype, shape, nbytes] each, within `limits`."""
     if type(raw) is not list or len(raw) > limits.max_tensors:
         raise FrameError(f"tensors must be a list of at most {limits.max_tensors}")
     metas: list[TensorMeta] = []
-    names = frame.names
+    names: dict[int, str] = {}
     pos = 0
     for i, t in enumerate(raw):
         if type(t) is not list or len(t) != 5:
@@ -222,7 +241,7 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits) -> tuple[Frame, 
             raise FrameError(f"payload exceeds the limit {limits.max_payload_bytes} bytes")
         names[eid] = name
         metas.append(TensorMeta(eid, dt, tuple(shape), nbytes, start))
-    return frame, metas, pos
+    return Layout(raw, limits, metas, names, pos)
 
 
 def attach(frame: Frame, metas: list[TensorMeta], payload: np.ndarray | memoryview | bytes) -> Frame:
@@ -242,26 +261,27 @@ def decode(data: bytes | bytearray | memoryview, limits: FrameLimits = DEFAULT_L
     body = PREFIX.size + hlen
     if len(view) < body:
         raise FrameError(f"truncated frame: header needs {hlen} bytes, {len(view) - PREFIX.size} present")
-    frame, metas, size = parse_header(view[PREFIX.size: body], limits)
-    if len(view) - body != size:
-        raise FrameError(f"payload is {len(view) - body} bytes, the header describes {size}")
-    return attach(frame, metas, view[body:])
+    frame, layout = parse_header(view[PREFIX.size: body], limits)
+    if len(view) - body != layout.size:
+        raise FrameError(f"payload is {len(view) - body} bytes, the header describes {layout.size}")
+    return attach(frame, layout.metas, view[body:])
 
 
 # ---- sockets -------------------------------------------------------------------------------------
 
 def send(sock: socket.socket, frame: Frame) -> int:
-    """Send one frame with scatter-gather I/O (no concatenation); returns the bytes written."""
-    parts = [memoryview(p).cast("B") for p in encode(frame)]
-    total = sum(len(p) for p in parts)
-    while parts:
+    """Send one frame with scatter-gather I/O (no concatenation); returns the bytes written.
+    Usually one system call; a partial send carries on from where it stopped."""
+    parts = encode(frame)  # bytes and unsigned-byte memoryviews: len() counts bytes
+    total = left = sum(map(len, parts))
+    while True:
         sent = sock.sendmsg(parts[:1024])  # IOV_MAX
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if sent:
-            parts[0] = parts[0][sent:]
-    return total
+        left -= sent
+        if not left:
+            return total
+        while sent >= len(parts[0]):
+            sent -= len(parts.pop(0))
+        parts[0] = memoryview(parts[0])[sent:]
 
 
 def fresh_buffer(size: int) -> np.ndarray:
@@ -299,6 +319,7 @@ class FrameReader:
         self._view = memoryview(self._buf)
         self._start = 0  # buffered bytes are _buf[_start:_end]
         self._end = 0
+        self._layout: Layout | None = None  # of the last frame: the next one's tensors are usually the same
 
     def _fill(self, need: int, what: str, at_boundary: bool = False) -> bool:
         """Buffer at least `need` bytes (need <= buffer size). False on a clean EOF before the first
@@ -348,7 +369,7 @@ class FrameReader:
             big = bytearray(hlen)
             self._take(memoryview(big), "header")
             header = big
-        frame, metas, size = parse_header(header, limits)
-        payload = self.alloc(size)
+        frame, self._layout = parse_header(header, limits, self._layout)
+        payload = self.alloc(self._layout.size)
         self._take(memoryview(payload), "payload")
-        return attach(frame, metas, payload)
+        return attach(frame, self._layout.metas, payload)

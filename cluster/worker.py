@@ -142,7 +142,7 @@ class StageWorker:
             self.stage.run(feed)
         self.warmup_s = time.time() - t1
 
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # not reentrant: _drain releases it to compute
         self._wiring: Wiring | None = None
         self._pending: dict[int, dict[int, Frame]] = {}  # seq -> producer -> frame
         self._next_from: dict[int, int] = {}  # producer -> next seq expected from it
@@ -199,7 +199,7 @@ class StageWorker:
             self._inline = inbound <= INLINE_BYTES
             self._running = True
         # a thread either way: frames that arrived before connect() are waiting to be computed
-        target = self._drain if self._inline else self._compute_loop
+        target = self._drain_once if self._inline else self._compute_loop
         self._compute = threading.Thread(target=target, daemon=True, name=f"stage{self.index}-compute")
         self._compute.start()
 
@@ -268,10 +268,10 @@ class StageWorker:
                 raise FrameError(f"{_name(peer.stage)} sent micro-batch {frame.seq}, expected {want}")
             self._next_from[peer.stage] = want + 1
             self._pending.setdefault(frame.seq, {})[peer.stage] = frame
-            if not self._inline:
+            if self._inline:
+                self._drain()
+            else:
                 self._cond.notify_all()
-                return
-        self._drain()
 
     def _on_close(self, peer: Peer, error: Exception | None) -> None:
         if error is None:
@@ -298,60 +298,62 @@ class StageWorker:
         """The next micro-batch has a frame from every producer (_cond held)."""
         return len(self._pending.get(self._next_seq, ())) == len(self._wiring.inbound)
 
+    def _drain_once(self) -> None:
+        with self._cond:
+            self._drain()
+
     def _compute_loop(self) -> None:
         """The compute thread (large inputs): wait for the next micro-batch, run what is ready."""
-        while True:
-            with self._cond:
+        with self._cond:
+            while True:
                 while self._running and not (self._ready() and not self._computing):
                     self._cond.wait()
                 if not self._running:
                     return
-            self._drain()
+                self._drain()
 
     def _drain(self) -> None:
         """Run every micro-batch whose inputs are complete, strictly in sequence order, unless
-        another thread is already doing so. After giving up the right to compute, look again: a
-        micro-batch completed by a thread that found the right taken must not be left waiting."""
-        while True:
-            with self._cond:
-                if self._computing or not self._running or self._error or not self._ready():
-                    return
-                self._computing = True
-            try:
-                self._run_ready()
-            finally:
-                with self._cond:
-                    self._computing = False
-                    self._cond.notify_all()
-
-    def _run_ready(self) -> None:
-        """Compute and send micro-batches while the next one is complete (holding the right)."""
-        w = self._wiring
-        while True:
-            with self._cond:
-                if not self._running or self._error or not self._ready():
-                    return
+        another thread already holds the right to (_cond held; released while computing and
+        sending). The right is given up in the same locked section that finds nothing ready, so
+        a micro-batch completed meanwhile by a thread that found the right taken is never left
+        waiting."""
+        if self._computing:
+            return
+        self._computing = True
+        try:
+            while self._running and not self._error and self._ready():
                 seq = self._next_seq
                 parts = self._pending.pop(seq)
-                start = time.time()
-                self._busy = (seq, start)
-            feed: dict[int, np.ndarray] = {}
-            for f in parts.values():
-                feed.update(f.tensors)
-            try:
-                outputs = self.stage.run(feed)
-            except Exception as exc:  # any failure of the stage is reported, never raised in a thread
-                message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
-                with self._cond:
-                    self._busy = None
-                    self._error = message
-                self._report(seq, message)
-                return
-            with self._cond:  # recorded before the outputs leave: once the driver has them, so has stats()
+                self._busy = (seq, time.time())
+                self._cond.release()
+                try:
+                    self._run(seq, parts)
+                finally:
+                    self._cond.acquire()
+        finally:
+            self._computing = False
+            self._cond.notify_all()
+
+    def _run(self, seq: int, parts: dict[int, Frame]) -> None:
+        """Compute one micro-batch and send its outputs (_cond not held, the right to compute held)."""
+        w = self._wiring
+        feed: dict[int, np.ndarray] = {}
+        for f in parts.values():
+            feed.update(f.tensors)
+        try:
+            outputs = self.stage.run(feed)
+        except Exception as exc:  # any failure of the stage is reported, never raised in a thread
+            message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
+            with self._cond:
                 self._busy = None
-                self.events.append((w.epoch, seq, start, time.time()))
-                self._next_seq = seq + 1
-            for edge, link, names in self._links:
-                if edge.carries_data:
-                    tensors = {e: outputs[e] for e in edge.entries}
-                    link.put(Frame("data", w.run, w.epoch, seq, self.index, tensors, names))
+                self._error = message
+            self._report(seq, message)
+            return
+        with self._cond:  # recorded before the outputs leave: once the driver has them, so has stats()
+            self.events.append((w.epoch, seq, self._busy[1], time.time()))
+            self._busy = None
+            self._next_seq = seq + 1
+        for edge, link, names in self._links:
+            if edge.carries_data:
+                link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in edge.entries}, names))

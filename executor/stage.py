@@ -30,6 +30,7 @@ class Stage:
         self.program: StageProgram = build_stage_program(self.bundle, start, end)
         self.backend = make_backend(backend, self.bundle, self.program, **opts)
         self.backend_name = backend
+        self._layout = feed_layout(self.program)
 
     def run(self, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
@@ -41,7 +42,7 @@ class Stage:
         return self._run(inputs, profile=True)
 
     def _run(self, inputs: Mapping[int, np.ndarray], profile: bool) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
-        feeds = check_feeds(self.program, inputs)
+        feeds = check_feeds(self.program, inputs, self._layout)
         for e, v in feeds.items():
             self.backend.write(e, v)
         timings = self.backend.execute(profile=profile) or []
@@ -74,13 +75,31 @@ def check_array(program: StageProgram, entry: int, value: Any, what: str) -> np.
     return value
 
 
-def check_feeds(program: StageProgram, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
+def feed_layout(program: StageProgram) -> tuple[tuple[int, tuple[int, ...], np.dtype], ...]:
+    """(entry, shape, dtype) of every fed entry, in feed order: what `check_feeds` compares against."""
+    return tuple((e, tuple(program.entry_specs[e].shape), np_dtype(program.entry_specs[e].dtype))
+                 for e in program.feed_entries)
+
+
+def check_feeds(program: StageProgram, inputs: Mapping[int, Any],
+                layout: tuple[tuple[int, tuple[int, ...], np.dtype], ...] | None = None) -> dict[int, np.ndarray]:
     """Every fed entry present, nothing else, each of the right shape and dtype; else InputError
-    listing what the stage expects. Runs before anything touches the device."""
+    listing what the stage expects. Runs before anything touches the device. This is on every
+    micro-batch's path, so pass the stage's `feed_layout`; messages are built only on failure."""
+    layout = layout if layout is not None else feed_layout(program)
+    if len(inputs) == len(layout):
+        feeds = {}
+        for e, shape, dt in layout:
+            value = inputs.get(e)
+            if not isinstance(value, np.ndarray) or value.dtype != dt or value.shape != shape:
+                break
+            feeds[e] = value
+        else:
+            return feeds
     want = program.feed_entries
-    expected = "; ".join(program.describe(e) for e in want) or "no inputs"
     unknown = [k for k in inputs if k not in want]
     if unknown:
+        expected = "; ".join(program.describe(e) for e in want) or "no inputs"
         raise InputError(f"stage [{program.start}, {program.end}) does not take entr{'y' if len(unknown) == 1 else 'ies'} "
                          f"{', '.join(map(repr, unknown))}; it expects: {expected}")
     missing = [e for e in want if e not in inputs]

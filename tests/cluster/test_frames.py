@@ -269,3 +269,21 @@ def test_fuzz_socket_stream(data):
             pass
     finally:
         b.close()
+
+
+def test_reader_checks_a_changed_tensor_list_again():
+    """The reader skips re-checking a tensor list identical to the last one; a different one (here
+    over the connection's limits) is checked in full, and the frames before it are unharmed."""
+    a, b = socket.socketpair()
+    limits = FrameLimits(max_tensors=1, max_ndim=1, max_tensor_bytes=16, max_payload_bytes=16)
+    ok = [Frame("data", "r", 0, s, 0, {4: np.full(4, s, np.float32)}, {4: "x"}) for s in range(3)]
+    for f in ok + [Frame("data", "r", 0, 3, 0, {4: np.zeros(8, np.float32)}, {4: "x"})]:
+        frames.send(a, f)
+    reader = frames.FrameReader(b, limits)
+    for f in ok:
+        assert_same(reader.read(), f)
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        reader.read()
+    a.close()
+    b.close()
+
