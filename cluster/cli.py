@@ -13,7 +13,7 @@ import contextlib
 import importlib.resources
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -61,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "planner, and for the simulated backend")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="simulated backend: multiply every op time (make stages long against transport overhead)")
+    s.add_argument("--frame-overhead-us", default="auto", metavar="US|auto",
+                   help="runtime cost per frame a stage receives, added to every prediction; 'auto' (default) "
+                        "measures it as the gap between a 1-stage run and its prediction")
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
     _cluster_args(s)
     s.set_defaults(func=sweep_command)
@@ -321,6 +324,32 @@ def simulated_profile(bundle, time_scale: float) -> dict[str, Any]:
         return runner.profile(repeat=1, warmup=0, **random_inputs(bundle)).to_json()
 
 
+def _frame_overhead(value: str, model: Any, run_plan: Any, micro_batches: int) -> float:
+    """Microseconds the runtime adds per received frame (wake-up, decode, send), beyond op time.
+
+    The cost models know op times only; on small stages the transport dominates and predictions
+    would be off several-fold. 'auto' measures it once: the 1-stage plan's measured time per
+    micro-batch minus its predicted time (its only frame is the driver's input frame).
+    """
+    from tvmpipe.cluster.metrics import compute_metrics
+    from tvmpipe.partition.planners import make_plan
+    from tvmpipe.partition.predict import predict
+
+    if value != "auto":
+        try:
+            us = float(value)
+        except ValueError:
+            raise TvmpipeError(f"--frame-overhead-us {value!r}: expected microseconds or 'auto'") from None
+        if us < 0:
+            raise TvmpipeError(f"--frame-overhead-us must be >= 0, got {us}")
+        return us
+    plan = make_plan(model, 1, "equal", requests=micro_batches)
+    m = compute_metrics(run_plan(plan))
+    measured_us = 1e6 / (m.steady_throughput * m.batch)
+    predicted_us = 1e6 / predict(model, plan, micro_batches).throughput
+    return max(0.0, measured_us - predicted_us)
+
+
 def sweep_command(args: argparse.Namespace) -> int:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
@@ -346,19 +375,27 @@ def sweep_command(args: argparse.Namespace) -> int:
         if profile is None and backend == "simulated":
             profile = simulated_profile(bundle, args.time_scale)
         model = PipelineModel.build(bundle, profile=profile)
+
+        def run_plan(plan: Any) -> Any:
+            kw = pipeline_kwargs(args, cluster, backend, len(plan.stages))
+            if backend == "simulated":
+                kw["backend_opts"] = {"cost_profile": profile}
+            with Pipeline(bundle, plan, **kw) as pipe:
+                pipe.run(batches)
+                return pipe.record()
+
+        overhead = _frame_overhead(args.frame_overhead_us, model, run_plan, args.micro_batches)
+        model = replace(model, link=replace(model.link, latency_us=overhead))
+        print(f"per-frame runtime overhead in predictions: {overhead:.1f} us"
+              + (" (measured: 1-stage run vs its prediction)" if args.frame_overhead_us == "auto" else ""), flush=True)
         cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=args.micro_batches)
         for case in cases:
             if case.plan is None:
                 print(f"[{_key(case)}] not planned: {case.error.splitlines()[0]}", flush=True)
                 continue
             case.plan.save(out / "plans" / f"{_key(case)}.json")
-            kw = pipeline_kwargs(args, cluster, backend, case.stages)
-            if backend == "simulated":
-                kw["backend_opts"] = {"cost_profile": profile}
             try:
-                with Pipeline(bundle, case.plan, **kw) as pipe:
-                    pipe.run(batches)
-                    rec = pipe.record()
+                rec = run_plan(case.plan)
             except TvmpipeError as exc:
                 case.error = f"run failed: {exc}"
                 print(f"[{_key(case)}] {case.error}", flush=True)
@@ -374,7 +411,8 @@ def sweep_command(args: argparse.Namespace) -> int:
             print(f"[{_key(case)}] predicted {pred:.1f}/s, measured {meas:.1f}/s ({100 * (meas / pred - 1):+.1f}%), "
                   f"p50 {m.latency_p50_ms:.2f} ms, p99 {m.latency_p99_ms:.2f} ms, bubble {100 * (m.bubble or 0):.0f}% "
                   f"(predicted {100 * case.prediction.bubble:.0f}%)", flush=True)
-    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})",
+    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend}; predictions include "
+                                           f"{overhead:.1f} us runtime overhead per received frame)",
                          timeline=gantt_spans(best[1]) if best else None)
     for p in paths.values():
         print(f"wrote {p}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -76,6 +77,28 @@ def test_sweep_simulated_writes_a_report(capsys, tmp_path, bundles):
         assert (out_dir / f).is_file(), f
     rows = (out_dir / "sweep.csv").read_text().splitlines()
     assert len(rows) == 3 and all(r.split(",")[4] for r in rows[1:])  # meas_throughput filled
+
+
+def test_sweep_frame_overhead_enters_every_prediction(capsys, tmp_path, bundles):
+    """Predictions for tiny stages are meaningless without the runtime's per-frame cost: the sweep
+    either measures it (auto) or takes it from the user, and each plan's prediction includes it."""
+    args = ["sweep", str(bundles["skipnet"]), "--stages", "1..2", "--strategies", "equal", "--processes",
+            "--backend", "simulated", "-n", "8"]
+    code, out, _ = run_cli(capsys, *args, "--frame-overhead-us", "0", "-o", str(tmp_path / "zero"))
+    assert code == 0 and "overhead in predictions: 0.0 us" in out
+    code, out, _ = run_cli(capsys, *args, "--frame-overhead-us", "5000", "-o", str(tmp_path / "big"))
+    assert code == 0 and "overhead in predictions: 5000.0 us" in out
+    pred = {}
+    for name in ("zero", "big"):
+        with open(tmp_path / name / "sweep.csv", newline="") as f:
+            pred[name] = [float(row["pred_throughput"]) for row in csv.DictReader(f)]
+        assert len(pred[name]) == 2
+    # 5 ms per received frame bounds every stage at < 200 micro-batches/s
+    assert all(p < 200 for p in pred["big"]) and all(z > 10 * b for z, b in zip(pred["zero"], pred["big"]))
+    code, out, _ = run_cli(capsys, *args, "--frame-overhead-us", "auto", "-o", str(tmp_path / "auto"))
+    assert code == 0 and "(measured: 1-stage run vs its prediction)" in out
+    code, _, err = run_cli(capsys, *args, "--frame-overhead-us", "-3", "-o", str(tmp_path / "neg"))
+    assert code == 2 and "must be >= 0" in err
 
 
 @pytest.mark.ray
