@@ -7,6 +7,7 @@ its bundle then asks for a sliver of Ray's built-in `node:<ip>` resource, which 
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,10 @@ def create_placement_group(placement: Placement, num_stages: int, timeout_s: flo
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundles = placement.bundles(num_stages)
-    pg = placement_group(bundles, strategy=placement.strategy, name=f"tvmpipe-{num_stages}stages")
+    # Unique per pipeline: several pipelines (jobs, sweeps) share one cluster, and Ray refuses a
+    # second placement group with a name already in use.
+    pg = placement_group(bundles, strategy=placement.strategy,
+                         name=f"tvmpipe-{num_stages}stages-{uuid.uuid4().hex[:8]}")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except Exception as exc:  # GetTimeoutError: the reservation cannot be met (now)

@@ -39,6 +39,17 @@ def test_pipelined_equals_single_process_for_1_to_4_stages(ray_cluster, bundles,
             assert all(s.host == "127.0.0.1" for s in m.stages)
 
 
+def test_two_pipelines_with_the_same_stage_count_share_a_cluster(ray_cluster, bundles):
+    """Two jobs on one cluster: their placement groups must not collide by name."""
+    inputs, want = case(bundles["mlp"], 4)
+    with Pipeline(bundles["mlp"], 2, launcher="ray", placement=SMALL) as a, \
+            Pipeline(bundles["mlp"], 2, launcher="ray", placement=SMALL) as b:
+        record_ports(a)
+        record_ports(b)
+        assert_bit_identical(a.run(inputs), want)
+        assert_bit_identical(b.run(inputs), want)
+
+
 def test_kill_a_stage_actor_mid_run(ray_cluster, bundles):
     """ray.kill on stage 1 while 200 micro-batches stream: 200 outputs, each once, in order, equal
     to a clean run; the replacement actor is new, the others are the same."""
