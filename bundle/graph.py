@@ -290,6 +290,8 @@ class _Reader:
         metadata = obj.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             self.bad("", "metadata", "must be an object")
+        elif not _finite(metadata):
+            self.bad("", "metadata", "holds NaN or Infinity, which JSON cannot represent")
         if row_ptr is None:  # entry ids are not addressable: the attrs arrays cannot be read
             self.fail_if_any()
         entries, extra = self.read_attrs(obj["attrs"], nodes, row_ptr)
@@ -328,6 +330,8 @@ class _Reader:
             if not isinstance(attrs, dict):
                 self.bad(where, "attrs", "must be an object")
                 attrs = {}
+            elif not _finite(attrs):
+                self.bad(where, "attrs", "holds NaN or Infinity, which JSON cannot represent")
             raw_inputs = rn.get("inputs")
             if not isinstance(raw_inputs, list):
                 self.bad(where, "inputs", "missing or not a list")
@@ -540,6 +544,17 @@ class _Reader:
             entries.append(Entry(eid, nid, eid - row_ptr[nid], tuple(shape), "bool" if dt == "uint1" else dt,
                                  sid, dev, scope))
         return entries, extra
+
+
+def _finite(v: Any) -> bool:
+    """No NaN/Infinity anywhere: Python's json accepts them, but they are not JSON and break round trips."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    if isinstance(v, list):
+        return all(_finite(x) for x in v)
+    return True
 
 
 def _list_or_empty(v: Any, reader: _Reader, fld: str) -> list:
