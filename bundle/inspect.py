@@ -16,6 +16,7 @@ from typing import Any
 
 from tvmpipe.bundle.bundle import Bundle
 from tvmpipe.bundle.graph import DEVICE_TYPES, Entry, Graph, Node
+from tvmpipe.bundle.units import format_bytes
 
 SCHEMA = "tvmpipe-inspect/1"
 WIDTH = 100  # the terminal width the text table is laid out for, unless --wide
@@ -130,15 +131,6 @@ def render_text(report: dict[str, Any], wide: bool = False) -> str:
     return "\n".join([title, *rows, "", *_table(report, wide)]) + "\n"
 
 
-def _human_bytes(n: int) -> str:
-    value, unit = float(n), "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
 def _tensor_type(dtype: str, shape: list[int]) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
@@ -151,7 +143,7 @@ def _summary(r: dict[str, Any]) -> list[str]:
     rows = [("nodes", f"{c['nodes']}: {c['op_nodes']} op{f' ({special})' if special else ''}, {c['null_nodes']} null"),
             ("entries", f"{c['entries']} in {c['storage_ids']} storage ids; {c['heads']} head(s)")]
     if bare:
-        rows += [("inputs", f"{BARE}: {c['null_nodes']} null nodes, {_human_bytes(c['null_bytes'])}, "
+        rows += [("inputs", f"{BARE}: {c['null_nodes']} null nodes, {format_bytes(c['null_bytes'])}, "
                             "are inputs and params together"),
                  ("params", BARE)]
     else:
@@ -166,13 +158,13 @@ def _summary(r: dict[str, Any]) -> list[str]:
             f"{i['name']} {_tensor_type(i['dtype'], i['shape'])}" for i in r["inputs"])))
         where = (f"generated on load from seed {p['generated']['seed']} (not stored in the bundle)"
                  if p["file"] is None else f"in {p['file']}")
-        rows.append(("params", f"{p['count']}, {_human_bytes(p['bytes'])}, {where}"))
+        rows.append(("params", f"{p['count']}, {format_bytes(p['bytes'])}, {where}"))
     rows.append(("outputs", f"{len(r['outputs'])}: " + ", ".join(
         f"node {o['node']}" + (f":{o['index']}" if o["index"] else "") + f" '{o['name']}' "
         + _tensor_type(o["dtype"], o["shape"]) for o in r["outputs"])))
     a = r["activation_bytes"]
-    rows.append(("activations", f"{_human_bytes(a['no_reuse'])} without storage reuse, "
-                                f"{_human_bytes(a['with_reuse'])} with TVM's storage plan"))
+    rows.append(("activations", f"{format_bytes(a['no_reuse'])} without storage reuse, "
+                                f"{format_bytes(a['with_reuse'])} with TVM's storage plan"))
     if bare:
         rows += [("kernels", BARE), ("fused ops", BARE)]
     else:
@@ -251,6 +243,6 @@ def _details(n: dict[str, Any], bare: bool, wide: bool) -> list[str]:
         name_w = min(name_w, WIDTH - _SUB_INDENT - len("launch ") - max(map(len, dims)))
     out = [f"launch {_ellipsize(l['kernel'], name_w).ljust(name_w)}{d}" for l, d in zip(n["launches"], dims)]
     if n["workspaces"]:
-        out.append("workspaces " + ", ".join(_human_bytes(w["nbytes"]) for w in n["workspaces"]))
+        out.append("workspaces " + ", ".join(format_bytes(w["nbytes"]) for w in n["workspaces"]))
     out.append("ops    " + ", ".join(o["op"] for o in n["ops"]))
     return out

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.bundle.units import format_bytes
 
 BUILTIN_EXAMPLE = "mlp"
 BACKEND_CHOICES = ["auto", "reference", "cuda", "simulated"]
@@ -167,33 +168,12 @@ def pipeline_kwargs(args: argparse.Namespace, cluster: Cluster, backend: str, k:
 
 
 def micro_batches(bundle, args: argparse.Namespace) -> list[dict[str, np.ndarray]]:
-    """--inputs (one micro-batch repeated, or one per leading index) or seeded random inputs."""
-    from tvmpipe.executor import random_inputs
-    from tvmpipe.executor.errors import InputError
-    from tvmpipe.executor.inputs import load_inputs_npz
+    """--inputs (one micro-batch repeated, or its rows cycled to -n) or seeded random inputs."""
+    from tvmpipe.executor.inputs import npz_micro_batches, random_micro_batches
 
-    n = args.micro_batches
-    if n < 1:
-        raise TvmpipeError(f"--micro-batches must be >= 1, got {n}")
     if not args.inputs:
-        return [random_inputs(bundle, seed=args.seed + i) for i in range(n)]
-    given = load_inputs_npz(args.inputs)
-    g = bundle.graph
-    out: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
-    for name in bundle.input_names:
-        if name not in given:
-            raise InputError(f"{args.inputs}: no array for graph input '{name}' (has: {', '.join(given) or 'none'})")
-        arr, shape = given[name], g.entries[g.entry_id(g.node_index[name])].shape
-        if tuple(arr.shape) == tuple(shape):
-            for mb in out:
-                mb[name] = arr
-        elif tuple(arr.shape[1:]) == tuple(shape) and arr.shape[0] >= 1:
-            for i, mb in enumerate(out):
-                mb[name] = arr[i % arr.shape[0]]
-        else:
-            raise InputError(f"{args.inputs}: '{name}' has shape {list(arr.shape)}, expected {list(shape)} "
-                             f"or [N, {', '.join(map(str, shape))}]")
-    return out
+        return random_micro_batches(bundle, args.micro_batches, args.seed)
+    return npz_micro_batches(bundle, args.inputs, args.micro_batches, cycle=True)
 
 
 def compare(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> list[tuple[int, str]]:
@@ -212,13 +192,7 @@ def compare(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> list[t
 
 
 def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return "-" if n is None else format_bytes(n)
 
 
 def _pct(v: float | None) -> str:
@@ -355,7 +329,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.cluster.metrics import compute_metrics
     from tvmpipe.cluster.timeline import gantt_spans, write_trace
-    from tvmpipe.executor import random_inputs
+    from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition.cost import read_profile
     from tvmpipe.partition.model import PipelineModel
     from tvmpipe.partition.report import write_report
@@ -367,7 +341,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     out = Path(args.output)
     (out / "plans").mkdir(parents=True, exist_ok=True)
     (out / "traces").mkdir(exist_ok=True)
-    batches = [random_inputs(bundle, seed=i) for i in range(args.micro_batches)]
+    batches = random_micro_batches(bundle, args.micro_batches, seed=0)
     best: tuple[float, Any] | None = None
     with open_cluster(args, hi) as cluster:
         backend = pick_backend(args.backend, cluster.gpus)

@@ -8,7 +8,6 @@ weight name, which the graph's null nodes carry.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
 from tvmpipe.compiler.errors import SourceError
 from tvmpipe.compiler.models import build_builtin, get_builtin
@@ -40,10 +40,6 @@ class Imported:
     dtype: str
     const_names: ConstNames = field(default_factory=ConstNames)
     torch_module: Any = None
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_source(source: str, batch: int | None = None, seed: int = 0) -> Imported:
@@ -87,7 +83,7 @@ def _from_pt2(path: Path, batch: int | None) -> Imported:
             ep = torch.export.load(str(path))
     except Exception as exc:  # torch raises many types for a bad archive
         raise SourceError(f"{path}: not a readable torch.export program (.pt2): {type(exc).__name__}: {exc}") from None
-    imp = _from_exported(ep, path.stem, {"kind": "torch", "name": path.name, "sha256": sha256_of(path)})
+    imp = _from_exported(ep, path.stem, {"kind": "torch", "name": path.name, "sha256": sha256_file(path)})
     if batch is not None and imp.batch != batch:
         raise SourceError(f"{path}: the program was exported with batch {imp.batch}; --batch {batch} needs a "
                           "re-export (torch.export fixes static shapes)")
@@ -148,7 +144,7 @@ def _from_onnx(path: Path, batch: int | None) -> Imported:
         mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
     except Exception as exc:
         raise SourceError(f"{path}: TVM cannot import this ONNX model: {type(exc).__name__}: {exc}") from None
-    imp = _bind(mod, path.stem, {"kind": "onnx", "name": path.name, "sha256": sha256_of(path)})
+    imp = _bind(mod, path.stem, {"kind": "onnx", "name": path.name, "sha256": sha256_file(path)})
     if batch is not None and imp.batch != batch:
         raise SourceError(f"{path}: the model has a static batch of {imp.batch}; --batch {batch} needs a "
                           "model with a symbolic (or matching) leading dimension")

@@ -3,6 +3,5 @@
 - job.py: `python -m tvmpipe.job`, one pipeline run as a cluster job (also a plain script for
   `ray submit CLUSTER.yaml deploy/job.py`);
 - rundir.py: the job's run directory, written one atomic file at a time;
-- batches.py: the job's micro-batches (seeded random, or from an .npz);
 - onprem.yaml, aws-gpu.yaml: Ray cluster launcher configs (see docs/cluster-jobs.md).
 """

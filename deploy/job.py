@@ -38,7 +38,7 @@ import numpy as np
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.errors import TvmpipeError
 from tvmpipe.cluster import cli as run_cli
-from tvmpipe.deploy.batches import Batch, npz_batches, random_batches
+from tvmpipe.executor.inputs import Batch, npz_micro_batches, random_micro_batches
 from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir
 
 log = logging.getLogger("tvmpipe.job")
@@ -189,9 +189,9 @@ class Job:
 
         self.phase = "inputs"
         if self.cfg.inputs:
-            self.batches = npz_batches(bundle, self.cfg.inputs, self.cfg.micro_batches)
+            self.batches = npz_micro_batches(bundle, self.cfg.inputs, self.cfg.micro_batches)
         else:
-            self.batches = random_batches(bundle, self.cfg.micro_batches or DEFAULT_MICRO_BATCHES, self.cfg.seed)
+            self.batches = random_micro_batches(bundle, self.cfg.micro_batches or DEFAULT_MICRO_BATCHES, self.cfg.seed)
         self.info["micro_batches"] = len(self.batches)
 
         self.phase = "connect"

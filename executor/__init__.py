@@ -11,7 +11,8 @@ Backends are imported lazily (pycuda only inside the cuda backend).
 from tvmpipe.executor.backend import StepTiming, make_backend
 from tvmpipe.executor.errors import BackendUnavailable, DeviceError, ExecutorError, InputError, UnsupportedOpError
 from tvmpipe.executor.extract import boundary_input_name, extract_bundle
-from tvmpipe.executor.inputs import feeds_by_entry, input_entry_ids, random_inputs
+from tvmpipe.executor.inputs import (feeds_by_entry, input_entry_ids, npz_micro_batches, random_inputs,
+                                     random_micro_batches)
 from tvmpipe.executor.profile import Profile
 from tvmpipe.executor.program import BoundLaunch, BoundOperand, EntrySpec, StageProgram, Step, build_stage_program
 from tvmpipe.executor.runner import GraphRunner
@@ -22,7 +23,7 @@ __all__ = [
     "StepTiming", "make_backend",
     "BackendUnavailable", "DeviceError", "ExecutorError", "InputError", "UnsupportedOpError",
     "boundary_input_name", "extract_bundle",
-    "feeds_by_entry", "input_entry_ids", "random_inputs",
+    "feeds_by_entry", "input_entry_ids", "npz_micro_batches", "random_inputs", "random_micro_batches",
     "Profile",
     "BoundLaunch", "BoundOperand", "EntrySpec", "StageProgram", "Step", "build_stage_program",
     "GraphRunner", "Stage", "Slot", "StoragePlan",

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
+from tvmpipe.bundle.units import format_bytes as _format_bytes
 from tvmpipe.partition.errors import PartitionError
+
+# Partition tables show two decimals: memory caps are compared against these numbers.
+format_bytes = partial(_format_bytes, decimals=2)
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,3 @@ def parse_duration_us(text: str) -> float:
         raise PartitionError(f"cannot read {text!r} as a duration: use e.g. 20us, 0.5ms")
     scale = {"ns": 1e-3, "us": 1.0, None: 1.0, "ms": 1e3, "s": 1e6}[m.group(2)]
     return float(m.group(1)) * scale
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, as memory caps are usually given (8 GiB)."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

@@ -11,7 +11,7 @@ import pytest
 
 from poison import poison_inputs, write_poison
 from tvmpipe.bundle import load_bundle
-from tvmpipe.deploy.batches import npz_batches
+from tvmpipe.executor.inputs import npz_micro_batches as npz_batches
 from tvmpipe.deploy.job import main, parse_args, resolve_bundle
 from tvmpipe.executor import GraphRunner, random_inputs
 from tvmpipe.partition import Plan
