@@ -35,7 +35,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, conti
 from tvmpipe.cluster.launch import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
 from tvmpipe.cluster.topology import Topology, build_topology
-from tvmpipe.cluster.transport import Address, Link, Listener, Peer
+from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
 from tvmpipe.cluster.worker import Inbound, StageSpec, Wiring
 from tvmpipe.executor.errors import InputError
 from tvmpipe.partition import Plan, plan_equal_ops
@@ -99,6 +99,7 @@ class Pipeline:
             raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
         self._expect = {e.src: Inbound.of(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
         self._names = {e.dst: {x: self.topology.names[x] for x in e.entries} for e in self.topology.outbound(DRIVER)}
+        self._feeds = [(e.dst, e.entries, self._names[e.dst]) for e in self.topology.outbound(DRIVER)]
 
         # schedule state, guarded by _cond
         self._cond = threading.Condition()
@@ -124,8 +125,10 @@ class Pipeline:
         self._signals: queue.Queue[_Signal | None] = queue.Queue()
 
         self.launcher = _make_launcher(launcher, placement, timeouts, ship_bundle)
-        self._listener = Listener(host or _node_ip(), self._accept_hello, self._on_frame, self._on_close,
-                                  retains_frames=True)
+        # Outputs are read by the thread waiting for them (get(), or submit() on a full window): a
+        # hand-off from a receiving thread would cost a wake-up per micro-batch (PolledListener).
+        self._listener = PolledListener(host or _node_ip(), self._accept_hello, self._on_frame, self._on_close,
+                                        retains_frames=True)
         specs = [StageSpec(i, s, e, str(self.bundle.path), backend, dict(backend_opts or {}), host, warmup, seed)
                  for i, (s, e) in enumerate(self.plan.stages)]
         self._addresses: list[Address] = []
@@ -171,8 +174,12 @@ class Pipeline:
     def get(self, timeout: float | None = None) -> Outputs:
         """The outputs of the next micro-batch in submission order (blocking)."""
         deadline = None if timeout is None else time.time() + timeout
-        with self._cond:
-            while self._delivered >= self._completed:
+        while True:
+            with self._cond:
+                if self._delivered < self._completed:
+                    out = self._results.pop(self._delivered)
+                    self._delivered += 1
+                    return out
                 if self._fatal is not None:
                     raise self._fatal_with_results()
                 if self._delivered >= self._submitted:
@@ -180,10 +187,13 @@ class Pipeline:
                 left = None if deadline is None else deadline - time.time()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"micro-batch {self._delivered} not done within {timeout} s")
-                self._cond.wait(left if left is not None else 1.0)
-            out = self._results.pop(self._delivered)
-            self._delivered += 1
-            return out
+            self._listener.pump(self._get_can_return, min(left, 1.0) if left is not None else 1.0)
+
+    def _get_can_return(self) -> bool:
+        return self._delivered < self._completed or self._fatal is not None or self._closing
+
+    def _window_open(self) -> bool:
+        return self._submitted - self._completed < self.window or self._fatal is not None or self._closing
 
     def results(self) -> Iterator[Outputs]:
         """Outputs of every micro-batch submitted so far, in order, as each completes."""
@@ -264,7 +274,7 @@ class Pipeline:
             if self._closing:
                 return
             self._closing = True
-            self._cond.notify_all()
+            self._notify()
         self._signals.put(None)
         self._supervisor.join(timeout=self.timeouts.call + self.timeouts.start)
         with self._wire_lock:
@@ -280,8 +290,10 @@ class Pipeline:
 
     # ---- sending ---------------------------------------------------------------------------------
     def _submit_checked(self, arrays: dict[int, np.ndarray]) -> int:
+        while not self._window_open():  # read outputs until one completes
+            self._listener.pump(self._window_open, 1.0)
         with self._cond:
-            while self._submitted - self._completed >= self.window and self._fatal is None and not self._closing:
+            while not self._window_open():  # another thread submitted meanwhile
                 self._cond.wait(1.0)
             if self._fatal is not None:
                 raise self._fatal_with_results()
@@ -303,10 +315,10 @@ class Pipeline:
             todo = [(s, self._inputs[s]) for s in range(self._sent, self._submitted) if s in self._inputs]
             self._sent = self._submitted
             epoch = self._epoch
+        links = self._links
         for seq, arrays in todo:
-            for e in self.topology.outbound(DRIVER):
-                self._links[e.dst].put(Frame("data", self.run_id, epoch, seq, DRIVER,
-                                             {x: arrays[x] for x in e.entries}, self._names[e.dst]))
+            for dst, entries, names in self._feeds:
+                links[dst].put(Frame("data", self.run_id, epoch, seq, DRIVER, {x: arrays[x] for x in entries}, names))
 
     # ---- receiving -------------------------------------------------------------------------------
     def _accept_hello(self, peer: Peer) -> FrameLimits:
@@ -321,7 +333,7 @@ class Pipeline:
             return
         if frame.kind != "data":
             raise FrameError(f"stage {peer.stage} sent a {frame.kind} frame to the driver")
-        self._expect[peer.stage].check(frame, f"stage {peer.stage}")
+        self._expect[peer.stage].check(frame, peer.stage)
         with self._cond:
             if peer.epoch != self._epoch or frame.seq < self._completed:
                 return  # a replayed or stale micro-batch: already delivered, drop it
@@ -337,7 +349,12 @@ class Pipeline:
                 if len(self.done_times) > TIMELINE_KEPT:
                     old = next(iter(self.done_times))
                     del self.done_times[old], self.submit_times[old]
-            self._cond.notify_all()
+            self._cond.notify_all()  # a submit() waiting for the window
+
+    def _notify(self) -> None:
+        """Wake everyone waiting for a fatal error or closing (_cond held)."""
+        self._cond.notify_all()
+        self._listener.wake()
 
     def _on_close(self, peer: Peer, error: Exception | None) -> None:
         if not self._closing and peer.epoch == self._epoch:
@@ -399,7 +416,7 @@ class Pipeline:
                     f"recovery from '{signal.message}' failed: {type(exc).__name__}: {exc}", None, str(exc))
                 with self._cond:
                     self._fatal = fatal
-                    self._cond.notify_all()
+                    self._notify()
                 return
 
     def _diagnose(self, signal: _Signal) -> dict[int, str]:

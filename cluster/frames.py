@@ -36,6 +36,13 @@ _ITEMSIZE = {n: dtypes.itemsize(n) for n in [*dtypes.DTYPES, "uint1"]}
 HEADER_KEYS = {"v", "kind", "run", "epoch", "seq", "stage", "tensors", "error"}
 _ZEROS = bytes(ALIGN)
 RETAINED_MMAP_BYTES = 1 << 20  # retained payloads from this size on get pre-populated mappings
+# `seq` is written as a msgpack uint 64 (0xcf + 8 bytes, big endian) whatever its value: a valid,
+# merely non-minimal encoding that any msgpack reader takes, and one that lets a stream's header be
+# packed once and patched per frame. The all-ones value marks the field in a freshly packed header
+# (0xff never occurs in UTF-8, so no name can contain the marker).
+SEQ_FIELD = b"\xa3seq\xcf"  # fixstr "seq", then the uint 64 tag
+_SEQ = struct.Struct(">Q")
+_SEQ_MARK = SEQ_FIELD + b"\xff" * 8
 
 
 class FrameError(TvmpipeError):
@@ -60,13 +67,15 @@ DEFAULT_LIMITS = FrameLimits()
 
 
 class TensorMeta(NamedTuple):
-    """One tensor as the header describes it; `offset` is derived, never sent."""
+    """One tensor as the header describes it; `offset`, `np_dtype` and `count` are derived, never sent."""
 
     entry: int
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     offset: int
+    np_dtype: np.dtype
+    count: int
 
 
 @dataclass
@@ -85,7 +94,7 @@ class Frame:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.tensors.values())
+        return sum([a.nbytes for a in self.tensors.values()])
 
 
 def _align(n: int) -> int:
@@ -107,29 +116,62 @@ def payload_bytes(sizes: list[int]) -> int:
 
 # ---- encoding ------------------------------------------------------------------------------------
 
-def encode(frame: Frame) -> list[memoryview | bytes]:
-    """The frame as an iovec (prefix+header, then tensor bytes with alignment padding) ready for
-    `socket.sendmsg`; the tensors' memory is referenced, not copied (non-contiguous arrays are)."""
+class Encoder:
+    """Encodes the frames of one stream. Consecutive frames of a stream differ only in `seq` (same
+    run, epoch, producer and tensor layout), so the header is packed once per layout, with `seq` at
+    a fixed width, and each frame only patches those 8 bytes: on a small frame's path the packing
+    would cost more than the send (a hop is latency-bound by such per-frame Python)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._head = b""  # prefix + header up to the seq value
+        self._tail = b""  # the header after it
+        self._pads: tuple[bytes, ...] = ()  # zero padding before each tensor
+
+    def encode(self, frame: Frame) -> list[memoryview | bytes]:
+        """The frame as an iovec (prefix+header, then tensor bytes with alignment padding) ready for
+        `socket.sendmsg`; the tensors' memory is referenced, not copied (non-contiguous arrays are)."""
+        arrays = [contiguous(a) for a in frame.tensors.values()]
+        key = (frame.kind, frame.run, frame.epoch, frame.stage, frame.error, tuple(frame.tensors),
+               tuple([(a.dtype, a.shape) for a in arrays]), tuple(frame.names.items()))
+        if key != self._key:
+            self._head, self._tail, self._pads = _pack_header(frame, arrays)
+            self._key = key
+        parts: list[memoryview | bytes] = [self._head + _SEQ.pack(frame.seq) + self._tail]
+        for pad, arr in zip(self._pads, arrays):
+            if pad:
+                parts.append(pad)
+            if arr.nbytes:
+                parts.append(memoryview(arr.reshape(-1)).cast("B"))
+        return parts
+
+
+def _pack_header(frame: Frame, arrays: list[np.ndarray]) -> tuple[bytes, bytes, tuple[bytes, ...]]:
+    """Prefix + msgpack header of `frame` split around its seq value, and the tensors' padding."""
     if frame.kind not in KINDS:
         raise FrameError(f"unknown frame kind {frame.kind!r}")
-    metas = []
-    parts: list[memoryview | bytes] = []
+    if type(frame.seq) is not int or not 0 <= frame.seq < 1 << 64:
+        raise FrameError(f"seq must be an integer in 0..2**64-1, got {frame.seq!r}")
+    metas, pads = [], []
     pos = 0
-    for eid, arr in frame.tensors.items():
-        arr = contiguous(arr)
+    for eid, arr in zip(frame.tensors, arrays):
         name = _BY_DTYPE.get(arr.dtype)
         if name is None:
             raise FrameError(f"entry {eid}: dtype {arr.dtype} is not a tvmpipe dtype")
         start = _align(pos)
-        if start > pos:
-            parts.append(_ZEROS[: start - pos])
-        if arr.nbytes:
-            parts.append(memoryview(arr.reshape(-1)).cast("B"))
+        pads.append(_ZEROS[: start - pos])
         pos = start + arr.nbytes
         metas.append((int(eid), frame.names.get(eid, "")[:NAME_CHARS], name, arr.shape, arr.nbytes))
     header = msgpack.packb({"v": FORMAT_VERSION, "kind": frame.kind, "run": frame.run, "epoch": frame.epoch,
-                            "seq": frame.seq, "stage": frame.stage, "tensors": metas, "error": frame.error})
-    return [PREFIX.pack(MAGIC, len(header)) + header, *parts]
+                            "seq": (1 << 64) - 1, "stage": frame.stage, "tensors": metas, "error": frame.error})
+    at = header.index(_SEQ_MARK) + len(SEQ_FIELD)  # the marker is unique (see SEQ_FIELD)
+    head = PREFIX.pack(MAGIC, len(header)) + header[:at]
+    return head, header[at + _SEQ.size:], tuple(pads)
+
+
+def encode(frame: Frame) -> list[memoryview | bytes]:
+    """One frame as an iovec (see Encoder.encode; a stream keeps an Encoder instead)."""
+    return Encoder().encode(frame)
 
 
 def to_bytes(frame: Frame) -> bytes:
@@ -240,15 +282,15 @@ def _layout(raw: object, limits: FrameLimits) -> Layout:
         if pos > limits.max_payload_bytes:
             raise FrameError(f"payload exceeds the limit {limits.max_payload_bytes} bytes")
         names[eid] = name
-        metas.append(TensorMeta(eid, dt, tuple(shape), nbytes, start))
+        metas.append(TensorMeta(eid, dt, tuple(shape), nbytes, start, dtypes.np_dtype(dt), count))
     return Layout(raw, limits, metas, names, pos)
 
 
 def attach(frame: Frame, metas: list[TensorMeta], payload: np.ndarray | memoryview | bytes) -> Frame:
     """Fill `frame.tensors` with views of `payload` (no copy)."""
+    tensors = frame.tensors
     for m in metas:
-        frame.tensors[m.entry] = np.frombuffer(payload, dtype=dtypes.np_dtype(m.dtype),
-                                               count=m.nbytes // _ITEMSIZE[m.dtype], offset=m.offset).reshape(m.shape)
+        tensors[m.entry] = np.frombuffer(payload, m.np_dtype, m.count, m.offset).reshape(m.shape)
     return frame
 
 
@@ -269,10 +311,11 @@ def decode(data: bytes | bytearray | memoryview, limits: FrameLimits = DEFAULT_L
 
 # ---- sockets -------------------------------------------------------------------------------------
 
-def send(sock: socket.socket, frame: Frame) -> int:
+def send(sock: socket.socket, frame: Frame, encoder: Encoder | None = None) -> int:
     """Send one frame with scatter-gather I/O (no concatenation); returns the bytes written.
-    Usually one system call; a partial send carries on from where it stopped."""
-    parts = encode(frame)  # bytes and unsigned-byte memoryviews: len() counts bytes
+    Usually one system call; a partial send carries on from where it stopped. A stream passes its
+    own `encoder` (see Encoder)."""
+    parts = (encoder or Encoder()).encode(frame)  # bytes and unsigned-byte memoryviews: len() counts bytes
     total = left = sum(map(len, parts))
     while True:
         sent = sock.sendmsg(parts[:1024])  # IOV_MAX
@@ -301,6 +344,49 @@ def retained_buffer(size: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size, flags=flags), dtype=np.uint8)
 
 
+class _Repeat(NamedTuple):
+    """A data header that passed every check, split around its fixed-width seq value: a header
+    with the same bytes everywhere else is the same frame but for `seq` (which any 8 bytes encode
+    validly), so it needs no unpacking and no checks. Anything else goes through `parse_header`."""
+
+    head: bytes
+    tail: bytes
+    seq_at: int
+    limits: FrameLimits
+    layout: Layout
+    kind: str
+    run: str
+    epoch: int
+    stage: int
+
+    @classmethod
+    def learn(cls, header: bytes, frame: Frame, layout: Layout) -> _Repeat | None:
+        """The repeat pattern of `header` (parsed into `frame`, `layout`) if its seq is fixed-width.
+        The field is found by its bytes and then proven: with other seq bytes the header must parse
+        to the same frame but for seq (bytes that merely look like the field, inside a name, fail)."""
+        at = header.find(SEQ_FIELD)
+        if frame.kind != "data" or frame.error is not None or at < 0 or header.find(SEQ_FIELD, at + 1) >= 0:
+            return None
+        at += len(SEQ_FIELD)
+        if len(header) < at + _SEQ.size or _SEQ.unpack_from(header, at)[0] != frame.seq:
+            return None
+        other = frame.seq ^ 1
+        try:
+            twin, twin_layout = parse_header(header[:at] + _SEQ.pack(other) + header[at + _SEQ.size:],
+                                             layout.limits, layout)
+        except FrameError:
+            return None
+        if twin_layout is not layout or twin.seq != other or (twin.kind, twin.run, twin.epoch, twin.stage, twin.error) \
+                != (frame.kind, frame.run, frame.epoch, frame.stage, frame.error):
+            return None
+        return cls(header[:at], header[at + _SEQ.size:], at, layout.limits, layout,
+                   frame.kind, frame.run, frame.epoch, frame.stage)
+
+    def matches(self, buf: bytearray, at: int, hlen: int, limits: FrameLimits) -> bool:
+        return (hlen == len(self.head) + _SEQ.size + len(self.tail) and limits is self.limits
+                and buf.startswith(self.head, at) and buf.startswith(self.tail, at + self.seq_at + _SEQ.size))
+
+
 class FrameReader:
     """Reads frames from one connection, in order.
 
@@ -320,6 +406,12 @@ class FrameReader:
         self._start = 0  # buffered bytes are _buf[_start:_end]
         self._end = 0
         self._layout: Layout | None = None  # of the last frame: the next one's tensors are usually the same
+        self._repeat: _Repeat | None = None  # the last data header, to recognise its repeats
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes of a next frame are already here (a poller waiting for the socket would miss them)."""
+        return self._end > self._start
 
     def _fill(self, need: int, what: str, at_boundary: bool = False) -> bool:
         """Buffer at least `need` bytes (need <= buffer size). False on a clean EOF before the first
@@ -363,13 +455,21 @@ class FrameReader:
         self._start += PREFIX.size
         if hlen <= len(self._buf):
             self._fill(hlen, "header")
-            header: bytes | memoryview = self._view[self._start:self._start + hlen]
+            at = self._start
             self._start += hlen
+            rep = self._repeat
+            if rep is not None and rep.matches(self._buf, at, hlen, limits):
+                frame = Frame(rep.kind, rep.run, rep.epoch, _SEQ.unpack_from(self._buf, at + rep.seq_at)[0],
+                              rep.stage, {}, rep.layout.names)
+            else:
+                header = bytes(self._view[at:at + hlen])
+                frame, self._layout = parse_header(header, limits, self._layout)
+                self._repeat = _Repeat.learn(header, frame, self._layout)
         else:  # a header larger than the buffer (allowed by the limits): read it on its own
             big = bytearray(hlen)
             self._take(memoryview(big), "header")
-            header = big
-        frame, self._layout = parse_header(header, limits, self._layout)
-        payload = self.alloc(self._layout.size)
+            frame, self._layout = parse_header(big, limits, self._layout)
+            self._repeat = None
+        payload = self.alloc(self._layout.size)  # a repeat's layout is the last one parsed
         self._take(memoryview(payload), "payload")
         return attach(frame, self._layout.metas, payload)

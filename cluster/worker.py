@@ -96,14 +96,18 @@ class Inbound:
                              max_header_bytes=(64 << 10) + 256 * len(entries))
         return cls(limits, {e: (tuple(specs[e].shape), dtypes.np_dtype(specs[e].dtype)) for e in entries})
 
-    def check(self, frame: Frame, source: str) -> None:
-        """A data frame must carry exactly the planned entries with the planned shapes and dtypes."""
-        if frame.tensors.keys() != self.layout.keys():
-            raise FrameError(f"{source} sent entries {sorted(frame.tensors)}, expected {sorted(self.layout)}")
-        for e, arr in frame.tensors.items():
-            shape, dt = self.layout[e]
-            if arr.shape != shape or arr.dtype != dt:
-                raise FrameError(f"{source} sent entry {e} as {arr.dtype}{list(arr.shape)}, expected {dt}{list(shape)}")
+    def check(self, frame: Frame, producer: int) -> None:
+        """A data frame must carry exactly the planned entries with the planned shapes and dtypes.
+        (Every micro-batch passes here on every hop: messages are built only on failure.)"""
+        layout = self.layout
+        tensors = frame.tensors
+        if tensors.keys() != layout.keys():
+            raise FrameError(f"{_name(producer)} sent entries {sorted(tensors)}, expected {sorted(layout)}")
+        for e, arr in tensors.items():
+            shape, dt = layout[e]
+            if arr.shape != shape or (arr.dtype is not dt and arr.dtype != dt):
+                raise FrameError(f"{_name(producer)} sent entry {e} as {arr.dtype}{list(arr.shape)}, "
+                                 f"expected {dt}{list(shape)}")
 
 
 def _name(stage: int) -> str:
@@ -142,12 +146,18 @@ class StageWorker:
             self.stage.run(feed)
         self.warmup_s = time.time() - t1
 
-        self._cond = threading.Condition(threading.Lock())  # not reentrant: _drain releases it to compute
+        # One lock for the worker's state; the condition on it is for the few who wait (stop(), the
+        # compute thread), and is only notified when someone does (`_waiting`): the per-micro-batch
+        # path takes the plain lock.
+        self._lock = threading.Lock()  # not reentrant: _drain releases it to compute
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0
         self._wiring: Wiring | None = None
         self._pending: dict[int, dict[int, Frame]] = {}  # seq -> producer -> frame
         self._next_from: dict[int, int] = {}  # producer -> next seq expected from it
         self._inbound: dict[int, Inbound] = {}  # producer -> what it sends
         self._links: list[tuple[Edge, Link, dict[int, str]]] = []  # with the names its frames carry
+        self._data_links: list[tuple[Link, tuple[int, ...], dict[int, str]]] = []  # those that carry outputs
         self._compute: threading.Thread | None = None
         self._running = False  # connected: frames may be computed
         self._inline = False  # inputs are small: the receiving thread computes (see _on_frame)
@@ -193,7 +203,10 @@ class StageWorker:
         hello = Frame("hello", w.run, w.epoch, w.first_seq, self.index)
         for edge, addr in w.outbound:
             link = Link(tuple(addr), hello, self._link_failed(edge.dst), depth=w.queue_depth)
-            self._links.append((edge, link, {e: self.program.entry_names[e] for e in edge.entries}))
+            names = {e: self.program.entry_names[e] for e in edge.entries}
+            self._links.append((edge, link, names))
+            if edge.carries_data:
+                self._data_links.append((link, edge.entries, names))
         inbound = sum(self.program.entry_specs[e].nbytes for es in w.inbound.values() for e in es)
         with self._cond:
             self._inline = inbound <= INLINE_BYTES
@@ -209,7 +222,7 @@ class StageWorker:
             self._running = False
             self._cond.notify_all()
             while self._computing:  # a micro-batch in progress finishes (it cannot be interrupted)
-                self._cond.wait()
+                self._wait()
         if self._compute is not None:
             self._compute.join()
             self._compute = None
@@ -218,6 +231,7 @@ class StageWorker:
             self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + link.bytes_sent
             self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + link.frames_sent
         self._links = []
+        self._data_links = []
         self._listener.drop_connections()
 
     def status(self) -> dict[str, Any]:
@@ -259,18 +273,23 @@ class StageWorker:
         return self._inbound[peer.stage].limits
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
+        producer = peer.stage
         if frame.kind != "data":
-            raise FrameError(f"{_name(peer.stage)} sent a {frame.kind} frame; stages only take data")
-        self._inbound[peer.stage].check(frame, _name(peer.stage))
-        with self._cond:
-            want = self._next_from[peer.stage]
-            if frame.seq != want:
-                raise FrameError(f"{_name(peer.stage)} sent micro-batch {frame.seq}, expected {want}")
-            self._next_from[peer.stage] = want + 1
-            self._pending.setdefault(frame.seq, {})[peer.stage] = frame
+            raise FrameError(f"{_name(producer)} sent a {frame.kind} frame; stages only take data")
+        self._inbound[producer].check(frame, producer)
+        seq = frame.seq
+        with self._lock:
+            want = self._next_from[producer]
+            if seq != want:
+                raise FrameError(f"{_name(producer)} sent micro-batch {seq}, expected {want}")
+            self._next_from[producer] = want + 1
+            parts = self._pending.get(seq)
+            if parts is None:
+                parts = self._pending[seq] = {}
+            parts[producer] = frame
             if self._inline:
                 self._drain()
-            else:
+            elif self._waiting:
                 self._cond.notify_all()
 
     def _on_close(self, peer: Peer, error: Exception | None) -> None:
@@ -299,15 +318,23 @@ class StageWorker:
         return len(self._pending.get(self._next_seq, ())) == len(self._wiring.inbound)
 
     def _drain_once(self) -> None:
-        with self._cond:
+        with self._lock:
             self._drain()
+
+    def _wait(self) -> None:
+        """Wait on the condition (_lock held), counted so that notifiers know someone listens."""
+        self._waiting += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._waiting -= 1
 
     def _compute_loop(self) -> None:
         """The compute thread (large inputs): wait for the next micro-batch, run what is ready."""
         with self._cond:
             while True:
                 while self._running and not (self._ready() and not self._computing):
-                    self._cond.wait()
+                    self._wait()
                 if not self._running:
                     return
                 self._drain()
@@ -326,34 +353,38 @@ class StageWorker:
                 seq = self._next_seq
                 parts = self._pending.pop(seq)
                 self._busy = (seq, time.time())
-                self._cond.release()
+                self._lock.release()
                 try:
                     self._run(seq, parts)
                 finally:
-                    self._cond.acquire()
+                    self._lock.acquire()
         finally:
             self._computing = False
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def _run(self, seq: int, parts: dict[int, Frame]) -> None:
         """Compute one micro-batch and send its outputs (_cond not held, the right to compute held)."""
         w = self._wiring
-        feed: dict[int, np.ndarray] = {}
-        for f in parts.values():
-            feed.update(f.tensors)
+        if len(parts) == 1:
+            feed = next(iter(parts.values())).tensors
+        else:
+            feed = {}
+            for f in parts.values():
+                feed.update(f.tensors)
         try:
             outputs = self.stage.run(feed)
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
-            with self._cond:
+            with self._lock:
                 self._busy = None
                 self._error = message
             self._report(seq, message)
             return
-        with self._cond:  # recorded before the outputs leave: once the driver has them, so has stats()
-            self.events.append((w.epoch, seq, self._busy[1], time.time()))
+        end = time.time()
+        with self._lock:  # recorded before the outputs leave: once the driver has them, so has stats()
+            self.events.append((w.epoch, seq, self._busy[1], end))
             self._busy = None
             self._next_seq = seq + 1
-        for edge, link, names in self._links:
-            if edge.carries_data:
-                link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in edge.entries}, names))
+        for link, entries, names in self._data_links:
+            link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names))

@@ -287,3 +287,105 @@ def test_reader_checks_a_changed_tensor_list_again():
     a.close()
     b.close()
 
+
+
+# ---- fixed-width seq: one header per stream, patched per frame --------------------------------
+
+def test_seq_is_written_fixed_width_and_plain_msgpack_reads_it():
+    """seq is a msgpack uint 64 whatever its value: any msgpack reader decodes it, and a stream's
+    headers all have one length."""
+    heads = []
+    for seq in (0, 1, 300, 1 << 40, (1 << 64) - 1):
+        head = bytes(frames.encode(Frame("data", "r", 0, seq, 1, {2: np.zeros(3, np.float32)}, {2: "x"}))[0])
+        body = head[frames.PREFIX.size:]
+        assert msgpack.unpackb(body)["seq"] == seq and frames.SEQ_FIELD in body
+        heads.append(head)
+    assert len({len(h) for h in heads}) == 1
+
+
+@pytest.mark.parametrize("seq", [-1, 1 << 64, 1.0, True])
+def test_encode_refuses_a_seq_outside_uint64(seq):
+    with pytest.raises(FrameError, match="seq"):
+        frames.encode(Frame("data", "r", 0, seq, 1))
+
+
+def test_encoder_patches_seq_and_packs_again_when_the_layout_changes():
+    enc = frames.Encoder()
+    f = lambda seq, n=4, epoch=0: Frame("data", "r", epoch, seq, 1, {2: np.full(n, seq, np.float32)}, {2: "x"})  # noqa: E731
+    a, b = bytes(enc.encode(f(5))[0]), bytes(enc.encode(f(6))[0])
+    assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1  # only seq's last byte
+    for frame in (f(7, n=6), f(8, epoch=3), f(9)):  # shape, epoch, then back: each header is fresh
+        parts = enc.encode(frame)
+        assert_same(frames.decode(b"".join(bytes(p) for p in parts)), frame)
+
+
+class BytesSock:
+    """A socket that only has recv_into, over fixed bytes (FrameReader needs no more)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def recv_into(self, view) -> int:
+        n = min(len(view), len(self.data) - self.pos, 97)  # short reads, to straddle headers
+        view[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def read_all(data: bytes, limits: FrameLimits) -> list:
+    """Every frame of a stream, then None (clean end) or the FrameError's class."""
+    reader = frames.FrameReader(BytesSock(data), limits, buffer_bytes=256)
+    out = []
+    while True:
+        try:
+            f = reader.read()
+        except FrameError:
+            return out + [FrameError]
+        out.append(f)
+        if f is None:
+            return out
+
+
+def minimal_header(f: Frame) -> bytes:
+    """f as a non-tvmpipe sender might write it: msgpack's own smallest encodings, same payload."""
+    metas = [[e, f.names.get(e, ""), str(a.dtype), list(a.shape), a.nbytes] for e, a in f.tensors.items()]
+    body = msgpack.packb({"v": 1, "kind": f.kind, "run": f.run, "epoch": f.epoch, "seq": f.seq, "stage": f.stage,
+                          "tensors": metas, "error": f.error})
+    return frames.PREFIX.pack(frames.MAGIC, len(body)) + body
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, (1 << 64) - 1), st.sampled_from([0, 1]), st.sampled_from([(4,), (2, 2), (3,)]),
+                          st.sampled_from(["x", "£seqϐ", "seq\xcf"]), st.sampled_from(["tvmpipe", "minimal"])),
+                min_size=1, max_size=8),
+       st.none() | st.tuples(st.integers(0, 10_000), st.integers(0, 255)))
+def test_fuzz_repeat_fast_path_changes_nothing(specs, flip):
+    """The reader's repeat fast path (a header equal to the last one but for its seq bytes skips
+    unpacking and checks) must give exactly what full parsing gives: the same frames, the same
+    errors, for tvmpipe's and other encoders' headers, names that contain the seq field's bytes,
+    and a corrupted header byte."""
+    enc = frames.Encoder()
+    stream = b""
+    for i, (seq, epoch, shape, name, style) in enumerate(specs):
+        f = Frame("data", "run", epoch, seq, 1, {3: np.arange(np.prod(shape), dtype=np.float32).reshape(shape)},
+                  {3: name})
+        parts = [bytes(p) for p in enc.encode(f)]
+        head = parts[0] if style == "tvmpipe" else minimal_header(f)
+        if flip is not None and i == len(specs) - 1:  # corrupt the last frame's header
+            pos = frames.PREFIX.size + flip[0] % (len(head) - frames.PREFIX.size)
+            head = head[:pos] + bytes([flip[1]]) + head[pos + 1:]
+        stream += head + b"".join(parts[1:])
+    limits = FrameLimits(max_payload_bytes=64, max_tensor_bytes=64, max_tensors=2, max_ndim=2)
+    fast = read_all(stream, limits)
+    learn = frames._Repeat.learn
+    try:
+        frames._Repeat.learn = classmethod(lambda cls, *a: None)  # no fast path: every header parsed
+        slow = read_all(stream, limits)
+    finally:
+        frames._Repeat.learn = learn
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        if isinstance(a, Frame) and isinstance(b, Frame):
+            assert_same(a, b)
+        else:
+            assert a == b

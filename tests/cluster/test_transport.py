@@ -4,26 +4,39 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
+import time
 
 import numpy as np
+import pytest
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster import frames
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
 from tvmpipe.cluster.topology import build_topology
-from tvmpipe.cluster.transport import Link, Listener, Peer
+from tvmpipe.cluster.transport import Link, Listener, Peer, PolledListener
 from tvmpipe.cluster.worker import StageSpec, StageWorker, Wiring
 from tvmpipe.partition import plan_equal_ops
 
 
-class Recorder:
-    def __init__(self, accept=lambda peer: FrameLimits()):
-        self.events: queue.Queue = queue.Queue()
-        self.accept = accept
+LISTENERS = pytest.mark.parametrize("kind", [Listener, PolledListener], ids=["threaded", "polled"])
 
-    def listener(self) -> Listener:
-        return Listener("127.0.0.1", self.accept, lambda p, f: self.events.put(("frame", p, f)),
-                        lambda p, e: self.events.put(("close", p, e)))
+
+class Recorder:
+    """Collects a listener's callbacks, with the thread each ran on."""
+
+    def __init__(self, accept=lambda peer: FrameLimits(), kind=Listener):
+        self.events: queue.Queue = queue.Queue()
+        self.threads: list[threading.Thread] = []
+        self.accept = accept
+        self.kind = kind
+
+    def _on_frame(self, p, f):
+        self.threads.append(threading.current_thread())
+        self.events.put(("frame", p, f))
+
+    def listener(self):
+        return self.kind("127.0.0.1", self.accept, self._on_frame, lambda p, e: self.events.put(("close", p, e)))
 
     def next(self):
         return self.events.get(timeout=10)
@@ -42,8 +55,9 @@ def raw_peer(addr, stage=0, epoch=0) -> socket.socket:
     return s
 
 
-def test_a_garbage_peer_is_dropped_and_others_keep_flowing():
-    rec = Recorder()
+@LISTENERS
+def test_a_garbage_peer_is_dropped_and_others_keep_flowing(kind):
+    rec = Recorder(kind=kind)
     lst = rec.listener()
     try:
         good = Link(lst.address, Frame("hello", "run", 0, 0, 1), on_error=lambda e: None)
@@ -61,13 +75,14 @@ def test_a_garbage_peer_is_dropped_and_others_keep_flowing():
         lst.close()
 
 
-def test_hello_refused_and_protocol_violations_close_the_connection():
+@LISTENERS
+def test_hello_refused_and_protocol_violations_close_the_connection(kind):
     def accept(peer):
         if peer.epoch != 3:
             raise FrameError("wrong epoch")
         return FrameLimits(max_payload_bytes=64)
 
-    rec = Recorder(accept)
+    rec = Recorder(accept, kind)
     lst = rec.listener()
     try:
         s = raw_peer(lst.address, epoch=1)
@@ -81,6 +96,107 @@ def test_hello_refused_and_protocol_violations_close_the_connection():
             assert kind == "close" and isinstance(err, FrameError), err
             assert closed_by_peer(s)
             s.close()
+    finally:
+        lst.close()
+
+
+def test_polled_listener_reads_on_the_pumping_thread():
+    """The thread waiting in pump() gets the frames itself (no hand-off), in order, including a
+    frame that arrived in the same segment as the hello (buffered: the socket never turns readable
+    for it again)."""
+    rec = Recorder(kind=PolledListener)
+    lst = rec.listener()
+    enc = frames.Encoder()
+
+    def later(fn):  # runs while the main thread is already pumping
+        threading.Timer(0.05, fn).start()
+
+    try:
+        s = socket.create_connection(lst.address)
+        later(lambda: s.sendall(frames.to_bytes(Frame("hello", "run", 0, 0, 1)) +
+                                frames.to_bytes(Frame("data", "run", 0, 0, 1, {2: np.arange(4, dtype=np.int64)}))))
+        t = time.monotonic()
+        lst.pump(lambda: rec.events.qsize() >= 1, timeout=10)
+        assert rec.threads == [threading.current_thread()] and time.monotonic() - t < 5
+        kind, peer, frame = rec.next()
+        assert (kind, peer.stage, frame.seq) == ("frame", 1, 0)
+        np.testing.assert_array_equal(frame.tensors[2], np.arange(4))
+        later(lambda: [frames.send(s, Frame("data", "run", 0, seq, 1, {2: np.full(4, seq, np.int64)}), enc)
+                       for seq in range(1, 4)])
+        lst.pump(lambda: rec.events.qsize() >= 3, timeout=10)
+        assert [rec.next()[2].seq for _ in range(3)] == [1, 2, 3]
+        assert set(rec.threads) == {threading.current_thread()}
+        # nobody pumps: the background reader delivers, after the grace period
+        frames.send(s, Frame("data", "run", 0, 4, 1, {2: np.zeros(4, np.int64)}), enc)
+        assert rec.next()[2].seq == 4 and rec.threads[-1] is not threading.current_thread()
+        s.close()
+        assert rec.next() == ("close", Peer(1, "run", 0), None)
+    finally:
+        lst.close()
+
+
+def test_polled_listener_pump_times_out_and_close_releases_a_pumper():
+    rec = Recorder(kind=PolledListener)
+    lst = rec.listener()
+    s = raw_peer(lst.address, stage=0)
+    t = time.monotonic()
+    lst.pump(lambda: False, timeout=0.2)
+    assert 0.15 < time.monotonic() - t < 5
+    pumper = threading.Thread(target=lst.pump, args=(lambda: False, 60.0))
+    pumper.start()
+    time.sleep(0.1)
+    t = time.monotonic()
+    lst.close()
+    pumper.join(timeout=10)
+    assert not pumper.is_alive() and time.monotonic() - t < 10
+    assert rec.next() == ("close", Peer(0, "run", 0), None)  # closed by us: not the peer's fault
+    assert closed_by_peer(s)
+    s.close()
+
+
+def test_polled_listener_drop_connections_waits_for_their_close():
+    rec = Recorder(kind=PolledListener)
+    lst = rec.listener()
+    try:
+        peers = [raw_peer(lst.address, stage=i) for i in range(3)]
+        for p in peers:  # once each has delivered a frame, each is a registered connection
+            frames.send(p, Frame("data", "run", 0, 0, peers.index(p)))
+        assert [rec.next()[0] for _ in peers] == ["frame"] * 3
+        lst.drop_connections()
+        closes = [rec.events.get_nowait() for _ in range(3)]  # all reported before it returned
+        assert sorted(p.stage for _, p, _ in closes) == [0, 1, 2] and all(e is None for *_, e in closes)
+        assert all(closed_by_peer(p) for p in peers)
+        # still listening: a new epoch's peer is served
+        s = raw_peer(lst.address, stage=5, epoch=1)
+        frames.send(s, Frame("data", "run", 1, 0, 5))
+        t = time.monotonic()
+        lst.pump(lambda: not rec.events.empty(), timeout=10)
+        assert time.monotonic() - t < 5  # returned on the frame, not on the timeout
+        assert rec.next()[1] == Peer(5, "run", 1)
+        for p in [*peers, s]:
+            p.close()
+    finally:
+        lst.close()
+
+
+def test_polled_listener_owner_refusing_a_frame_closes_only_that_connection():
+    def on_frame(peer, frame):
+        if frame.seq == 1:
+            raise FrameError("seq 1 is unwelcome")
+        events.put(("frame", peer.stage, frame.seq))
+
+    events: queue.Queue = queue.Queue()
+    lst = PolledListener("127.0.0.1", lambda p: FrameLimits(), on_frame, lambda p, e: events.put(("close", p.stage, e)))
+    try:
+        a, b = raw_peer(lst.address, stage=0), raw_peer(lst.address, stage=1)
+        for seq in (0, 1):
+            frames.send(a, Frame("data", "run", 0, seq, 0))
+        kind, stage, err = [events.get(timeout=10) for _ in range(2)][1]
+        assert (kind, stage) == ("close", 0) and "unwelcome" in str(err)
+        frames.send(b, Frame("data", "run", 0, 1 - 1, 1))
+        assert events.get(timeout=10) == ("frame", 1, 0)
+        a.close()
+        b.close()
     finally:
         lst.close()
 
