@@ -290,7 +290,8 @@ def attach(frame: Frame, metas: list[TensorMeta], payload: np.ndarray | memoryvi
     """Fill `frame.tensors` with views of `payload` (no copy)."""
     tensors = frame.tensors
     for m in metas:
-        tensors[m.entry] = np.frombuffer(payload, m.np_dtype, m.count, m.offset).reshape(m.shape)
+        arr = np.frombuffer(payload, m.np_dtype, m.count, m.offset)
+        tensors[m.entry] = arr if len(m.shape) == 1 else arr.reshape(m.shape)
     return frame
 
 
@@ -318,7 +319,7 @@ def send(sock: socket.socket, frame: Frame, encoder: Encoder | None = None) -> i
     parts = (encoder or Encoder()).encode(frame)  # bytes and unsigned-byte memoryviews: len() counts bytes
     total = left = sum(map(len, parts))
     while True:
-        sent = sock.sendmsg(parts[:1024])  # IOV_MAX
+        sent = sock.sendmsg(parts if len(parts) <= 1024 else parts[:1024])  # IOV_MAX
         left -= sent
         if not left:
             return total

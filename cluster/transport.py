@@ -195,6 +195,8 @@ class PolledListener:
         self.address: Address = self._sock.getsockname()[:2]
         self._lock = threading.Lock()  # guards the sets and counters below
         self._changed = threading.Condition(self._lock)  # a connection ended, or closing
+        self._round = threading.Condition(self._lock)  # the reader ended a round (for pumpers waiting)
+        self._round_waiters = 0
         self._role = threading.Lock()  # held by the thread that reads; only it touches _sel
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()  # a byte here: the reader looks up
@@ -306,24 +308,36 @@ class PolledListener:
                 self._read(key.fileobj, *key.data)
 
     def pump(self, until: Callable[[], bool], timeout: float) -> None:
-        """Read frames on this thread until `until()` holds, `timeout` passes or the listener closes."""
+        """Read frames on this thread until `until()` holds, `timeout` passes or the listener closes.
+
+        Several threads may pump at once (a producer in submit(), a consumer in get()): one holds the
+        reader role a round at a time, the others wait for the end of a round and look at their own
+        `until()`, so nobody waits for frames that another thread has already read."""
         deadline = time.monotonic() + timeout
         with self._lock:
             if self._closed:
                 return
             self._pumpers += 1
-        self._kick()  # the background reader gives the role up
         try:
-            if not self._role.acquire(timeout=timeout):
-                return
-            try:
-                while not until() and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return
-                    self._poll(left)
-            finally:
-                self._role.release()
+            while not until() and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                if self._role.acquire(blocking=False):
+                    try:
+                        self._poll(left)
+                    finally:
+                        self._role.release()
+                        self._end_round()
+                    continue
+                self._kick()  # the reader ends its round (the background reader lets go for good)
+                with self._lock:
+                    if self._role.locked():
+                        self._round_waiters += 1
+                        try:
+                            self._round.wait(min(left, 0.05))
+                        finally:
+                            self._round_waiters -= 1
         finally:
             with self._lock:
                 self._pumpers -= 1
@@ -336,9 +350,18 @@ class PolledListener:
                     self._changed.wait(self.GRACE_S)
                 if self._closed:
                     return
-            with self._role:
-                while not self._closed and not self._pumpers:
-                    self._poll(None)
+            try:
+                with self._role:
+                    while not self._closed and not self._pumpers:
+                        self._poll(None)
+            finally:
+                self._end_round()
+
+    def _end_round(self) -> None:
+        """The role was released: pumpers waiting for it look at their `until()` and may take it."""
+        with self._lock:
+            if self._round_waiters:
+                self._round.notify_all()
 
     # ---- ending ------------------------------------------------------------------------------
     def drop_connections(self) -> None:
@@ -362,6 +385,7 @@ class PolledListener:
         with self._lock:
             self._closed = True
             self._changed.notify_all()
+            self._round.notify_all()
         self._kick()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)

@@ -135,6 +135,38 @@ def test_polled_listener_reads_on_the_pumping_thread():
         lst.close()
 
 
+def test_polled_listener_two_pumpers_each_return_on_their_own_condition():
+    """A producer waiting in submit() and a consumer in get() pump at once: the one whose condition
+    a frame satisfies returns at once, although the other holds the reader role."""
+    rec = Recorder(kind=PolledListener)
+    lst = rec.listener()
+    s = raw_peer(lst.address, stage=0)
+    done = {}
+
+    def pump(name, n):
+        lst.pump(lambda: len(rec.threads) >= n, timeout=20)
+        done[name] = time.monotonic()
+
+    try:
+        long = threading.Thread(target=pump, args=("long", 3))
+        long.start()
+        time.sleep(0.1)  # it holds the role, waiting in select
+        short = threading.Thread(target=pump, args=("short", 1))
+        short.start()
+        time.sleep(0.1)
+        sent = time.monotonic()
+        frames.send(s, Frame("data", "run", 0, 0, 0))
+        short.join(timeout=5)
+        assert "short" in done and done["short"] - sent < 2 and "long" not in done
+        for seq in (1, 2):
+            frames.send(s, Frame("data", "run", 0, seq, 0))
+        long.join(timeout=5)
+        assert "long" in done and [rec.next()[2].seq for _ in range(3)] == [0, 1, 2]
+    finally:
+        s.close()
+        lst.close()
+
+
 def test_polled_listener_pump_times_out_and_close_releases_a_pumper():
     rec = Recorder(kind=PolledListener)
     lst = rec.listener()
