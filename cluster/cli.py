@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--save-outputs", metavar="OUT.npz", help="write outputs: output<k> with a micro-batch axis")
     r.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace and a Gantt PNG beside it")
     r.add_argument("--json", action="store_true", help="print a machine-readable summary instead of tables")
-    _cluster_args(r)
+    add_cluster_args(r)
     r.set_defaults(func=run_command)
 
     s = subparsers.add_parser(
@@ -57,7 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("bundle", help="bundle directory")
     s.add_argument("--stages", "-k", default="1..4", help="stage counts, e.g. 1..4 or 3 (default 1..4)")
     s.add_argument("--strategies", default="equal,optimal", help="comma-separated: equal, optimal")
-    s.add_argument("--micro-batches", "-n", type=int, default=32, help="micro-batches per plan (default 32)")
+    s.add_argument("--micro-batches", "-n", default="auto", metavar="N|auto",
+                   help="micro-batches per plan; 'auto' (default): enough for ~0.25 s of steady state at the "
+                        "fastest rate the op times allow, 32 to 2000")
     s.add_argument("--profile", metavar="PROFILE.json", help="per-node times (`tvmpipe profile --json`) for the "
                    "planner, and for the simulated backend")
     s.add_argument("--time-scale", type=float, default=1.0,
@@ -66,11 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="runtime cost per frame a stage receives, added to every prediction; 'auto' (default) "
                         "measures it as the gap between a 1-stage run and its prediction")
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
-    _cluster_args(s)
+    add_cluster_args(s)
     s.set_defaults(func=sweep_command)
 
 
-def _cluster_args(p: argparse.ArgumentParser) -> None:
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The cluster options shared by `tvmpipe run`, `tvmpipe sweep` and `python -m tvmpipe.job`."""
     g = p.add_argument_group("cluster")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true",
@@ -324,6 +327,29 @@ def _frame_overhead(value: str, model: Any, run_plan: Any, micro_batches: int) -
     return max(0.0, measured_us - predicted_us)
 
 
+SWEEP_STEADY_S = 0.25  # 'auto' micro-batch count: seconds of steady state at the fastest possible rate
+
+
+def _sweep_micro_batches(value: str, model: Any, max_stages: int) -> int:
+    """Micro-batches per sweep plan. A fixed count is wrong at both ends: 32 micro-batches of a
+    sub-millisecond model are a few ms of steady state, all noise, while 2000 of a 35 ms model
+    take a minute per plan. 'auto' aims at SWEEP_STEADY_S for the fastest plan the op times allow
+    (K stages of the 1-stage rate, an upper bound), within 32..2000."""
+    from tvmpipe.partition.planners import make_plan
+    from tvmpipe.partition.predict import predict
+
+    if value != "auto":
+        try:
+            n = int(value)
+        except ValueError:
+            raise TvmpipeError(f"--micro-batches {value!r}: expected a count or 'auto'") from None
+        if n < 1:
+            raise TvmpipeError(f"--micro-batches must be >= 1, got {n}")
+        return n
+    rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
+    return int(min(2000, max(32, rate * max_stages * SWEEP_STEADY_S)))
+
+
 def sweep_command(args: argparse.Namespace) -> int:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
@@ -341,7 +367,6 @@ def sweep_command(args: argparse.Namespace) -> int:
     out = Path(args.output)
     (out / "plans").mkdir(parents=True, exist_ok=True)
     (out / "traces").mkdir(exist_ok=True)
-    batches = random_micro_batches(bundle, args.micro_batches, seed=0)
     best: tuple[float, Any] | None = None
     with open_cluster(args, hi) as cluster:
         backend = pick_backend(args.backend, cluster.gpus)
@@ -349,6 +374,9 @@ def sweep_command(args: argparse.Namespace) -> int:
         if profile is None and backend == "simulated":
             profile = simulated_profile(bundle, args.time_scale)
         model = PipelineModel.build(bundle, profile=profile)
+        n = _sweep_micro_batches(args.micro_batches, model, hi)
+        batches = random_micro_batches(bundle, n, seed=0)
+        print(f"{n} micro-batches per plan" + (" (auto)" if args.micro_batches == "auto" else ""), flush=True)
 
         def run_plan(plan: Any) -> Any:
             kw = pipeline_kwargs(args, cluster, backend, len(plan.stages))
@@ -358,11 +386,11 @@ def sweep_command(args: argparse.Namespace) -> int:
                 pipe.run(batches)
                 return pipe.record()
 
-        overhead = _frame_overhead(args.frame_overhead_us, model, run_plan, args.micro_batches)
+        overhead = _frame_overhead(args.frame_overhead_us, model, run_plan, n)
         model = replace(model, link=replace(model.link, latency_us=overhead))
         print(f"per-frame runtime overhead in predictions: {overhead:.1f} us"
               + (" (measured: 1-stage run vs its prediction)" if args.frame_overhead_us == "auto" else ""), flush=True)
-        cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=args.micro_batches)
+        cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
         for case in cases:
             if case.plan is None:
                 print(f"[{_key(case)}] not planned: {case.error.splitlines()[0]}", flush=True)

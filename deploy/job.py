@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "path; auto: when the cluster has more than one node (default auto)")
     p.add_argument("--run-dir", help="results directory, new or empty; use shared storage or an absolute path on the "
                                      "head node (default runs/<timestamp>-<model> under the current directory)")
-    run_cli._cluster_args(p)
+    run_cli.add_cluster_args(p)
     return p
 
 

@@ -101,6 +101,33 @@ def test_sweep_frame_overhead_enters_every_prediction(capsys, tmp_path, bundles)
     assert code == 2 and "must be >= 0" in err
 
 
+def test_sweep_micro_batches_auto_scales_with_the_model(bundles):
+    """A fixed count is noise for fast models and minutes for slow ones: 'auto' aims at
+    SWEEP_STEADY_S of steady state at the fastest rate the op times allow, within 32..2000."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.cli import SWEEP_STEADY_S, _sweep_micro_batches, simulated_profile
+    from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.planners import make_plan
+    from tvmpipe.partition.predict import predict
+
+    b = load_bundle(bundles["cnn"])
+    counts = {}
+    for scale in (1.0, 30.0, 1e5):
+        model = PipelineModel.build(b, profile=simulated_profile(b, scale))
+        rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
+        counts[scale] = _sweep_micro_batches("auto", model, 3)
+        assert counts[scale] == int(min(2000, max(32, rate * 3 * SWEEP_STEADY_S)))
+    assert counts[1.0] > counts[30.0] > counts[1e5] == 32
+    assert _sweep_micro_batches("7", model, 3) == 7
+
+
+def test_sweep_rejects_bad_micro_batch_counts(capsys, tmp_path, bundles):
+    for bad, message in (("0", "must be >= 1"), ("many", "expected a count or 'auto'")):
+        code, _, err = run_cli(capsys, "sweep", str(bundles["skipnet"]), "--stages", "1", "--processes",
+                               "--backend", "simulated", "-n", bad, "-o", str(tmp_path / "r"))
+        assert code == 2 and message in err and "Traceback" not in err
+
+
 @pytest.mark.ray
 def test_run_local_is_the_readme_command():
     """`tvmpipe run --stages 2 --local`: its own embedded Ray (a separate process, since this test

@@ -3,6 +3,7 @@ injection). The same driver runs on Ray in test_ray.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -76,6 +77,36 @@ def test_streaming_submit_get_in_order(bundles):
             pipe.submit(x)
         rest = list(pipe.results())
     assert_bit_identical(first + rest, want)
+
+
+def test_a_producer_thread_and_a_consumer_thread(bundles):
+    """submit() on a full window and get() both read outputs themselves (the driver's polled
+    listener): with one thread each, neither may wait for the other's frames. 60 micro-batches
+    through a window of 2 would take minutes if either waited out a poll timeout."""
+    inputs, want = case(bundles["tiny"], 60)
+    with Pipeline(bundles["tiny"], 3, launcher=ThreadLauncher(), window=2) as pipe:
+        errors: list[BaseException] = []
+
+        def produce():
+            try:
+                for x in inputs:
+                    pipe.submit(x)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        producer = threading.Thread(target=produce)
+        t = time.monotonic()
+        producer.start()
+        got = []
+        while len(got) < len(inputs):
+            if pipe.submitted > len(got):
+                got.append(pipe.get(timeout=30))
+            else:
+                time.sleep(0.001)
+        producer.join(timeout=30)
+        assert not errors and not producer.is_alive()
+        assert time.monotonic() - t < 30
+    assert_bit_identical(got, want)
 
 
 def test_window_bounds_in_flight(bundles):
