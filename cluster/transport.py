@@ -17,6 +17,7 @@ import selectors
 import socket
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -255,6 +256,8 @@ class PolledListener:
         conn.close()
         try:
             self._on_close(peer, error)
+        except Exception:  # the owner's bug must not stop the reader (a threaded Listener loses one thread)
+            traceback.print_exc()
         finally:  # only now: drop_connections() returns after every on_close
             with self._lock:
                 self._conns.discard(conn)
@@ -274,18 +277,19 @@ class PolledListener:
     # ---- reading -----------------------------------------------------------------------------
     def _read(self, conn: socket.socket, reader: frames.FrameReader, peer: Peer) -> None:
         """Frames from a readable connection: at least one, and every one already buffered."""
+        error: Exception | None = None
         try:
             while True:
                 frame = reader.read()
                 if frame is None:
-                    self._finish(conn, peer, None)
-                    return
+                    break  # clean end of stream
                 _check_follower(peer, frame)
                 self._on_frame(peer, frame)
                 if not reader.buffered:
                     return
         except Exception as exc:  # a bad frame, a broken socket, or the owner refusing a frame
-            self._finish(conn, peer, exc)
+            error = exc
+        self._finish(conn, peer, error)
 
     def _poll(self, timeout: float | None) -> None:
         """One round of reading (role held): new connections, then what is readable."""

@@ -233,6 +233,31 @@ def test_polled_listener_owner_refusing_a_frame_closes_only_that_connection():
         lst.close()
 
 
+def test_polled_listener_survives_an_owner_callback_that_raises(capsys):
+    """A bug in the owner's on_close must not stop the reader: with a threaded Listener it costs one
+    connection's thread; here every connection shares the reader, so it is printed and reading goes on."""
+    events: queue.Queue = queue.Queue()
+
+    def on_close(peer, error):
+        events.put(("close", peer.stage))
+        raise RuntimeError("owner bug")
+
+    lst = PolledListener("127.0.0.1", lambda p: FrameLimits(), lambda p, f: events.put(("frame", p.stage, f.seq)),
+                         on_close)
+    try:
+        a, b = raw_peer(lst.address, stage=0), raw_peer(lst.address, stage=1)
+        frames.send(a, Frame("data", "run", 0, 0, 0))
+        assert events.get(timeout=10) == ("frame", 0, 0)
+        a.close()
+        assert events.get(timeout=10) == ("close", 0)
+        frames.send(b, Frame("data", "run", 0, 0, 1))
+        assert events.get(timeout=10) == ("frame", 1, 0)
+        b.close()
+    finally:
+        lst.close()
+    assert "owner bug" in capsys.readouterr().err
+
+
 def test_worker_rejects_a_bad_frame_and_reports_it(bundles):
     """A producer sending the wrong shape: the worker drops that connection, tells the driver, and
     keeps its listener (a later wiring works)."""
