@@ -301,6 +301,17 @@ def simulated_profile(bundle, time_scale: float) -> dict[str, Any]:
         return runner.profile(repeat=1, warmup=0, **random_inputs(bundle)).to_json()
 
 
+def _number_or_auto(value: str, flag: str, convert: Any, minimum: float, what: str) -> float:
+    """An option that is a number or 'auto' (the caller handles 'auto'): checked, named on error."""
+    try:
+        number = convert(value)
+    except ValueError:
+        raise TvmpipeError(f"{flag} {value!r}: expected {what} or 'auto'") from None
+    if number < minimum:
+        raise TvmpipeError(f"{flag} must be >= {minimum}, got {number}")
+    return number
+
+
 def _frame_overhead(value: str, model: Any, run_plan: Any, micro_batches: int) -> float:
     """Microseconds the runtime adds per received frame (wake-up, decode, send), beyond op time.
 
@@ -313,13 +324,7 @@ def _frame_overhead(value: str, model: Any, run_plan: Any, micro_batches: int) -
     from tvmpipe.partition.predict import predict
 
     if value != "auto":
-        try:
-            us = float(value)
-        except ValueError:
-            raise TvmpipeError(f"--frame-overhead-us {value!r}: expected microseconds or 'auto'") from None
-        if us < 0:
-            raise TvmpipeError(f"--frame-overhead-us must be >= 0, got {us}")
-        return us
+        return _number_or_auto(value, "--frame-overhead-us", float, 0, "microseconds")
     plan = make_plan(model, 1, "equal", requests=micro_batches)
     m = compute_metrics(run_plan(plan))
     measured_us = 1e6 / (m.steady_throughput * m.batch)
@@ -339,13 +344,7 @@ def _sweep_micro_batches(value: str, model: Any, max_stages: int) -> int:
     from tvmpipe.partition.predict import predict
 
     if value != "auto":
-        try:
-            n = int(value)
-        except ValueError:
-            raise TvmpipeError(f"--micro-batches {value!r}: expected a count or 'auto'") from None
-        if n < 1:
-            raise TvmpipeError(f"--micro-batches must be >= 1, got {n}")
-        return n
+        return int(_number_or_auto(value, "--micro-batches", int, 1, "a count"))
     rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
     return int(min(2000, max(32, rate * max_stages * SWEEP_STEADY_S)))
 

@@ -69,14 +69,10 @@ def _check_follower(peer: Peer, frame: Frame) -> None:
                          f"opened by stage {peer.stage} epoch {peer.epoch}")
 
 
-class Listener:
-    """Accepts producer connections and feeds their frames to the owner.
-
-    `accept_hello(peer)` returns the `FrameLimits` for that peer or raises FrameError to refuse it;
-    `on_frame(peer, frame)` gets every later frame; `on_close(peer, error)` is called once per
-    accepted peer when its stream ends (error None: clean EOF or local close). `retains_frames`:
-    the owner keeps received arrays for long (the driver's outputs), see frames.retained_buffer.
-    """
+class _Acceptor:
+    """What both listeners share: the owner's callbacks, the listening socket, the accepted
+    connections, and a thread that accepts them and hands each to `_on_accept` (lock held), which
+    returns the thread that will serve it."""
 
     def __init__(self, host: str, accept_hello: Callable[[Peer], FrameLimits],
                  on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
@@ -90,13 +86,14 @@ class Listener:
         self._sock.bind((host, 0))
         self._sock.listen(64)
         self.address: Address = self._sock.getsockname()[:2]
-        self._conns: set[socket.socket] = set()
-        self._dropped: set[socket.socket] = set()  # closed on purpose: their errors are not the peer's
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()  # accepted and not finished
+        self._dropped: set[socket.socket] = set()  # closed on purpose: their errors are not the peer's
         self._closed = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"accept-{self.address[1]}", daemon=True)
-        self._accept_thread.start()
+
+    def _on_accept(self, conn: socket.socket) -> threading.Thread:
+        raise NotImplementedError
 
     def _accept_loop(self) -> None:
         while True:
@@ -109,9 +106,53 @@ class Listener:
                     conn.close()
                     return
                 self._conns.add(conn)
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"recv-{self.address[1]}")
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                t = self._on_accept(conn)
             t.start()
+
+    def _shut_down_accepted(self) -> list[socket.socket]:
+        """Mark every accepted connection dropped and shut it down (its reader sees the end);
+        returns them."""
+        with self._lock:
+            conns = list(self._conns)
+            self._dropped.update(conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return conns
+
+    def _stop_accepting(self) -> None:
+        """Mark closed and close the listening socket (the accept thread ends)."""
+        with self._lock:
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class Listener(_Acceptor):
+    """Accepts producer connections and feeds their frames to the owner.
+
+    `accept_hello(peer)` returns the `FrameLimits` for that peer or raises FrameError to refuse it;
+    `on_frame(peer, frame)` gets every later frame; `on_close(peer, error)` is called once per
+    accepted peer when its stream ends (error None: clean EOF or local close). `retains_frames`:
+    the owner keeps received arrays for long (the driver's outputs), see frames.retained_buffer.
+    """
+
+    def __init__(self, host: str, accept_hello: Callable[[Peer], FrameLimits],
+                 on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
+                 retains_frames: bool = False):
+        super().__init__(host, accept_hello, on_frame, on_close, retains_frames)
+        self._threads: list[threading.Thread] = []
+        self._accept_thread.start()
+
+    def _on_accept(self, conn: socket.socket) -> threading.Thread:
+        t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"recv-{self.address[1]}")
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        return t
 
     def _serve(self, conn: socket.socket) -> None:
         peer: Peer | None = None
@@ -142,32 +183,20 @@ class Listener:
     def drop_connections(self) -> None:
         """Close every accepted connection (a new wiring epoch starts); keep listening."""
         with self._lock:
-            conns = list(self._conns)
             threads = list(self._threads)
-            self._dropped.update(conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._shut_down_accepted()
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._stop_accepting()
         self.drop_connections()
         self._accept_thread.join(timeout=5)
 
 
 
-class PolledListener:
+class PolledListener(_Acceptor):
     """A Listener (same callbacks, same guarantees) whose frames are read by the thread that waits
     for them.
 
@@ -185,16 +214,7 @@ class PolledListener:
     def __init__(self, host: str, accept_hello: Callable[[Peer], FrameLimits],
                  on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
                  retains_frames: bool = False):
-        self._accept_hello = accept_hello
-        self._alloc = frames.retained_buffer if retains_frames else frames.fresh_buffer
-        self._on_frame = on_frame
-        self._on_close = on_close
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(64)
-        self.address: Address = self._sock.getsockname()[:2]
-        self._lock = threading.Lock()  # guards the sets and counters below
+        super().__init__(host, accept_hello, on_frame, on_close, retains_frames)
         self._changed = threading.Condition(self._lock)  # a connection ended, or closing
         self._round = threading.Condition(self._lock)  # the reader ended a round (for pumpers waiting)
         self._round_waiters = 0
@@ -204,30 +224,17 @@ class PolledListener:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._conns: set[socket.socket] = set()  # accepted and not finished (hello included)
         self._new: list[tuple[socket.socket, frames.FrameReader, Peer]] = []  # for the reader to register
-        self._dropped: set[socket.socket] = set()
         self._pumpers = 0
         self._last_pump = 0.0
-        self._closed = False
-        self._threads = [threading.Thread(target=self._accept_loop, name=f"accept-{self.address[1]}", daemon=True),
-                         threading.Thread(target=self._background, name=f"poll-{self.address[1]}", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._background_thread = threading.Thread(target=self._background, name=f"poll-{self.address[1]}",
+                                                   daemon=True)
+        self._accept_thread.start()
+        self._background_thread.start()
 
     # ---- connections -------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._hello, args=(conn,), daemon=True, name=f"hello-{self.address[1]}").start()
+    def _on_accept(self, conn: socket.socket) -> threading.Thread:
+        return threading.Thread(target=self._hello, args=(conn,), daemon=True, name=f"hello-{self.address[1]}")
 
     def _hello(self, conn: socket.socket) -> None:
         try:
@@ -371,14 +378,7 @@ class PolledListener:
     def drop_connections(self) -> None:
         """Close every accepted connection (a new wiring epoch starts); keep listening. Returns
         once each has been finished (its on_close called), or after 5 s."""
-        with self._lock:
-            conns = list(self._conns)
-            self._dropped.update(conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        conns = self._shut_down_accepted()
         self._kick()
         deadline = time.monotonic() + 5
         with self._lock:
@@ -386,16 +386,11 @@ class PolledListener:
                 self._changed.wait(0.05)
 
     def close(self) -> None:
+        self._stop_accepting()
         with self._lock:
-            self._closed = True
             self._changed.notify_all()
             self._round.notify_all()
         self._kick()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
         with self._role:  # the background reader and any pumper have let go
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
@@ -408,10 +403,11 @@ class PolledListener:
                 conn.close()
                 self._on_close(peer, None)
             self._sel.close()
-        for t in self._threads:
+        for t in (self._accept_thread, self._background_thread):
             t.join(timeout=5)
         self._wake_r.close()
         self._wake_w.close()
+
 
 class Link:
     """The sending end of one edge: connects, says hello, then sends frames in order.
