@@ -10,7 +10,8 @@ side by side in this run. Writes bench/results/cluster_bench.json.
   4 stages -> driver), against a chain of 4 plain Ray actor calls passing the same array (also 5
   hops), and the stage-to-stage hop time straight from the workers' timestamps. Judged on end to end
   / 5, which also counts the four stages' own Stage.run overhead (reported without it too).
-  Targets: <= 100 us p50 per hop, >= 10x better than Ray actor calls.
+  Targets: <= 100 us p50 per hop, >= 10x better than Ray actor calls. Also measured alongside: a
+  raw relay chain (4 processes doing only recv_into/sendall), the machine's own floor at the time.
 - throughput: one stage -> stage hop carrying a 4 MB tensor per micro-batch (simulated backend:
   no compute, no copies in the stages), many micro-batches in flight; against a raw loopback TCP
   socket between two processes (sendall / recv_into), rounds interleaved. Also a 4-stage chain with
@@ -120,8 +121,76 @@ def ray_chain_latency(actors: list, arr: np.ndarray, n: int) -> list[float]:
     return out
 
 
+def _raw_relay(port_q, next_q, nbytes: int) -> None:
+    """One link of the raw baseline chain: receive `nbytes`, send them on; nothing else."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    out = socket.create_connection(("127.0.0.1", next_q.get()))
+    out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    while True:
+        got = 0
+        while got < nbytes:
+            k = conn.recv_into(view[got:])
+            if k == 0:
+                return
+            got += k
+        out.sendall(buf)
+
+
+class RawRelayChain:
+    """The machine's floor for the latency bench: the same 4-process chain, the same bytes (4 KB plus
+    a header's worth), in Python, with nothing but recv_into/sendall per hop. What a hop costs here
+    is the VM's wake-ups and the kernel; tvmpipe's hop minus this is tvmpipe."""
+
+    def __init__(self, hops: int = 4, nbytes: int = KB4 * 4 + 128):
+        ctx = mp.get_context("spawn")
+        self.nbytes = nbytes
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(1)
+        # kept until close(): a spawned child unpickles its queues after start() returns, and a
+        # queue collected before that takes its semaphore with it (the child dies, the chain hangs)
+        self._queues = qs = [ctx.Queue() for _ in range(hops + 1)]
+        qs[hops].put(self._srv.getsockname()[1])
+        self._procs = [ctx.Process(target=_raw_relay, args=(qs[i], qs[i + 1], nbytes), daemon=True)
+                       for i in range(hops)]
+        for p in self._procs:
+            p.start()
+        self._out = socket.create_connection(("127.0.0.1", qs[0].get()))
+        self._out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._in, _ = self._srv.accept()
+        self._buf = memoryview(bytearray(nbytes))
+
+    def latency(self, n: int) -> list[float]:
+        data = bytes(self.nbytes)
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            self._out.sendall(data)
+            got = 0
+            while got < self.nbytes:
+                got += self._in.recv_into(self._buf[got:])
+            out.append(time.perf_counter() - t)
+        return out
+
+    def close(self) -> None:
+        self._out.close()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._in.close()
+        self._srv.close()
+
+
 def bench_latency(tmp: Path, n: int, rounds: int = 3) -> dict:
-    """Rounds alternate tvmpipe and Ray on the same idle-ish machine; ratios are per round."""
+    """Rounds alternate tvmpipe, Ray and the raw relay chain on the same machine; ratios are per
+    round. The raw chain says how fast this machine wakes processes at the time: the same VM has
+    measured it at 7 us and at 24 us per hop within the hour."""
     import ray
 
     from tvmpipe.bundle import load_bundle
@@ -135,14 +204,18 @@ def bench_latency(tmp: Path, n: int, rounds: int = 3) -> dict:
             return a
 
     actors = [Hop.remote() for _ in range(4)]
+    raw_chain = RawRelayChain()
     per_round = []
     with pipeline(b, 4, op_profile(b, 0.0), window=1) as pipe:
         tvmpipe_chain_latency(pipe, x, n // 5)  # warm-up
         ray_chain_latency(actors, x["x"], n // 5)
+        raw_chain.latency(n // 5)
         for _ in range(rounds):
             e2e, transport, hops = tvmpipe_chain_latency(pipe, x, n)
             ray_e2e = ray_chain_latency(actors, x["x"], n)
+            raw_e2e = raw_chain.latency(n)
             hop, ray_hop = statistics.median(e2e) / 5, statistics.median(ray_e2e) / 5
+            raw_hop = statistics.median(raw_e2e) / 5
             per_round.append({"tvmpipe_e2e_p50_us": statistics.median(e2e) * 1e6,
                               "tvmpipe_e2e_p99_us": pct(e2e, 99) * 1e6,
                               "tvmpipe_per_hop_p50_us": hop * 1e6,
@@ -150,9 +223,12 @@ def bench_latency(tmp: Path, n: int, rounds: int = 3) -> dict:
                               "stage_to_stage_hop_p50_us": statistics.median(hops) * 1e6,
                               "stage_to_stage_hop_p99_us": pct(hops, 99) * 1e6,
                               "ray_calls_e2e_p50_us": statistics.median(ray_e2e) * 1e6,
-                              "ray_calls_per_hop_p50_us": ray_hop * 1e6, "speedup_vs_ray_calls": ray_hop / hop})
+                              "ray_calls_per_hop_p50_us": ray_hop * 1e6, "speedup_vs_ray_calls": ray_hop / hop,
+                              "raw_relay_per_hop_p50_us": raw_hop * 1e6,
+                              "tvmpipe_over_raw_relay_per_hop_us": (hop - raw_hop) * 1e6})
     for a in actors:
         ray.kill(a)
+    raw_chain.close()
     med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     return {"frame_bytes": KB4 * 4, "micro_batches_per_round": n, "rounds": per_round, "median": med,
             "target": "per hop p50 <= 100 us and >= 10x better than Ray actor calls (medians over rounds)",

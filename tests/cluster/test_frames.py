@@ -322,19 +322,19 @@ def test_encoder_patches_seq_and_packs_again_when_the_layout_changes():
 class BytesSock:
     """A socket that only has recv_into, over fixed bytes (FrameReader needs no more)."""
 
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
+    def __init__(self, data: bytes, chunk: int = 97):
+        self.data, self.pos, self.chunk = data, 0, chunk
 
     def recv_into(self, view) -> int:
-        n = min(len(view), len(self.data) - self.pos, 97)  # short reads, to straddle headers
+        n = min(len(view), len(self.data) - self.pos, self.chunk)  # short reads straddle headers
         view[:n] = self.data[self.pos:self.pos + n]
         self.pos += n
         return n
 
 
-def read_all(data: bytes, limits: FrameLimits) -> list:
+def read_all(data: bytes, limits: FrameLimits, chunk: int) -> list:
     """Every frame of a stream, then None (clean end) or the FrameError's class."""
-    reader = frames.FrameReader(BytesSock(data), limits, buffer_bytes=256)
+    reader = frames.FrameReader(BytesSock(data, chunk), limits, buffer_bytes=4096)
     out = []
     while True:
         try:
@@ -376,16 +376,19 @@ def test_fuzz_repeat_fast_path_changes_nothing(specs, flip):
             head = head[:pos] + bytes([flip[1]]) + head[pos + 1:]
         stream += head + b"".join(parts[1:])
     limits = FrameLimits(max_payload_bytes=64, max_tensor_bytes=64, max_tensors=2, max_ndim=2)
-    fast = read_all(stream, limits)
+    # chunks of 97 bytes straddle headers (the header-level repeat check); 4096 brings whole frames
+    # at once (the whole-frame one)
+    fast = {chunk: read_all(stream, limits, chunk) for chunk in (97, 4096)}
     learn = frames._Repeat.learn
     try:
         frames._Repeat.learn = classmethod(lambda cls, *a: None)  # no fast path: every header parsed
-        slow = read_all(stream, limits)
+        slow = read_all(stream, limits, 97)
     finally:
         frames._Repeat.learn = learn
-    assert len(fast) == len(slow)
-    for a, b in zip(fast, slow):
-        if isinstance(a, Frame) and isinstance(b, Frame):
-            assert_same(a, b)
-        else:
-            assert a == b
+    for got in fast.values():
+        assert len(got) == len(slow)
+        for a, b in zip(got, slow):
+            if isinstance(a, Frame) and isinstance(b, Frame):
+                assert_same(a, b)
+            else:
+                assert a == b
