@@ -13,6 +13,7 @@ import contextlib
 import importlib.resources
 import json
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -70,6 +71,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
     add_cluster_args(s)
     s.set_defaults(func=sweep_command)
+
+
+RAY_CONNECT_ATTEMPTS = 3
+
+
+def connect_ray(address: str, attempts: int = RAY_CONNECT_ATTEMPTS, pause_s: float = 1.0) -> None:
+    """ray.init(address), retried when a ray:// server fails a client's start-up.
+
+    Ray's client proxier starts a server process per client and then reads its command line. If
+    that process has just exited, psutil raises ZombieProcess inside the proxier, and the client
+    gets "Initialization failure from server". This happened under load, in our end-to-end tests.
+    The next attempt gets a fresh server. Any other failure is reported at once.
+    """
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            return
+        except ConnectionError as exc:
+            transient = address.startswith("ray://") and "Initialization failure from server" in str(exc)
+            if not transient or attempt == attempts:
+                tried = f" ({attempt} attempts)" if attempt > 1 else ""
+                raise TvmpipeError(f"cannot connect to the Ray cluster at {address}{tried}: {exc} (a cluster with "
+                                   "token auth needs RAY_AUTH_MODE=token and its token in this environment)") from None
+            ray.shutdown()
+            time.sleep(pause_s)
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -135,11 +163,7 @@ def open_cluster(args: argparse.Namespace, max_stages: int) -> Iterator[Cluster]
     elif args.address:
         import ray
 
-        try:
-            ray.init(address=args.address, log_to_driver=False, configure_logging=False)
-        except ConnectionError as exc:
-            raise TvmpipeError(f"cannot connect to the Ray cluster at {args.address}: {exc} (a cluster with token "
-                               "auth needs RAY_AUTH_MODE=token and its token in this environment)") from None
+        connect_ray(args.address)
         try:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             gpus = int(ray.cluster_resources().get("GPU", 0))

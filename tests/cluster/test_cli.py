@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from tvmpipe.bundle.errors import TvmpipeError
+
 from tvmpipe.cli import main
 
 
@@ -99,6 +101,34 @@ def test_sweep_frame_overhead_enters_every_prediction(capsys, tmp_path, bundles)
     assert code == 0 and "(measured: 1-stage run vs its prediction)" in out
     code, _, err = run_cli(capsys, *args, "--frame-overhead-us", "-3", "-o", str(tmp_path / "neg"))
     assert code == 2 and "must be >= 0" in err
+
+
+@pytest.mark.parametrize("address, message, calls, ok", [
+    ("ray://127.0.0.1:1", "Initialization failure from server: ... psutil.ZombieProcess ...", 2, True),
+    ("ray://127.0.0.1:1", "Initialization failure from server: ... psutil.ZombieProcess ...", 3, False),
+    ("ray://127.0.0.1:1", "Failed to connect", 1, False),  # not Ray's start-up race: reported at once
+    ("127.0.0.1:6379", "Initialization failure from server", 1, False),  # not a ray:// client
+])
+def test_connect_ray_retries_only_the_client_server_start_race(monkeypatch, address, message, calls, ok):
+    import ray
+
+    from tvmpipe.cluster.cli import connect_ray
+
+    seen = []
+
+    def init(**kw):
+        seen.append(kw["address"])
+        if len(seen) < calls or not ok:
+            raise ConnectionError(message)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    if ok:
+        connect_ray(address, attempts=3, pause_s=0)
+    else:
+        with pytest.raises(TvmpipeError, match="cannot connect to the Ray cluster"):
+            connect_ray(address, attempts=3, pause_s=0)
+    assert seen == [address] * calls
 
 
 def test_sweep_micro_batches_auto_scales_with_the_model(bundles):
