@@ -5,14 +5,25 @@ Ray's internal switch RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, set to "0" before ray i
 its multi-node mode off, and then every Ray socket stays on 127.0.0.1 (verified with `ss -tnp`,
 see docs/cluster.md; "1" is Linux's default and changes nothing). Local mode must not open ports on
 the network, so it sets it, binds the node to 127.0.0.1 and runs without the dashboard.
+
+Ray always starts its API server, even without the dashboard, and the server's usage-stats module
+asks the cloud metadata address 169.254.169.254 which cloud it runs on, whether or not usage
+stats are enabled. It skips that only when ~/ray_bootstrap_config.yaml exists, which is what `ray
+up` leaves on a head node (ray/_common/usage/usage_lib.py, get_cluster_config_to_report). So Ray's
+daemons start with a private HOME that holds one. Workers inherit it too: a HOME passed back
+through a runtime_env (job or actor level) made Ray 2.60's workers never start. So the two things
+of HOME a stage worker uses are pinned to the user's instead: PYTHONUSERBASE (user site-packages)
+and TVMPIPE_CACHE (the cubin cache), unless already set.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from tvmpipe.bundle.errors import TvmpipeError
@@ -42,12 +53,29 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
                            f"a socket path must stay under 108 bytes; use at most {MAX_TEMP_DIR} characters")
     own = temp_dir is None
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="tvp-ray-", dir="/tmp")
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    daemon_home = tempfile.mkdtemp(prefix="tvp-home-", dir="/tmp")
+    Path(daemon_home, "ray_bootstrap_config.yaml").write_text("provider: {type: local}\n")
+    pinned = {"HOME": daemon_home, "PYTHONUSERBASE": site.getuserbase(),
+              "TVMPIPE_CACHE": str(Path.home() / ".cache" / "tvmpipe")}
+    saved = {k: os.environ.get(k) for k in pinned}
+    os.environ.update({k: v if k == "HOME" or saved[k] is None else saved[k] for k, v in pinned.items()})
+    try:  # the daemons ray.init starts, and the workers they start, inherit this environment
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    except BaseException:
+        shutil.rmtree(daemon_home, ignore_errors=True)
+        raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         yield
     finally:
         ray.shutdown()
+        shutil.rmtree(daemon_home, ignore_errors=True)
         if own:
             shutil.rmtree(temp_dir, ignore_errors=True)
 

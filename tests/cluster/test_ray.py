@@ -6,7 +6,7 @@ import os
 import threading
 
 import pytest
-from clhelp import alive, assert_bit_identical, case, descendants, listening_ports, record_ports, tcp_sockets
+from clhelp import alive, assert_bit_identical, case, cmdline, descendants, listening_ports, record_ports, tcp_sockets
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
@@ -155,3 +155,27 @@ def test_predicted_throughput_within_10_percent(ray_cluster, bundles):
         m = pipe.metrics()
     measured = m.steady_throughput * m.batch
     assert abs(measured - predicted.throughput) / predicted.throughput < 0.10, (measured, predicted.throughput)
+
+
+def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):
+    """Ray's API server (started even without the dashboard) asks 169.254.169.254 which cloud it is
+    on unless ~/ray_bootstrap_config.yaml exists: local mode starts the daemons with a private HOME
+    holding one. Workers inherit it, with user site-packages and tvmpipe's cache pinned to the
+    user's own; the driver's environment is restored."""
+    import site
+
+    ray = ray_cluster
+    daemons = [p for p in descendants(os.getpid()) if "dashboard/dashboard.py" in cmdline(p)]
+    assert daemons, "no Ray API server process found"
+    env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{daemons[0]}/environ", "rb").read().split(b"\0") if b"=" in kv)
+    home = env[b"HOME"].decode()
+    assert home != os.environ["HOME"] and os.path.isfile(os.path.join(home, "ray_bootstrap_config.yaml"))
+
+    @ray.remote(num_cpus=0.1)
+    def worker_env():
+        return os.environ.get("PYTHONUSERBASE"), os.environ.get("TVMPIPE_CACHE")
+
+    userbase, cache = ray.get(worker_env.remote(), timeout=60)
+    assert userbase == site.getuserbase()
+    assert cache == os.environ.get("TVMPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tvmpipe"))
+    assert os.path.expanduser("~") != home
