@@ -76,7 +76,13 @@ def worker_environment(extra: dict[str, str] | None = None) -> Iterator[None]:
     thread_env() plus `extra`. K workers each spinning a BLAS thread per core starve each other,
     and OpenBLAS results depend on its thread count, so every worker (Ray actors get the same
     variables) and the single-process reference (reference.py) must agree on it."""
-    env = {**thread_env(), **(extra or {})}
+    with scoped_environ({**thread_env(), **(extra or {})}):
+        yield
+
+
+@contextlib.contextmanager
+def scoped_environ(env: dict[str, str]) -> Iterator[None]:
+    """os.environ updated with `env` inside the block and restored after (unset ones removed)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.cluster.launch import scoped_environ
 
 LOOPBACK = "127.0.0.1"
 # Ray's own switch: "0" turns its multi-node mode off on Linux, so the node address stays loopback.
@@ -55,22 +56,15 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="tvp-ray-", dir="/tmp")
     daemon_home = tempfile.mkdtemp(prefix="tvp-home-", dir="/tmp")
     Path(daemon_home, "ray_bootstrap_config.yaml").write_text("provider: {type: local}\n")
-    pinned = {"HOME": daemon_home, "PYTHONUSERBASE": site.getuserbase(),
-              "TVMPIPE_CACHE": str(Path.home() / ".cache" / "tvmpipe")}
-    saved = {k: os.environ.get(k) for k in pinned}
-    os.environ.update({k: v if k == "HOME" or saved[k] is None else saved[k] for k, v in pinned.items()})
-    try:  # the daemons ray.init starts, and the workers they start, inherit this environment
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    pinned = {"HOME": daemon_home, "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
+              "TVMPIPE_CACHE": os.environ.get("TVMPIPE_CACHE", str(Path.home() / ".cache" / "tvmpipe"))}
+    try:
+        with scoped_environ(pinned):  # inherited by the daemons ray.init starts, and by their workers
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                     _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
     except BaseException:
         shutil.rmtree(daemon_home, ignore_errors=True)
         raise
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield
     finally:
