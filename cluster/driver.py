@@ -98,8 +98,8 @@ class Pipeline:
         if missing or not self._head_stages:
             raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
         self._expect = {e.src: Inbound.of(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
-        self._names = {e.dst: {x: self.topology.names[x] for x in e.entries} for e in self.topology.outbound(DRIVER)}
-        self._feeds = [(e.dst, e.entries, self._names[e.dst]) for e in self.topology.outbound(DRIVER)]
+        self._feeds = [(e.dst, e.entries, {x: self.topology.names[x] for x in e.entries})
+                       for e in self.topology.outbound(DRIVER)]
 
         # schedule state, guarded by _cond
         self._cond = threading.Condition()

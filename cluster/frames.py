@@ -349,7 +349,8 @@ def retained_buffer(size: int) -> np.ndarray:
 class _Repeat(NamedTuple):
     """A data header that passed every check, split around its fixed-width seq value: a header
     with the same bytes everywhere else is the same frame but for `seq` (which any 8 bytes encode
-    validly), so it needs no unpacking and no checks. Anything else goes through `parse_header`."""
+    validly), so it needs no unpacking and no checks. Anything else goes through `parse_header`.
+    Only `data` frames without an error are learnt, so those fields need no keeping."""
 
     head: bytes
     tail: bytes
@@ -358,7 +359,6 @@ class _Repeat(NamedTuple):
     size: int  # the whole frame's bytes: prefix, header, payload
     limits: FrameLimits
     layout: Layout
-    kind: str
     run: str
     epoch: int
     stage: int
@@ -384,8 +384,12 @@ class _Repeat(NamedTuple):
                 != (frame.kind, frame.run, frame.epoch, frame.stage, frame.error):
             return None
         return cls(header[:at], header[at + _SEQ.size:], at, PREFIX.pack(MAGIC, len(header)) + header[:at],
-                   PREFIX.size + len(header) + layout.size, layout.limits, layout,
-                   frame.kind, frame.run, frame.epoch, frame.stage)
+                   PREFIX.size + len(header) + layout.size, layout.limits, layout, frame.run, frame.epoch, frame.stage)
+
+    def frame(self, buf: bytearray, header_at: int) -> Frame:
+        """The repeated frame (no tensors yet), with the seq of the header at `header_at` in `buf`."""
+        return Frame("data", self.run, self.epoch, _SEQ.unpack_from(buf, header_at + self.seq_at)[0], self.stage,
+                     {}, self.layout.names)
 
     def matches(self, buf: bytearray, at: int, hlen: int, limits: FrameLimits) -> bool:
         return (hlen == len(self.head) + _SEQ.size + len(self.tail) and limits is self.limits
@@ -463,8 +467,7 @@ class FrameReader:
                 and self._buf.startswith(rep.tail, at + PREFIX.size + rep.seq_at + _SEQ.size)):
             # the whole frame is here and repeats the last header but for seq: one copy, no parsing
             # (a small frame's usual case; every call saved is paid cold on each hop)
-            frame = Frame(rep.kind, rep.run, rep.epoch, _SEQ.unpack_from(self._buf, at + PREFIX.size + rep.seq_at)[0],
-                          rep.stage, {}, rep.layout.names)
+            frame = rep.frame(self._buf, at + PREFIX.size)
             payload = self.alloc(rep.layout.size)
             self._start = at + rep.size
             memoryview(payload)[:] = self._view[self._start - rep.layout.size:self._start]
@@ -476,8 +479,7 @@ class FrameReader:
             at = self._start
             self._start += hlen
             if rep is not None and rep.matches(self._buf, at, hlen, limits):
-                frame = Frame(rep.kind, rep.run, rep.epoch, _SEQ.unpack_from(self._buf, at + rep.seq_at)[0],
-                              rep.stage, {}, rep.layout.names)
+                frame = rep.frame(self._buf, at)
             else:
                 header = bytes(self._view[at:at + hlen])
                 frame, self._layout = parse_header(header, limits, self._layout)

@@ -28,6 +28,7 @@ from typing import Iterator
 
 from tvmpipe.bundle.errors import TvmpipeError
 from tvmpipe.cluster.launch import scoped_environ
+from tvmpipe.executor.cubin import cache_root
 
 LOOPBACK = "127.0.0.1"
 # Ray's own switch: "0" turns its multi-node mode off on Linux, so the node address stays loopback.
@@ -54,10 +55,9 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
                            f"a socket path must stay under 108 bytes; use at most {MAX_TEMP_DIR} characters")
     own = temp_dir is None
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="tvp-ray-", dir="/tmp")
-    daemon_home = tempfile.mkdtemp(prefix="tvp-home-", dir="/tmp")
-    Path(daemon_home, "ray_bootstrap_config.yaml").write_text("provider: {type: local}\n")
+    daemon_home = str(ray_daemon_home(tempfile.mkdtemp(prefix="tvp-home-", dir="/tmp")))
     pinned = {"HOME": daemon_home, "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
-              "TVMPIPE_CACHE": os.environ.get("TVMPIPE_CACHE", str(Path.home() / ".cache" / "tvmpipe"))}
+              "TVMPIPE_CACHE": str(cache_root())}
     try:
         with scoped_environ(pinned):  # inherited by the daemons ray.init starts, and by their workers
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
@@ -72,6 +72,15 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
         shutil.rmtree(daemon_home, ignore_errors=True)
         if own:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ray_daemon_home(path: str | Path) -> Path:
+    """Make `path` a HOME for Ray daemons: it holds the ray_bootstrap_config.yaml that keeps Ray's
+    API server from asking the cloud metadata address (see the module docstring)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "ray_bootstrap_config.yaml").write_text("provider: {type: local}\n")
+    return path
 
 
 def detect_gpus() -> int:

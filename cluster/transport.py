@@ -195,7 +195,6 @@ class Listener(_Acceptor):
         self._accept_thread.join(timeout=5)
 
 
-
 class PolledListener(_Acceptor):
     """A Listener (same callbacks, same guarantees) whose frames are read by the thread that waits
     for them.
@@ -244,7 +243,7 @@ class PolledListener(_Acceptor):
         with self._lock:
             if accepted is not None and not self._closed and conn not in self._dropped:
                 self._new.append((conn, *accepted))
-                self._kick()
+                self.wake()
                 return
             self._conns.discard(conn)
             self._dropped.discard(conn)
@@ -272,10 +271,8 @@ class PolledListener(_Acceptor):
                 self._changed.notify_all()
 
     def wake(self) -> None:
-        """Make a pumping thread look at its `until()` now (the owner's state changed elsewhere)."""
-        self._kick()
-
-    def _kick(self) -> None:
+        """Make the reading thread look up now: a pumper re-checks its `until()` (the owner's state
+        changed elsewhere), the background reader sees a pumper waiting or the listener closing."""
         try:
             self._wake_w.send(b"x")
         except OSError:  # full (the reader has plenty to look at) or closed
@@ -341,7 +338,7 @@ class PolledListener(_Acceptor):
                         self._role.release()
                         self._end_round()
                     continue
-                self._kick()  # the reader ends its round (the background reader lets go for good)
+                self.wake()  # the reader ends its round (the background reader lets go for good)
                 with self._lock:
                     if self._role.locked():
                         self._round_waiters += 1
@@ -379,7 +376,7 @@ class PolledListener(_Acceptor):
         """Close every accepted connection (a new wiring epoch starts); keep listening. Returns
         once each has been finished (its on_close called), or after 5 s."""
         conns = self._shut_down_accepted()
-        self._kick()
+        self.wake()
         deadline = time.monotonic() + 5
         with self._lock:
             while any(c in self._conns for c in conns) and time.monotonic() < deadline:
@@ -390,18 +387,15 @@ class PolledListener(_Acceptor):
         with self._lock:
             self._changed.notify_all()
             self._round.notify_all()
-        self._kick()
+        self.wake()
         with self._role:  # the background reader and any pumper have let go
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
                     self._finish(key.fileobj, key.data[1], None)
             with self._lock:
                 new, self._new = self._new, []
-            for conn, _, peer in new:
-                with self._lock:
-                    self._conns.discard(conn)
-                conn.close()
-                self._on_close(peer, None)
+            for conn, _, peer in new:  # handshaken but never registered
+                self._finish(conn, peer, None)
             self._sel.close()
         for t in (self._accept_thread, self._background_thread):
             t.join(timeout=5)

@@ -12,9 +12,14 @@ from pathlib import Path
 from tvmpipe.executor.errors import BackendUnavailable, DeviceError
 
 
+def cache_root() -> Path:
+    """Where tvmpipe caches compiled artifacts: $TVMPIPE_CACHE, else ~/.cache/tvmpipe."""
+    return Path(os.environ.get("TVMPIPE_CACHE") or Path.home() / ".cache" / "tvmpipe")
+
+
 def compile_cubin(source: str, arch: str, nvcc: str | None = None, cache_dir: str | Path | None = None) -> bytes:
     """kernels.cu -> cubin for `arch`, cached on disk by (source, arch) so each process compiles once."""
-    cache = Path(cache_dir or os.environ.get("TVMPIPE_CACHE", Path.home() / ".cache" / "tvmpipe")) / "cubin"
+    cache = Path(cache_dir or cache_root()) / "cubin"
     key = hashlib.sha256(f"{arch}\0{source}".encode()).hexdigest()[:32]
     cached = cache / f"{key}-{arch}.cubin"
     if cached.is_file():

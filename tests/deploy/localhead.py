@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tvmpipe.cluster.local import ray_daemon_home
+
 MARK = "TVMPIPE_TEST_RAY_HEAD"
 
 
@@ -37,8 +39,7 @@ class LocalHead:
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="tvpj-", dir="/tmp")))
 
     def __post_init__(self) -> None:
-        (self.temp_dir / "home").mkdir(exist_ok=True)
-        (self.temp_dir / "home" / "ray_bootstrap_config.yaml").write_text("provider: {type: local}\n")
+        ray_daemon_home(self.temp_dir / "home")
 
     @property
     def dashboard(self) -> str:
