@@ -72,7 +72,7 @@ class FrameLimits:
         sizes = [itemsize(dt) * _count(shape) for _, dt, shape in tensors]
         return cls(max_header_bytes=(64 << 10) + 256 * len(tensors), max_tensors=len(tensors),
                    max_ndim=max([len(s) for _, _, s in tensors] + [0]), max_tensor_bytes=max(sizes + [0]),
-                   max_payload_bytes=payload_bytes(sizes),
+                   max_payload_bytes=sum(_align(n) for n in sizes),  # in any order
                    layout=tuple((int(e), dtypes.np_dtype(dt).name, tuple(s)) for e, dt, s in tensors))
 
 

@@ -7,8 +7,10 @@ cluster), so a connection proves it belongs to this run before anything it sends
 2. the producer answers with a `hello` frame whose `mac` is HMAC-SHA256 of the nonce and the
    hello's run, epoch, first seq and stage, keyed by the run's secret;
 3. the consumer checks the MAC, then asks its owner whether this producer may connect now (current
-   run and epoch, a producer the plan gives it, not already connected), and only then hands the
-   connection on, to be read under the limits the owner returns.
+   run and epoch, a producer the plan gives it, not already connected), answers `b"TVPA"` and
+   hands the connection on, to be read under the limits the owner returns. A refused producer is
+   closed without a word, so its `greet` fails (and a Link retries until its connect timeout:
+   a listener busy with other handshakes refuses too).
 
 The secret is 32 random bytes made by the driver for one run and given to each worker through the
 control plane (a Ray call or the process launcher's pipe), never on a command line, in a file or
@@ -42,6 +44,7 @@ log = logging.getLogger("tvmpipe.cluster.handshake")
 
 CHALLENGE = struct.Struct("<4s16s")  # magic, nonce
 CHALLENGE_MAGIC = b"TVPC"
+ADMITTED = b"TVPA"  # the consumer's answer to a hello it admits
 SECRET_BYTES = 32
 HELLO_DEADLINE_S = 5.0  # from accept to a complete hello: a slow or silent peer is cut off then
 MAX_PENDING = 32  # handshakes in progress per listener; more connections are refused at once
@@ -74,21 +77,28 @@ def tune(sock: socket.socket) -> None:
 
 
 def greet(sock: socket.socket, secret: bytes, hello: Frame, timeout_s: float) -> None:
-    """Producer side: read the consumer's challenge and send `hello` with its MAC. Raises OSError
-    if the consumer closes or says nothing within `timeout_s` (it refused, or is not there)."""
+    """Producer side: read the consumer's challenge, send `hello` with its MAC, and wait to be
+    admitted. Raises OSError if the consumer closes or says nothing within `timeout_s` (it
+    refused, and its log says why; or it is not there)."""
     sock.settimeout(timeout_s)
-    got = b""
-    while len(got) < CHALLENGE.size:
-        chunk = sock.recv(CHALLENGE.size - len(got))
-        if not chunk:
-            raise ConnectionError("the consumer closed the connection before its challenge")
-        got += chunk
-    magic, nonce = CHALLENGE.unpack(got)
+    magic, nonce = CHALLENGE.unpack(_recv_exactly(sock, CHALLENGE.size, "challenge"))
     if magic != CHALLENGE_MAGIC:
         raise ConnectionError(f"not a tvmpipe data-plane listener (challenge {magic!r})")
     mac = hello_mac(secret, nonce, hello.run, hello.epoch, hello.seq, hello.stage)
     send(sock, Frame("hello", hello.run, hello.epoch, hello.seq, hello.stage, mac=mac))
+    if _recv_exactly(sock, len(ADMITTED), "admission") != ADMITTED:
+        raise ConnectionError("the consumer did not admit this connection")
     sock.settimeout(None)
+
+
+def _recv_exactly(sock: socket.socket, n: int, what: str) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            raise ConnectionError(f"the consumer closed the connection instead of its {what} (refused: see its log)")
+        got += chunk
+    return got
 
 
 @dataclass
@@ -112,13 +122,13 @@ class Gate:
     """
 
     def __init__(self, host: str, secret: Callable[[], bytes | None], accept_hello: Callable[[Peer], FrameLimits],
-                 admit: Callable[[socket.socket, Peer, FrameLimits], None], *, max_pending: int = MAX_PENDING,
-                 hello_deadline_s: float = HELLO_DEADLINE_S):
+                 admit: Callable[[socket.socket, Peer, FrameLimits], None], *, max_pending: int | None = None,
+                 hello_deadline_s: float | None = None):
         self._secret = secret
         self._accept_hello = accept_hello
         self._admit = admit
-        self.max_pending = max_pending
-        self.hello_deadline_s = hello_deadline_s
+        self.max_pending = MAX_PENDING if max_pending is None else max_pending
+        self.hello_deadline_s = HELLO_DEADLINE_S if hello_deadline_s is None else hello_deadline_s
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
@@ -240,6 +250,12 @@ class Gate:
             return self._refuse(conn, f"{type(exc).__name__}: {exc}")
         del self._pending[conn]
         self._sel.unregister(conn)
+        try:
+            conn.send(ADMITTED)  # 4 bytes; the socket's buffer holds only the challenge, long sent
+        except OSError as exc:
+            conn.close()
+            log.info("data plane %s:%d: %s:%d went away before its admission (%s)", *self.address, *p.address, exc)
+            return
         conn.setblocking(True)
         self._admit(conn, peer, limits)
 
