@@ -183,15 +183,17 @@ class Gate:
             for key, _ in events:
                 if self._closed:
                     return
-                if key.fileobj is self._sock:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    try:
+                try:
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
                         self._wake_r.recv(4096)
-                    except OSError:
-                        pass
-                else:
-                    self._read(key.fileobj)
+                    else:
+                        self._read(key.fileobj)
+                except OSError:
+                    pass
+                except Exception:  # a bug here must not end admissions for the listener's lifetime
+                    log.exception("data plane %s:%d: gate error", *self.address)
             now = time.monotonic()
             for conn, p in list(self._pending.items()):
                 if now >= p.deadline:

@@ -16,7 +16,7 @@ themselves (`ray::DashboardAgent`) with setproctitle, which overwrites the start
 /proc/PID/environ shows, HOME included. After a clean shutdown the driver writes `exit` first; the
 reaper still sweeps (a lingering agent is killed sooner) and exits.
 
-    python -m tvmpipe.cluster.reaper HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
+    python -m tvmpipe.cluster.reaper DRIVER_PID HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Reaper:
 
     def __init__(self, home: str, temp_dir: str, remove: list[str]):
         env = {k: v for k, v in os.environ.items() if v != home}  # the reaper must not match its own marker
-        self._proc = subprocess.Popen([sys.executable, "-m", "tvmpipe.cluster.reaper", home, temp_dir, *remove],
+        self._proc = subprocess.Popen([sys.executable, "-m", "tvmpipe.cluster.reaper", str(os.getpid()), home,
+                                       temp_dir, *remove],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
                                       start_new_session=True)  # a Ctrl-C to the driver's group spares it
 
@@ -51,14 +52,15 @@ class Reaper:
             pass
 
 
-def run_processes(home: str, temp_dir: str) -> list[int]:
-    """Every process (but this one) with HOME=`home` in its environment or a file open below
-    `temp_dir` (module docstring)."""
+def run_processes(home: str, temp_dir: str, spare: int) -> list[int]:
+    """Every process (but this one and `spare`, the driver: after a clean shutdown it may still
+    hold a Ray log file open) with HOME=`home` in its environment or a file open below `temp_dir`
+    (module docstring)."""
     marker = b"\0HOME=" + os.fsencode(home) + b"\0"
     below = temp_dir.rstrip("/") + "/"
     found = []
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
+        if not d.isdigit() or int(d) in (os.getpid(), spare):
             continue
         try:
             with open(f"/proc/{d}/environ", "rb") as f:
@@ -72,14 +74,14 @@ def run_processes(home: str, temp_dir: str) -> list[int]:
     return found
 
 
-def sweep(home: str, temp_dir: str, dirs: list[str], budget_s: float = SWEEP_S) -> list[int]:
+def sweep(home: str, temp_dir: str, dirs: list[str], spare: int, budget_s: float = SWEEP_S) -> list[int]:
     """SIGKILL the run's processes until none has shown up for a few rounds; remove `dirs`.
     Returns the pids killed."""
     killed: list[int] = []
     deadline = time.monotonic() + budget_s
     quiet = 0
     while quiet < QUIET_ROUNDS and time.monotonic() < deadline:
-        found = run_processes(home, temp_dir)
+        found = run_processes(home, temp_dir, spare)
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -94,7 +96,7 @@ def sweep(home: str, temp_dir: str, dirs: list[str], budget_s: float = SWEEP_S) 
 
 
 def main(argv: list[str]) -> int:
-    home, temp_dir, dirs = argv[0], argv[1], argv[2:]
+    driver, home, temp_dir, dirs = int(argv[0]), argv[1], argv[2], argv[3:]
     if not (Path(home).is_absolute() and Path(temp_dir).is_absolute()):
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the driver's end of the pipe ends the wait
@@ -102,7 +104,7 @@ def main(argv: list[str]) -> int:
         sys.stdin.buffer.read()  # returns at EOF: the driver closed it ("exit") or died
     except OSError:
         pass
-    sweep(home, temp_dir, dirs)
+    sweep(home, temp_dir, dirs, spare=driver)
     return 0
 
 

@@ -1,14 +1,24 @@
 """The data plane: one TCP stream per pipeline edge, frames in sequence order.
 
-Ray carries only control (placement, lifecycle, addresses); tensors go producer -> consumer over
-these sockets, because a plain Ray actor call costs ~1 ms and ~210 MB/s per hop on the machines we
-measured, against tens of microseconds and GB/s for a socket (docs/cluster.md has the numbers).
+Ray carries only control (placement, lifecycle, addresses, the run's secret); tensors go producer
+-> consumer over these sockets, because a plain Ray actor call costs ~1 ms and ~210 MB/s per hop on
+the machines we measured, against tens of microseconds and GB/s for a socket (docs/cluster.md).
 
-A `Listener` accepts connections; each starts with a `hello` frame naming the producer, the run and
-the wiring epoch, which the owner accepts (returning the limits for that peer) or refuses. A `Link`
-is the sending end: small frames are sent at once by the producer, large ones by a thread that
-drains a bounded queue so the producer's compute overlaps the transfer.
-Errors never escape a thread: they close that connection and are reported through a callback.
+Every listener admits connections through a `Gate` (handshake.py): an HMAC challenge-response
+proves the producer holds the run's secret, the owner accepts its hello (returning the exact
+limits for that peer) or refuses it, and hellos are read with a deadline, a cap on handshakes in
+progress and every refusal logged, on one thread per listener. What differs is how admitted
+connections are read, and both ways are kept because each saves a thread wake-up per micro-batch
+where it is used (measured, docs/cluster.md "Two readers"):
+
+* `Listener` (stage workers): a thread per admitted connection, blocked in `recv`, calls the owner
+  itself, so a stage computes a small micro-batch on the thread the kernel woke. Admitted
+  connections are at most one per planned producer and epoch, so the threads are bounded by the plan.
+* `PolledListener` (the driver): one selector, read by whichever thread waits for outputs.
+
+A `Link` is the sending end: small frames are sent at once by the producer, large ones by a thread
+that drains a bounded queue so the producer's compute overlaps the transfer. Errors never escape
+a thread: they close that connection, are logged, and are reported through a callback.
 """
 
 from __future__ import annotations
@@ -91,10 +101,18 @@ class _Acceptor:
         self._gate.close()
 
 
-def _log_end(address: Address, peer: Peer, error: Exception | None) -> None:
+def _peer_address(conn: socket.socket) -> str:
+    try:
+        return "%s:%d" % conn.getpeername()[:2]
+    except OSError:
+        return "?"
+
+
+def _log_end(address: Address, conn: socket.socket, peer: Peer, error: Exception | None) -> None:
+    """A connection the owner or a bad frame ended (before it is closed): logged with the peer."""
     if error is not None:
-        log.warning("data plane %s:%d dropped stage %d (epoch %d): %s: %s", *address, peer.stage, peer.epoch,
-                    type(error).__name__, error)
+        log.warning("data plane %s:%d dropped stage %d (epoch %d) at %s: %s: %s", *address, peer.stage,
+                    peer.epoch, _peer_address(conn), type(error).__name__, error)
 
 
 class Listener(_Acceptor):
@@ -141,8 +159,8 @@ class Listener(_Acceptor):
                 if self._closed or conn in self._dropped:
                     error = None
                 self._dropped.discard(conn)
+            _log_end(self.address, conn, peer, error)
             conn.close()
-            _log_end(self.address, peer, error)
             self._on_close(peer, error)
 
     def drop_connections(self) -> None:
@@ -210,8 +228,8 @@ class PolledListener(_Acceptor):
         with self._lock:
             if self._closed or conn in self._dropped:
                 error = None  # closed on purpose: not the peer's fault
+        _log_end(self.address, conn, peer, error)
         conn.close()
-        _log_end(self.address, peer, error)
         try:
             self._on_close(peer, error)
         except Exception:  # the owner's bug must not stop the reader (a threaded Listener loses one thread)
