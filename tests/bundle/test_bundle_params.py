@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from bundle_edits import edit_json, rewrite
-from handmade import tiny_params
+from tests.support.bundle_edits import edit_json, rewrite
+from tests.support.tiny_bundle import tiny_params
 from tvmpipe.bundle import BundleError, load_bundle, read_graph
 from tvmpipe.bundle.params import (NDARRAY_MAGIC, PARAM_LIST_MAGIC, generate_params, load_npz, load_params_file,
                                    load_tvm_params, save_tvm_params)

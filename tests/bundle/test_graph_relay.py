@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from graph_edits import add_node, op_node, relay_style
+from tests.support.graph_edits import add_node, op_node, relay_style
 from tvmpipe.bundle import EntryRef, parse_graph, parse_graph_text
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from bundle_edits import edit_json
-from graph_edits import add_node, op_node, relay_style
+from tests.support.bundle_edits import edit_json
+from tests.support.graph_edits import add_node, op_node, relay_style
+from tests.support.paths import EXAMPLES_DIR
 from tvmpipe.bundle import load_bundle, parse_graph
 from tvmpipe.bundle.bundle import Bundle
 from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text
 
-REPO = Path(__file__).resolve().parents[2]
 REPORT_KEYS = {"schema", "path", "kind", "model", "source", "target", "batch", "dtype", "tvm_version", "created_by",
                "params", "counts", "activation_bytes", "inputs", "outputs", "nodes"}
 NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops"}
@@ -64,7 +64,7 @@ def test_report_of_the_tiny_bundle(tiny_bundle):
 
 
 def test_generated_params_are_shown(tmp_path):
-    from handmade import write_tiny
+    from tests.support.tiny_bundle import write_tiny
 
     r = build_report(load_bundle(write_tiny(tmp_path / "gen", params=None, params_seed=11)))
     assert r["params"] == {"file": None, "generated": {"seed": 11}, "count": 2, "bytes": 60}
@@ -181,10 +181,9 @@ def test_cli_errors_are_one_paragraph_without_traceback(tiny_bundle, fixtures_di
         assert "\n\n" not in p.stderr.strip()
 
 
-@pytest.mark.skipif(not (REPO / "examples" / "mlp" / "bundle.json").is_file(), reason="examples/mlp is not built yet")
 def test_cli_on_examples_mlp(tmp_path):
-    p = tvmpipe("inspect", str(REPO / "examples" / "mlp"), cwd=tmp_path)
+    p = tvmpipe("inspect", str(EXAMPLES_DIR / "mlp"), cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "launch " in p.stdout and "ops    " in p.stdout
-    r = json.loads(tvmpipe("inspect", "--json", str(REPO / "examples" / "mlp"), cwd=tmp_path).stdout)
+    r = json.loads(tvmpipe("inspect", "--json", str(EXAMPLES_DIR / "mlp"), cwd=tmp_path).stdout)
     assert r["kind"] == "bundle" and r["counts"]["kernel_launches"] >= r["counts"]["functions"] >= 1

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from graphgen import Reference, brute_force, isclose, random_bundle, random_profile
+from tests.support.random_graphs import Reference, brute_force, isclose, random_bundle, random_profile
 from tvmpipe.partition import PartitionError, validate_plan
 from tvmpipe.partition.devices import Link
 from tvmpipe.partition.model import PipelineModel
