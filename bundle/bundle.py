@@ -20,7 +20,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tvmpipe.bundle.errors import BundleError, GraphError, Problem
-from tvmpipe.bundle.graph import Graph, read_graph
+from tvmpipe.bundle.graph import Graph
+from tvmpipe.bundle.graph_reader import read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
 from tvmpipe.bundle.params import check_params, generate_params, load_params_file, save_npz
 
@@ -267,7 +268,7 @@ def _plain_file_name(name: Any) -> bool:
 
 def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem]) -> dict[str, np.ndarray]:
     mfile = str(path / "bundle.json")
-    unknown = [n for n in m.inputs + (m.param_names or []) if n not in graph.node_index or graph.nodes[graph.node_index[n]].is_op]
+    unknown = [n for n in m.inputs + (m.param_names or []) if not graph.is_null_node(n)]
     for n in unknown:
         problems.append(Problem(mfile, "", "inputs/params.names", f"'{n}' is not a null node of graph.json"))
     if unknown:
@@ -281,7 +282,7 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
             problems.append(Problem(mfile, "", "inputs/params.names",
                                     f"{graph.nodes[i].label()} is neither a graph input nor a param: nothing would feed it"))
     if m.params_file is None:
-        need = sum(graph.entries[graph.entry_id(graph.node_index[n])].nbytes for n in names)
+        need = sum(graph.entry_of(n).nbytes for n in names)
         if need > MAX_GENERATED_PARAM_BYTES:
             problems.append(Problem(mfile, "", "params.generated",
                                     f"generating weights would allocate {need} bytes, over the "

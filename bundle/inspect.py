@@ -30,7 +30,7 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
     g = bundle.graph
     m = bundle.manifest
     no_reuse, with_reuse = g.activation_bytes()
-    null_entries = [_entry(g, i) for i in g.null_nodes]
+    null_entries = [g.entry_of(i) for i in g.null_nodes]
     param_names = None if m is None else bundle.param_names
     nodes = [_node_report(bundle, n) for n in g.nodes]
     launches = None if m is None else sum(len(n["launches"]) for n in nodes)
@@ -49,7 +49,7 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
             "file": None if m is None else m.params_file,
             "generated": None if m is None or m.params_seed is None else {"seed": m.params_seed},
             "count": None if param_names is None else len(param_names),
-            "bytes": None if param_names is None else sum(_entry(g, g.node_index[n]).nbytes for n in param_names),
+            "bytes": None if param_names is None else sum(g.entry_of(n).nbytes for n in param_names),
         },
         "counts": {
             "nodes": len(g.nodes),
@@ -73,12 +73,8 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
     }
 
 
-def _entry(g: Graph, nid: int) -> Entry:
-    return g.entries[g.entry_id(nid)]
-
-
 def _tensor(g: Graph, nid: int) -> dict[str, Any]:
-    e = _entry(g, nid)
+    e = g.entry_of(nid)
     return {"node": nid, "name": g.nodes[nid].name, "shape": list(e.shape), "dtype": e.dtype}
 
 

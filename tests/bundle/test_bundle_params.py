@@ -143,7 +143,7 @@ def test_generated_params_are_deterministic(fixtures_dir):
     a, b = generate_params(g, names, seed=3), generate_params(g, names, seed=3)
     assert list(a) == names
     for n in names:
-        e = g.entries[g.entry_id(g.node_index[n])]
+        e = g.entry_of(n)
         assert a[n].shape == e.shape and a[n].dtype == np.float32
         np.testing.assert_array_equal(a[n], b[n])
     other = generate_params(g, names, seed=4)
