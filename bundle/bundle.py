@@ -77,7 +77,9 @@ class Manifest:
 
 @dataclass
 class Bundle:
-    """A loaded bundle. A bare graph.json loads as a Bundle with `manifest=None` and no kernels/ops."""
+    """A loaded bundle. A bare graph.json loads as a Bundle with `manifest=None` and no kernels/ops;
+    loaded with its params file (a legacy deployment's graph.json + .params), `params_path` is set
+    and the params tell its graph inputs from its weights."""
 
     path: Path
     graph: Graph
@@ -86,10 +88,16 @@ class Bundle:
     ops: dict[str, FusedFunction] = field(default_factory=dict)
     cuda_source: str = ""
     params: dict[str, np.ndarray] = field(default_factory=dict)
+    params_path: Path | None = None  # the params file a bare graph.json was loaded with
 
     @property
     def is_bare(self) -> bool:
         return self.manifest is None
+
+    @property
+    def knows_params(self) -> bool:
+        """Whether this bundle says which null nodes are params (weights) and which are graph inputs."""
+        return self.manifest is not None or self.params_path is not None
 
     @property
     def name(self) -> str:
@@ -97,16 +105,19 @@ class Bundle:
 
     @property
     def input_names(self) -> list[str]:
-        """Null nodes fed per run. Unknown for a bare graph.json: then every arg node is listed."""
+        """Null nodes fed per run. Unknown for a bare graph.json without params: then every arg node is listed."""
         if self.manifest is None:
-            return [self.graph.nodes[i].name for i in self.graph.null_nodes]
+            return [n for n in self._null_names() if n not in self.params]
         return list(self.manifest.inputs)
 
     @property
     def param_names(self) -> list[str]:
         if self.manifest is None:
-            return []
+            return [n for n in self._null_names() if n in self.params]
         return _param_names(self.graph, self.manifest)
+
+    def _null_names(self) -> list[str]:
+        return [self.graph.nodes[i].name for i in self.graph.null_nodes]
 
     def input_nodes(self) -> list[int]:
         return [self.graph.node_index[n] for n in self.input_names]
@@ -128,19 +139,27 @@ def _param_names(graph: Graph, m: Manifest) -> list[str]:
 
 # ---- loading -------------------------------------------------------------------------------------
 
-def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
+def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | Path | None = None) -> Bundle:
     """Load a bundle directory, or a bare graph.json file, cross-checking everything.
 
     Every file that can be read is parsed even when another is broken, so one BundleError lists
     all the problems; only the cross-checks that need a file wait for it to be readable.
+    `params` is a bare graph.json's params file (.params as TVM <= 0.19 wrote it, or .npz): its
+    names are the weights, the other null nodes the graph inputs. A bundle names its own.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".json" and path.name != "bundle.json":
-        return Bundle(path=path, graph=read_graph(path))
+        graph = read_graph(path)
+        if params is None:
+            return Bundle(path=path, graph=graph)
+        return Bundle(path=path, graph=graph, params=load_graph_params(graph, Path(params)), params_path=Path(params))
     if path.is_file() and path.name == "bundle.json":
         path = path.parent
     if not path.is_dir():
         raise BundleError([Problem(str(path), "", "", "no such bundle directory or graph.json file")])
+    if params is not None:
+        raise BundleError([Problem(str(params), "", "", f"a params file goes with a bare graph.json; the bundle "
+                                                        f"{path} names its own params in bundle.json")])
     problems: list[Problem] = []
     manifest = _read_manifest(path / "bundle.json", problems)
     if manifest is None:
@@ -164,6 +183,16 @@ def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
         raise BundleError(problems)
     return Bundle(path=path, graph=graph, manifest=manifest, kernels=kernels, ops=ops,
                   cuda_source=cuda_source, params=params)
+
+
+def load_graph_params(graph: Graph, file: Path) -> dict[str, np.ndarray]:
+    """A bare graph.json's params file, read and checked against the graph: every array names a
+    null node and has its shape and dtype. Null nodes it leaves out are the graph inputs."""
+    params = load_params_file(file)
+    problems = check_params(graph, params, [n for n in params if graph.is_null_node(n)], str(file))
+    if problems:
+        raise BundleError(problems)
+    return params
 
 
 def _check_files(path: Path, m: Manifest, verify_checksums: bool, problems: list[Problem]) -> None:

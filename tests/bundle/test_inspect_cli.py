@@ -19,7 +19,8 @@ from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text
 
 REPORT_KEYS = {"schema", "path", "kind", "model", "source", "target", "batch", "dtype", "tvm_version", "created_by",
                "params", "counts", "activation_bytes", "inputs", "outputs", "nodes"}
-NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops"}
+NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops",
+             "weight_bytes"}
 
 
 def tvmpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -96,8 +97,9 @@ def test_text_rows_of_the_tiny_bundle(tiny_bundle):
     assert lines[i + 2].split() == ["launch", "dense_add_kernel_1", "grid", "1x1x1", "block", "32x1x1", "smem", "0"]
     assert lines[i + 3].strip() == "workspaces 12 B"
     assert lines[i + 4].strip() == "ops    matmul, add, nn.relu"
-    assert lines[i + 5].split()[:3] == ["4", "reshape", "__nop"]
-    assert lines[i + 6].strip() == "no launch: __nop output aliases its input's storage"
+    assert lines[i + 5].strip() == "weights 60 B"  # w and b
+    assert lines[i + 6].split()[:3] == ["4", "reshape", "__nop"]
+    assert lines[i + 7].strip() == "no launch: __nop output aliases its input's storage"
     assert lines[i - 3].split() == ["0", "x", "(input)", "float32[1,4]", "0"]
     assert max(map(len, lines)) <= 100
 
