@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tvmpipe.bundle.errors import BundleError, GraphError, Problem
+from tvmpipe.bundle.errors import BundleError, GraphError, Problem, ProblemCollector
 from tvmpipe.bundle.graph import Graph
 from tvmpipe.bundle.graph_reader import read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
@@ -241,9 +241,8 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         problems.append(Problem(f, "", "", "top level must be a JSON object"))
         return None
     # Unknown keys and a wrong format/version are reported, but the other files are still checked.
-    for k in obj:
-        if k not in MANIFEST_KEYS:
-            problems.append(Problem(f, "", k, f"unknown key (expected one of {sorted(MANIFEST_KEYS)})"))
+    collector = ProblemCollector(f, problems)
+    collector.unknown_keys(obj, MANIFEST_KEYS, "")
     if obj.get("format") != FORMAT:
         problems.append(Problem(f, "", "format", f"must be {FORMAT!r}, got {obj.get('format')!r}"))
     if obj.get("version") != FORMAT_VERSION:
@@ -263,9 +262,7 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         else:
             problems.append(Problem(f, "", f"files.{name}", "must map a file name inside the bundle to its sha256 hex digest"))
     p = obj["params"]
-    for k in p:
-        if k not in PARAMS_KEYS:
-            problems.append(Problem(f, "", f"params.{k}", f"unknown key (expected one of {sorted(PARAMS_KEYS)})"))
+    collector.unknown_keys(p, PARAMS_KEYS, "", prefix="params.")
     before = len(problems)
     if not all(isinstance(n, str) for n in obj["inputs"]):
         problems.append(Problem(f, "", "inputs", f"must be a list of node names, got {obj['inputs']!r}"))
