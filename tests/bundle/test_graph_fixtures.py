@@ -1,4 +1,4 @@
-"""The graph reader on real graph.json files that NNVM-era TVM wrote (shared/fixtures/graphs)."""
+"""The graph reader on real graph.json files that NNVM-era TVM wrote (tests/data/graphs)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,12 @@ run as users run it (a subprocess: exit status, stdout, no traceback on errors).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.bundle_edits import edit_json
+from tests.support.commands import run_tvmpipe as tvmpipe
 from tests.support.graph_edits import add_node, op_node, relay_style
 from tests.support.paths import EXAMPLES_DIR
 from tvmpipe.bundle import load_bundle, parse_graph
@@ -22,9 +21,6 @@ REPORT_KEYS = {"schema", "path", "kind", "model", "source", "target", "batch", "
 NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops",
              "weight_bytes"}
 
-
-def tvmpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tvmpipe", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
 # ---- the report ----------------------------------------------------------------------------------

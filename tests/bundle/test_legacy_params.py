@@ -8,13 +8,12 @@ report's code."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support.commands import run_tvmpipe as tvmpipe
 from tests.support.paths import LEGACY_GRAPH, LEGACY_PARAMS
 from tvmpipe.bundle import BundleError, load_bundle
 from tvmpipe.bundle.inspect import build_report, render_text
@@ -36,9 +35,6 @@ def _expected_weight_bytes(graph: dict, arrays: dict[str, np.ndarray]) -> dict[i
         out[i] = sum(arrays[k].nbytes for k in read if k in arrays)
     return out
 
-
-def tvmpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tvmpipe", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
 def test_the_params_file_tells_inputs_from_weights():

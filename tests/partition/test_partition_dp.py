@@ -1,5 +1,5 @@
 """The DP planner against brute force over every plan, on random small DAGs, with a naive
-stage-cost reference (graphgen.Reference) so the range tables are checked too."""
+stage-cost reference (tests/support/random_graphs.py: Reference) so the range tables are checked too."""
 
 from __future__ import annotations
 
