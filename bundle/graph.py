@@ -1,7 +1,7 @@
 """The graph of a TVM graph-executor model (graph.json) as data: nodes, entries, addressing.
 
-Only graph_reader.py builds a Graph from a file, after checking every field; code that holds a
-Graph can index it without re-checking. The model never allocates tensor memory.
+graph_reader.py builds a Graph from graph.json after checking every field, so code that holds a
+Graph indexes it without re-checking. The model never allocates tensor memory.
 """
 
 from __future__ import annotations
