@@ -17,7 +17,7 @@ from tests.support.commands import run_tvmpipe as tvmpipe
 from tests.support.paths import LEGACY_GRAPH, LEGACY_PARAMS
 from tvmpipe.bundle import BundleError, load_bundle
 from tvmpipe.bundle.inspect import build_report, render_text
-from tvmpipe.bundle.params import load_tvm_params, save_tvm_params
+from tvmpipe.bundle.params import load_tvm_params, save_npz, save_tvm_params
 
 WEIGHT_BYTES = 1_697_280  # the 145 float32 arrays of mnet25_macos.params
 
@@ -55,6 +55,14 @@ def test_the_params_file_tells_inputs_from_weights():
     assert {n["index"]: n["weight_bytes"] for n in r["nodes"]} == _expected_weight_bytes(graph, arrays)
     assert r["nodes"][4]["weight_bytes"] == 896  # p0 float32[1,1,3,3,3,8] + p1 float32[1,1,1,1,8]
     assert r["counts"]["kernel_launches"] is None and r["nodes"][4]["launches"] is None  # still no kernels
+
+
+def test_an_npz_of_the_same_arrays_reads_the_same(tmp_path):
+    npz = tmp_path / "weights.npz"
+    save_npz(npz, load_tvm_params(LEGACY_PARAMS.read_bytes()))
+    a, b = (build_report(load_bundle(LEGACY_GRAPH, params=f)) for f in (LEGACY_PARAMS, npz))
+    assert a["params"].pop("file") == str(LEGACY_PARAMS) and b["params"].pop("file") == str(npz)
+    assert a == b
 
 
 def test_without_the_params_file_the_split_stays_unknown():
