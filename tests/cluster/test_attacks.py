@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from clhelp import ThreadLauncher, assert_bit_identical, case
+from tests.support.pipeline_harness import ThreadLauncher, assert_bit_identical, case
 
 from tvmpipe.cluster import frames, handshake, stream
 from tvmpipe.cluster.driver import Pipeline, PipelineError

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from clhelp import alive, cmdline, descendants
+from tests.support.pipeline_harness import alive, cmdline, descendants
 
 RUN_DIR = re.compile(rb"/tmp/tvp-(?:ray|home)-[A-Za-z0-9_]+")
 GONE_WITHIN_S = 5.0  # the target; a loaded 2-core machine gets twice that before the test fails
