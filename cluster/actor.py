@@ -12,7 +12,8 @@ from typing import Any
 
 import ray
 
-from tvmpipe.cluster.launch import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe, thread_env
+from tvmpipe.cluster.control import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe
+from tvmpipe.cluster.environment import thread_env
 from tvmpipe.cluster.placement import Placement, create_placement_group
 from tvmpipe.cluster.transport import Address
 from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 NODE_PIN = 0.001  # of `node:<ip>`: every node has 1.0, so a pinned bundle fits only there

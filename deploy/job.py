@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cli as run_cli
 from tvmpipe.executor.inputs import Batch, npz_micro_batches, random_micro_batches
 from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 # Modules that define `register(subparsers)`, in the order their commands appear in --help.
 COMMAND_MODULES = [

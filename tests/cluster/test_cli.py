@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 from tvmpipe.cli import main
 

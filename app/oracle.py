@@ -1,7 +1,7 @@
 """The single-process oracle: the whole graph on one GraphRunner, in a worker-like process.
 
 Pipelined outputs must equal this bit for bit. The run happens in a spawned child with the stage
-workers' environment (launch.worker_environment: one BLAS thread), because OpenBLAS sums in a
+workers' environment (cluster.environment.worker_environment: one BLAS thread), because OpenBLAS sums in a
 different order with a different thread count, and a driver process's BLAS is already configured.
 """
 
@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 import numpy as np
 
-from tvmpipe.cluster.launch import worker_environment
+from tvmpipe.cluster.environment import worker_environment
 
 
 def _run(bundle_path: str, backend: str, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:

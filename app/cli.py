@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tvmpipe.bundle.errors import TvmpipeError
-from tvmpipe.bundle.units import format_bytes
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.units import format_bytes
 
 BUILTIN_EXAMPLE = "mlp"
 BACKEND_CHOICES = ["auto", "reference", "cuda", "simulated"]
@@ -176,7 +176,7 @@ def open_cluster(args: argparse.Namespace, max_stages: int) -> Iterator[Cluster]
 
 
 def pipeline_kwargs(args: argparse.Namespace, cluster: Cluster, backend: str, k: int) -> dict[str, Any]:
-    from tvmpipe.cluster.launch import ProcessLauncher, Timeouts
+    from tvmpipe.cluster.control import ProcessLauncher, Timeouts
     from tvmpipe.cluster.placement import Placement
 
     gpus = args.gpus_per_stage
@@ -255,7 +255,7 @@ def run_command(args: argparse.Namespace) -> int:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.cluster.metrics import compute_metrics
-    from tvmpipe.cluster.reference import reference_outputs
+    from tvmpipe.app.oracle import reference_outputs
     from tvmpipe.cluster.timeline import write_gantt, write_trace
 
     path = Path(args.bundle) if args.bundle else builtin_example()
