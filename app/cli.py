@@ -1,30 +1,31 @@
-"""`tvmpipe run` and `tvmpipe sweep`: run a bundle as a pipeline and check it, or sweep plans.
+"""`tvmpipe run` and `tvmpipe sweep`: parse the command line, call the application layer, print.
 
 `tvmpipe run --stages 2 --local` with no bundle runs the built-in example (examples/mlp, shipped
 as `tvmpipe.examples`) on an embedded loopback-only Ray cluster, checks every output against a
-single-process GraphRunner run, and prints a per-stage table. Ray is imported only inside the
-commands, so `tvmpipe --help` stays fast on machines without it.
+single-process GraphRunner run, and prints a per-stage table. Ray and the pipeline are imported
+only inside the commands, so `tvmpipe --help` stays fast on machines without them.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.resources
 import json
 import sys
-import time
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Iterator
 
-import numpy as np
+from tvmpipe.app.args import COUNT, POSITIVE, add_cluster_args, cluster_options, number
+from tvmpipe.app.sources import BUILTIN_EXAMPLE
 
-from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.core.units import format_bytes
+DEFAULT_MICRO_BATCHES = 16
 
-BUILTIN_EXAMPLE = "mlp"
-BACKEND_CHOICES = ["auto", "reference", "cuda", "simulated"]
+
+def count_or_auto(convert, minimum: float, what: str):
+    """An argparse `type` for 'N|auto' options: 'auto', or a number checked by `number`."""
+    parse = number(convert, minimum, what=f"{what} or 'auto'")
+
+    def parse_or_auto(text: str):
+        return text if text == "auto" else parse(text)
+
+    return parse_or_auto
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,16 +35,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "local processes), stream micro-batches through it, compare every output with a "
                     "single-process GraphRunner run, and print per-stage and overall numbers. Exits 1 when "
                     "an output differs.")
-    r.add_argument("bundle", nargs="?", help=f"bundle directory (default: built-in example '{BUILTIN_EXAMPLE}')")
-    r.add_argument("--stages", "-k", type=int, default=2, help="number of stages K (default 2)")
+    r.add_argument("bundle", nargs="?", help=f"bundle directory, or a built-in example's name "
+                                             f"(default: '{BUILTIN_EXAMPLE}')")
+    r.add_argument("--stages", "-k", type=COUNT, default=2, help="number of stages K (default 2)")
     r.add_argument("--plan", metavar="PLAN.json", help="plan from `tvmpipe partition -o` (overrides --stages)")
     r.add_argument("--strategy", choices=["equal", "optimal"], default="equal",
                    help="how to cut K stages without --plan (default equal op counts)")
-    r.add_argument("--micro-batches", "-n", type=int, default=16, help="micro-batches to run (default 16)")
+    r.add_argument("--micro-batches", "-n", type=COUNT, default=DEFAULT_MICRO_BATCHES,
+                   help=f"micro-batches to run (default {DEFAULT_MICRO_BATCHES})")
     r.add_argument("--inputs", metavar="IN.npz", help="graph inputs by name: the input's shape (used for every "
                    "micro-batch) or with a leading micro-batch axis (default: seeded random inputs)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (micro-batch i uses seed+i)")
-    r.add_argument("--save-outputs", metavar="OUT.npz", help="write outputs: output<k> with a micro-batch axis")
+    r.add_argument("--save-outputs", metavar="OUT.npz", help="write outputs: output<k> with a micro-batch axis, "
+                   "and micro_batch (kept for the completed micro-batches when the run fails)")
     r.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace and a Gantt PNG beside it")
     r.add_argument("--json", action="store_true", help="print a machine-readable summary instead of tables")
     add_cluster_args(r)
@@ -56,16 +60,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "latency and bubble. With --backend simulated and no --profile, stage times come from the "
                     "simulated backend's own model, so predictions and runs use the same op times.")
     s.add_argument("bundle", help="bundle directory")
-    s.add_argument("--stages", "-k", default="1..4", help="stage counts, e.g. 1..4 or 3 (default 1..4)")
-    s.add_argument("--strategies", default="equal,optimal", help="comma-separated: equal, optimal")
-    s.add_argument("--micro-batches", "-n", default="auto", metavar="N|auto",
+    s.add_argument("--stages", "-k", type=stage_range, default="1..4",
+                   help="stage counts, e.g. 1..4 or 3 (default 1..4)")
+    s.add_argument("--strategies", type=strategies, default="equal,optimal",
+                   help="comma-separated: equal, optimal")
+    s.add_argument("--micro-batches", "-n", type=count_or_auto(int, 1, "a count"), default="auto", metavar="N|auto",
                    help="micro-batches per plan; 'auto' (default): enough for ~0.25 s of steady state at the "
                         "fastest rate the op times allow, 32 to 2000")
     s.add_argument("--profile", metavar="PROFILE.json", help="per-node times (`tvmpipe profile --json`) for the "
                    "planner, and for the simulated backend")
-    s.add_argument("--time-scale", type=float, default=1.0,
+    s.add_argument("--time-scale", type=POSITIVE, default=1.0,
                    help="simulated backend: multiply every op time (make stages long against transport overhead)")
-    s.add_argument("--frame-overhead-us", default="auto", metavar="US|auto",
+    s.add_argument("--frame-overhead-us", type=count_or_auto(float, 0, "microseconds"), default="auto",
+                   metavar="US|auto",
                    help="runtime cost per frame a stage receives, added to every prediction; 'auto' (default) "
                         "measures it as the gap between a 1-stage run and its prediction")
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
@@ -73,372 +80,78 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=sweep_command)
 
 
-RAY_CONNECT_ATTEMPTS = 3
+def stage_range(text: str) -> tuple[int, int]:
+    """'K' or 'A..B' with 1 <= A <= B."""
+    lo, _, hi = text.partition("..")
+    try:
+        lo_k, hi_k = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K or A..B, e.g. 1..4, got {text!r}") from None
+    if not 1 <= lo_k <= hi_k:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return lo_k, hi_k
 
 
-def connect_ray(address: str, attempts: int = RAY_CONNECT_ATTEMPTS, pause_s: float = 1.0) -> None:
-    """ray.init(address), retried when a ray:// server fails a client's start-up.
+def strategies(text: str) -> tuple[str, ...]:
+    from tvmpipe.partition.sweep import SWEEP_STRATEGIES
 
-    Ray's client proxier starts a server process per client and then reads its command line. If
-    that process has just exited, psutil raises ZombieProcess inside the proxier, and the client
-    gets "Initialization failure from server". This happened under load, in our end-to-end tests.
-    The next attempt gets a fresh server. Any other failure is reported at once.
-    """
-    import ray
-
-    for attempt in range(1, attempts + 1):
-        try:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-            return
-        except ConnectionError as exc:
-            transient = address.startswith("ray://") and "Initialization failure from server" in str(exc)
-            if not transient or attempt == attempts:
-                tried = f" ({attempt} attempts)" if attempt > 1 else ""
-                raise TvmpipeError(f"cannot connect to the Ray cluster at {address}{tried}: {exc} (a cluster with "
-                                   "token auth needs RAY_AUTH_MODE=token and its token in this environment)") from None
-            ray.shutdown()
-            time.sleep(pause_s)
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """The cluster options shared by `tvmpipe run`, `tvmpipe sweep` and `python -m tvmpipe.job`."""
-    g = p.add_argument_group("cluster")
-    where = g.add_mutually_exclusive_group()
-    where.add_argument("--local", action="store_true",
-                       help="start an embedded single-node Ray cluster bound to 127.0.0.1 only")
-    where.add_argument("--address", metavar="auto|ray://HOST:PORT", help="connect to an existing Ray cluster")
-    where.add_argument("--processes", action="store_true",
-                       help="run stage workers as plain local processes, without Ray")
-    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                   help="auto: cuda where there is a GPU, else reference")
-    g.add_argument("--window", type=int, help="micro-batches in flight (default 2 x stages)")
-    g.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"],
-                   help="placement-group strategy (default PACK)")
-    g.add_argument("--gpus-per-stage", type=float, help="GPUs per stage actor (default: 1, or a share when "
-                   "stages outnumber GPUs; 0 off cuda)")
-    g.add_argument("--cpus-per-stage", type=float, default=0.5, help="CPUs reserved per stage actor (default 0.5)")
-    g.add_argument("--max-restarts", type=int, default=3, help="restarts per stage before the run fails")
-    g.add_argument("--progress-timeout", type=float, default=60.0,
-                   help="seconds without a completed micro-batch before workers are checked (default 60)")
-    g.add_argument("--ray-temp-dir", help="--local: Ray's session directory (default: a fresh one, removed)")
-
-
-# ---- shared ------------------------------------------------------------------------------------------
-
-def builtin_example(name: str = BUILTIN_EXAMPLE) -> Path:
-    """The example bundle shipped inside the package (examples/<name> in a source checkout)."""
-    path = Path(str(importlib.resources.files("tvmpipe.examples") / name))
-    if not (path / "bundle.json").is_file():
-        raise TvmpipeError(f"built-in example '{name}' is missing from this installation ({path})")
-    return path
-
-
-def pick_backend(requested: str, gpus: int) -> str:
-    if requested != "auto":
-        return requested
-    return "cuda" if gpus > 0 else "reference"
-
-
-@dataclass
-class Cluster:
-    """Where stage workers run, as Pipeline keyword arguments."""
-
-    launcher: str
-    host: str | None
-    gpus: int
-    ship_bundle: bool
-    description: str
-
-
-@contextlib.contextmanager
-def open_cluster(args: argparse.Namespace, max_stages: int) -> Iterator[Cluster]:
-    from tvmpipe.cluster.local import LOOPBACK, detect_gpus, local_ray
-
-    if args.processes:
-        yield Cluster("process", LOOPBACK, detect_gpus(), False, "local processes (no Ray)")
-    elif args.local:
-        gpus = detect_gpus()
-        with local_ray(num_cpus=max(2.0, max_stages * args.cpus_per_stage), num_gpus=gpus, temp_dir=args.ray_temp_dir):
-            yield Cluster("ray", LOOPBACK, gpus, False, f"local Ray on {LOOPBACK}")
-    elif args.address:
-        import ray
-
-        connect_ray(args.address)
-        try:
-            nodes = [n for n in ray.nodes() if n.get("Alive")]
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-            yield Cluster("ray", None, gpus, len(nodes) > 1, f"Ray cluster {args.address} ({len(nodes)} node(s))")
-        finally:
-            ray.shutdown()
-    else:
-        raise TvmpipeError("say where to run: --local (embedded Ray on 127.0.0.1), --address auto|ray://HOST:PORT "
-                           "(an existing cluster) or --processes (no Ray)")
-
-
-def pipeline_kwargs(args: argparse.Namespace, cluster: Cluster, backend: str, k: int) -> dict[str, Any]:
-    from tvmpipe.cluster.control import ProcessLauncher, Timeouts
-    from tvmpipe.cluster.placement import Placement
-
-    gpus = args.gpus_per_stage
-    if gpus is None:
-        gpus = 0.0 if backend != "cuda" else (1.0 if cluster.gpus >= k else cluster.gpus / k)
-    if backend == "cuda" and cluster.gpus == 0:
-        raise TvmpipeError("the cuda backend needs a GPU, and this cluster has none (use --backend reference)")
-    timeouts = Timeouts(progress=args.progress_timeout)
-    kw: dict[str, Any] = dict(backend=backend, window=args.window, launcher=cluster.launcher, host=cluster.host,
-                              ship_bundle=cluster.ship_bundle, max_restarts=args.max_restarts, timeouts=timeouts)
-    if cluster.launcher == "ray":
-        kw["placement"] = Placement(strategy=args.placement, gpus=gpus, cpus=args.cpus_per_stage)
-    elif backend == "cuda":  # processes: stage i on GPU i, round robin when stages outnumber GPUs
-        kw["launcher"] = ProcessLauncher(timeouts, devices=[str(i) for i in range(cluster.gpus)])
-    return kw
-
-
-def micro_batches(bundle, args: argparse.Namespace) -> list[dict[str, np.ndarray]]:
-    """--inputs (one micro-batch repeated, or its rows cycled to -n) or seeded random inputs."""
-    from tvmpipe.executor.inputs import npz_micro_batches, random_micro_batches
-
-    if not args.inputs:
-        return random_micro_batches(bundle, args.micro_batches, args.seed)
-    return npz_micro_batches(bundle, args.inputs, args.micro_batches, cycle=True)
-
-
-def compare(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> list[tuple[int, str]]:
-    """(micro-batch, what differs) for every output that is not bit-identical; empty when all are."""
-    bad = []
-    for i, (g, w) in enumerate(zip(got, want)):
-        for k, (a, b) in enumerate(zip(g, w)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                bad.append((i, f"micro-batch {i} output {k}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"))
-            elif not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
-                diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-                bad.append((i, f"micro-batch {i} output {k}: max abs difference {diff:.3g}"))
-    for i in range(len(got), len(want)):
-        bad.append((i, f"micro-batch {i}: no output"))
-    return bad
-
-
-def _bytes(n: int | None) -> str:
-    return "-" if n is None else format_bytes(n)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.1f}"
-
-
-def stage_table(metrics) -> str:
-    rows = [("stage", "nodes", "ops", "host", "busy %", "bubble %", "idle %", "ms/mb", "bytes out")]
-    for s in metrics.stages:
-        rows.append((str(s.stage), f"[{s.nodes[0]}, {s.nodes[1]})", str(s.ops), s.host or "-", _pct(s.busy),
-                     _pct(s.bubble), _pct(s.idle), "-" if s.compute_ms_mean is None else f"{s.compute_ms_mean:.3f}",
-                     _bytes(s.bytes_out)))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    names = tuple(s for s in text.split(",") if s)
+    bad = [s for s in names if s not in SWEEP_STRATEGIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(SWEEP_STRATEGIES)}, "
+                                         f"got {text!r}")
+    return names
 
 
 # ---- tvmpipe run -------------------------------------------------------------------------------------
 
-def _plan(bundle, args: argparse.Namespace):
-    from tvmpipe.partition import Plan, plan_equal_ops
-
-    if args.plan:
-        return Plan.load(args.plan)
-    if args.strategy == "equal":
-        return plan_equal_ops(bundle.graph, args.stages)
-    from tvmpipe.partition.model import PipelineModel
-    from tvmpipe.partition.planners import make_plan
-
-    return make_plan(PipelineModel.build(bundle), args.stages, "optimal")
-
-
 def run_command(args: argparse.Namespace) -> int:
+    from tvmpipe.app.connect import check_where
+    from tvmpipe.app.run import PipelineRun, run_checked
+    from tvmpipe.app.sources import choose_plan, micro_batches, resolve_bundle
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.metrics import compute_metrics
-    from tvmpipe.app.oracle import reference_outputs
-    from tvmpipe.cluster.timeline import write_gantt, write_trace
 
-    path = Path(args.bundle) if args.bundle else builtin_example()
+    options = cluster_options(args)
+    check_where(options)
+    path = resolve_bundle(args.bundle)
     bundle = load_bundle(path)
-    plan = _plan(bundle, args)
-    batches = micro_batches(bundle, args)
-    with open_cluster(args, plan.num_stages) as cluster:
-        backend = pick_backend(args.backend, cluster.gpus)
-        kw = pipeline_kwargs(args, cluster, backend, plan.num_stages)
-        with Pipeline(bundle, plan, **kw) as pipe:
-            outputs = pipe.run(batches)  # checks every micro-batch's inputs before any is sent
-            rec = pipe.record()
-            window = pipe.window
-    metrics = compute_metrics(rec)
-    want = reference_outputs(bundle.path, batches, backend)
-    mismatches = compare(outputs, want)
-    if args.save_outputs:
-        np.savez(args.save_outputs, **{f"output{k}": np.stack([o[k] for o in outputs]) for k in range(len(outputs[0]))})
-    trace_files = []
-    if args.trace:
-        title = f"{bundle.name}: {plan.num_stages} stages"
-        trace_files = [str(write_trace(rec, args.trace)),
-                       str(write_gantt(rec, Path(args.trace).with_suffix(".png"), title=title))]
-    summary = {"bundle": str(path), "model": bundle.name, "stages": [list(s) for s in plan.stages],
-               "strategy": plan.strategy, "backend": backend, "cluster": cluster.description,
-               "micro_batches": len(batches), "window": window, "match": not mismatches,
-               "mismatches": [m for _, m in mismatches[:20]], "metrics": metrics.to_json(), "trace": trace_files}
+    plan = choose_plan(bundle, args.plan, args.stages, args.strategy)
+    batches = micro_batches(bundle, args.inputs, args.micro_batches, args.seed,
+                            default_count=DEFAULT_MICRO_BATCHES, cycle=True)
+    done = run_checked(PipelineRun(bundle, plan, batches, options), args.save_outputs, args.trace)
+    run, m = done.run, done.metrics
     if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print(f"tvmpipe run: {bundle.name} ({path}), {plan.num_stages} stage(s) ({plan.strategy}), backend {backend}, "
-              f"{cluster.description}, {len(batches)} micro-batches, window {window}")
-        print(stage_table(metrics))
-        print(f"throughput {metrics.throughput:.1f} micro-batches/s ({metrics.samples_per_s:.1f} samples/s; steady "
-              f"state {metrics.steady_throughput:.1f}/s), latency p50 {metrics.latency_p50_ms:.3f} ms, "
-              f"p99 {metrics.latency_p99_ms:.3f} ms, restarts {sum(metrics.restarts)}")
-        for f in trace_files:
-            print(f"wrote {f}")
-        verdict = "yes" if not mismatches else "NO"
-        identical = len(batches) - len({i for i, _ in mismatches})
-        print(f"outputs match single-process run: {verdict} ({identical}/{len(batches)} micro-batches bit-identical)")
-        for _, m in mismatches[:10]:
-            print(f"  {m}", file=sys.stderr)
-    return 0 if not mismatches else 1
+        print(json.dumps(done.summary(str(path)), indent=1))
+        return 0 if not done.mismatches else 1
+    print(f"tvmpipe run: {bundle.name} ({path}), {plan.num_stages} stage(s) ({plan.strategy}), backend {run.backend}, "
+          f"{run.cluster.description}, {len(batches)} micro-batches, window {run.window}")
+    print(m.table())
+    print(f"throughput {m.throughput:.1f} micro-batches/s ({m.samples_per_s:.1f} samples/s; steady "
+          f"state {m.steady_throughput:.1f}/s), latency p50 {m.latency_p50_ms:.3f} ms, "
+          f"p99 {m.latency_p99_ms:.3f} ms, restarts {sum(m.restarts)}")
+    for f in done.written:
+        print(f"wrote {f}")
+    verdict = "yes" if not done.mismatches else "NO"
+    print(f"outputs match single-process run: {verdict} ({done.identical}/{len(batches)} micro-batches bit-identical)")
+    for _, message in done.mismatches[:10]:
+        print(f"  {message}", file=sys.stderr)
+    return 0 if not done.mismatches else 1
 
 
 # ---- tvmpipe sweep -----------------------------------------------------------------------------------
 
-def _stage_range(text: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = text.partition("..")
-        return (int(lo), int(hi)) if hi else (int(lo), int(lo))
-    except ValueError:
-        raise TvmpipeError(f"--stages {text!r}: expected K or A..B, e.g. 1..4") from None
-
-
-def _key(case) -> str:
-    return f"{case.strategy}-k{case.stages}"
-
-
-def simulated_profile(bundle, time_scale: float) -> dict[str, Any]:
-    """Per-node times of the simulated backend's own model, as a profile both the planner and the
-    simulated stages read, so a sweep compares the prediction with a run of the same op times."""
-    from tvmpipe.executor import GraphRunner, random_inputs
-
-    with GraphRunner(bundle, backend="simulated", time_scale=time_scale) as runner:
-        return runner.profile(repeat=1, warmup=0, **random_inputs(bundle)).to_json()
-
-
-def _number_or_auto(value: str, flag: str, convert: Any, minimum: float, what: str) -> float:
-    """An option that is a number or 'auto' (the caller handles 'auto'): checked, named on error."""
-    try:
-        number = convert(value)
-    except ValueError:
-        raise TvmpipeError(f"{flag} {value!r}: expected {what} or 'auto'") from None
-    if number < minimum:
-        raise TvmpipeError(f"{flag} must be >= {minimum}, got {number}")
-    return number
-
-
-def _frame_overhead(value: str, model: Any, run_plan: Any, micro_batches: int) -> float:
-    """Microseconds the runtime adds per received frame (wake-up, decode, send), beyond op time.
-
-    The cost models know op times only; on small stages the transport dominates and predictions
-    would be off several-fold. 'auto' measures it once: the 1-stage plan's measured time per
-    micro-batch minus its predicted time (its only frame is the driver's input frame).
-    """
-    from tvmpipe.cluster.metrics import compute_metrics
-    from tvmpipe.partition.planners import make_plan
-    from tvmpipe.partition.predict import predict
-
-    if value != "auto":
-        return _number_or_auto(value, "--frame-overhead-us", float, 0, "microseconds")
-    plan = make_plan(model, 1, "equal", requests=micro_batches)
-    m = compute_metrics(run_plan(plan))
-    measured_us = 1e6 / (m.steady_throughput * m.batch)
-    predicted_us = 1e6 / predict(model, plan, micro_batches).throughput
-    return max(0.0, measured_us - predicted_us)
-
-
-SWEEP_STEADY_S = 0.25  # 'auto' micro-batch count: seconds of steady state at the fastest possible rate
-
-
-def _sweep_micro_batches(value: str, model: Any, max_stages: int) -> int:
-    """Micro-batches per sweep plan. A fixed count is wrong at both ends: 32 micro-batches of a
-    sub-millisecond model are a few ms of steady state, all noise, while 2000 of a 35 ms model
-    take a minute per plan. 'auto' aims at SWEEP_STEADY_S for the fastest plan the op times allow
-    (K stages of the 1-stage rate, an upper bound), within 32..2000."""
-    from tvmpipe.partition.planners import make_plan
-    from tvmpipe.partition.predict import predict
-
-    if value != "auto":
-        return int(_number_or_auto(value, "--micro-batches", int, 1, "a count"))
-    rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
-    return int(min(2000, max(32, rate * max_stages * SWEEP_STEADY_S)))
-
-
 def sweep_command(args: argparse.Namespace) -> int:
+    from tvmpipe.app.connect import check_where
+    from tvmpipe.app.sweep import run_sweep
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.metrics import compute_metrics
-    from tvmpipe.cluster.timeline import gantt_spans, write_trace
-    from tvmpipe.executor.inputs import random_micro_batches
-    from tvmpipe.partition.cost import read_profile
-    from tvmpipe.partition.model import PipelineModel
-    from tvmpipe.partition.report import write_report
-    from tvmpipe.partition.sweep import Measured, sweep_plans
 
+    options = cluster_options(args)
+    check_where(options)
     bundle = load_bundle(args.bundle)
-    lo, hi = _stage_range(args.stages)
-    strategies = tuple(s for s in args.strategies.split(",") if s)
-    out = Path(args.output)
-    (out / "plans").mkdir(parents=True, exist_ok=True)
-    (out / "traces").mkdir(exist_ok=True)
-    best: tuple[float, Any] | None = None
-    with open_cluster(args, hi) as cluster:
-        backend = pick_backend(args.backend, cluster.gpus)
-        profile = read_profile(args.profile) if args.profile else None
-        if profile is None and backend == "simulated":
-            profile = simulated_profile(bundle, args.time_scale)
-        model = PipelineModel.build(bundle, profile=profile)
-        n = _sweep_micro_batches(args.micro_batches, model, hi)
-        batches = random_micro_batches(bundle, n, seed=0)
-        print(f"{n} micro-batches per plan" + (" (auto)" if args.micro_batches == "auto" else ""), flush=True)
-
-        def run_plan(plan: Any) -> Any:
-            kw = pipeline_kwargs(args, cluster, backend, len(plan.stages))
-            if backend == "simulated":
-                kw["backend_opts"] = {"cost_profile": profile}
-            with Pipeline(bundle, plan, **kw) as pipe:
-                pipe.run(batches)
-                return pipe.record()
-
-        overhead = _frame_overhead(args.frame_overhead_us, model, run_plan, n)
-        model = replace(model, link=replace(model.link, latency_us=overhead))
-        print(f"per-frame runtime overhead in predictions: {overhead:.1f} us"
-              + (" (measured: 1-stage run vs its prediction)" if args.frame_overhead_us == "auto" else ""), flush=True)
-        cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
-        for case in cases:
-            if case.plan is None:
-                print(f"[{_key(case)}] not planned: {case.error.splitlines()[0]}", flush=True)
-                continue
-            case.plan.save(out / "plans" / f"{_key(case)}.json")
-            try:
-                rec = run_plan(case.plan)
-            except TvmpipeError as exc:
-                case.error = f"run failed: {exc}"
-                print(f"[{_key(case)}] {case.error}", flush=True)
-                continue
-            m = compute_metrics(rec)
-            case.measured = Measured(throughput=m.steady_throughput * m.batch, latency_p50_us=m.latency_p50_ms * 1e3,
-                                     latency_p99_us=m.latency_p99_ms * 1e3, bubble=m.bubble)
-            write_trace(rec, out / "traces" / f"{_key(case)}.json")
-            (out / "traces" / f"{_key(case)}.metrics.json").write_text(json.dumps(m.to_json(), indent=1))
-            if best is None or case.measured.throughput > best[0]:
-                best = (case.measured.throughput, rec)
-            pred, meas = case.prediction.throughput, case.measured.throughput
-            print(f"[{_key(case)}] predicted {pred:.1f}/s, measured {meas:.1f}/s ({100 * (meas / pred - 1):+.1f}%), "
-                  f"p50 {m.latency_p50_ms:.2f} ms, p99 {m.latency_p99_ms:.2f} ms, bubble {100 * (m.bubble or 0):.0f}% "
-                  f"(predicted {100 * case.prediction.bubble:.0f}%)", flush=True)
-    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend}; predictions include "
-                                           f"{overhead:.1f} us runtime overhead per received frame)",
-                         timeline=gantt_spans(best[1]) if best else None)
+    cases, paths = run_sweep(bundle, args.output, options, stages=args.stages, strategies=args.strategies,
+                             micro_batches=args.micro_batches, profile=args.profile, time_scale=args.time_scale,
+                             frame_overhead_us=args.frame_overhead_us, say=lambda line: print(line, flush=True))
     for p in paths.values():
         print(f"wrote {p}")
     return 0 if any(c.measured for c in cases) else 1
+

@@ -38,6 +38,14 @@ class Timeouts:
     progress: float = 60.0
     shutdown: float = 5.0
 
+    def __post_init__(self) -> None:
+        # A non-positive progress timeout made the supervisor's first wait raise and the thread
+        # die: the run went on unsupervised and hung at the first fault.
+        for name in ("start", "call", "progress", "shutdown"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise TvmpipeError(f"timeouts.{name} must be > 0 seconds, got {value}")
+
 
 class WorkerError(TvmpipeError):
     """A stage worker ran a control call (or its build) and it raised."""

@@ -83,9 +83,11 @@ class Pipeline:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = plan_equal_ops(self.bundle.graph, plan) if isinstance(plan, int) else plan
         self.topology: Topology = build_topology(self.bundle, self.plan)
-        self.window = window or 2 * self.topology.num_stages
+        self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
+        if max_restarts < 0:
+            raise TvmpipeError(f"max_restarts must be >= 0, got {max_restarts}")
         self.timeouts = timeouts
         self.max_restarts = max_restarts
         self.run_id = uuid.uuid4().hex[:12]

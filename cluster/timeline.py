@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tvmpipe.cluster.metrics import RunRecord
+from tvmpipe.core import files
 
 DRIVER_PID = 1000
 
@@ -50,9 +51,8 @@ def trace(rec: RunRecord) -> dict[str, Any]:
 
 
 def write_trace(rec: RunRecord, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(trace(rec)))
-    return path
+    """The trace JSON, written atomically (complete or absent)."""
+    return files.write_text(path, json.dumps(trace(rec)))
 
 
 def gantt_spans(rec: RunRecord) -> list[tuple[int, float, float, str]]:
