@@ -57,7 +57,7 @@ def _unwrap(stage: int, exc: Exception) -> WorkerError:
 
 
 class RayLauncher:
-    """Stage actors in one placement group (one bundle per stage). The bundle reaches the actors as
+    """Stage actors in one placement group (one slot per stage). The model bundle reaches the actors as
     a path (shared filesystem, local mode) or as its files' bytes through the object store."""
 
     def __init__(self, placement: Placement = Placement(), timeouts: Timeouts = Timeouts(),
