@@ -52,6 +52,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from tvmpipe.executor.inputs import load_inputs_npz, random_inputs
     from tvmpipe.executor.runner import GraphRunner
 
+    if args.trace:
+        files.check_writable(args.trace, "--trace")
     bundle = load_bundle(args.bundle)
     opts = {}
     if args.cost_profile:

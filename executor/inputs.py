@@ -66,10 +66,9 @@ def input_entry_ids(bundle: Bundle) -> dict[str, int]:
 
 
 def feeds_by_entry(bundle: Bundle, named: Mapping[str, np.ndarray]) -> dict[int, np.ndarray]:
+    """Graph inputs by name -> by the entry id of their null node (how `Stage.run` takes them)."""
+    check_names(named, input_specs(bundle), complete=False)
     ids = input_entry_ids(bundle)
-    unknown = [n for n in named if n not in ids]
-    if unknown:
-        raise InputError(f"unknown graph input(s) {', '.join(map(repr, unknown))}; inputs are {', '.join(ids) or 'none'}")
     return {ids[n]: v for n, v in named.items()}
 
 

@@ -203,3 +203,14 @@ def test_atomic_text_files_leave_nothing_on_failure(tmp_path):
     assert list(tmp_path.iterdir()) == []
     files.write_json(tmp_path / "t.json", {"a": np.float32(1.5), "b": np.arange(2)})
     assert json.loads((tmp_path / "t.json").read_text()) == {"a": 1.5, "b": [0, 1]}
+
+
+def test_profile_trace_into_a_missing_directory_fails_before_profiling(capsys, tmp_path, monkeypatch):
+    import tvmpipe.executor.runner as runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("profiled before checking --trace")
+
+    monkeypatch.setattr(runner.GraphRunner, "profile", refuse)
+    one_line_error(capsys, ["profile", str(example_bundle()), "--trace", str(tmp_path / "no" / "t.json")],
+                   "--trace", "does not exist")
