@@ -29,7 +29,7 @@ def input_specs(bundle: Bundle) -> dict[str, EntrySpec]:
     g = bundle.graph
     out = {}
     for name in bundle.input_names:
-        e = g.entries[g.entry_id(g.node_index[name])]
+        e = g.entry_of(name)
         out[name] = EntrySpec(tuple(e.shape), e.dtype)
     return out
 

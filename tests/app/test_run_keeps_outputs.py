@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poison import poison_inputs, write_poison
+from tests.support.failing_bundle import poison_inputs, write_poison
 from tvmpipe.cli import main
 
 
