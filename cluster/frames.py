@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from tvmpipe.bundle import dtypes
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 MAGIC = b"TVPF"
 FORMAT_VERSION = 2  # 2: a hello carries `mac`, the proof that its sender holds the run's secret

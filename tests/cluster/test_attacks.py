@@ -15,7 +15,7 @@ from tests.support.pipeline_harness import ThreadLauncher, assert_bit_identical,
 from tvmpipe.cluster import frames, handshake, stream
 from tvmpipe.cluster.driver import Pipeline, PipelineError
 from tvmpipe.cluster.frames import DRIVER, Frame
-from tvmpipe.cluster.launch import Timeouts
+from tvmpipe.cluster.control import Timeouts
 from tvmpipe.cluster.worker import StageWorker
 
 

@@ -121,9 +121,9 @@ def test_polled_listener_reads_on_the_pumping_thread():
         mac = handshake.hello_mac(SECRET, nonce, "run", 0, 0, 1)
         later(lambda: s.sendall(frames.to_bytes(Frame("hello", "run", 0, 0, 1, mac=mac)) +
                                 frames.to_bytes(Frame("data", "run", 0, 0, 1, {2: np.arange(4, dtype=np.int64)}))))
-        assert s.recv(len(handshake.ADMITTED)) == handshake.ADMITTED  # else our close would be a reset
         t = time.monotonic()
         lst.pump(lambda: rec.events.qsize() >= 1, timeout=10)
+        assert s.recv(len(handshake.ADMITTED)) == handshake.ADMITTED  # else our close would be a reset
         assert rec.threads == [threading.current_thread()] and time.monotonic() - t < 5
         kind, peer, frame = rec.next()
         assert (kind, peer.stage, frame.seq) == ("frame", 1, 0)
@@ -287,7 +287,7 @@ def test_worker_rejects_a_bad_frame_and_reports_it(bundles):
         kind, peer, frame = rec.next()
         assert kind == "frame" and frame.kind == "error" and "expected" in frame.error and peer.stage == 1
         assert closed_by_peer(s)
-        assert worker.status()["peer_errors"]
+        assert worker.status().peer_errors
         # re-wired under a new epoch, the same worker computes correctly
         worker.prepare(Wiring("run", 1, 0, inbound, outbound, secret=SECRET))
         worker.connect()
