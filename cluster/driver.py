@@ -32,11 +32,12 @@ from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
+from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
 from tvmpipe.cluster.status import WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Topology, build_topology
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
-from tvmpipe.cluster.worker import Inbound, StageSpec, Wiring
+from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
 from tvmpipe.executor.checks import check_inputs
 from tvmpipe.partition import Plan, plan_equal_ops
 
@@ -64,6 +65,7 @@ class _Signal:
     epoch: int
     stage: int
     message: str
+    completed: int = -1  # a stall: micro-batches completed when it was noticed
 
 
 class Pipeline:
@@ -91,6 +93,7 @@ class Pipeline:
         self.timeouts = timeouts
         self.max_restarts = max_restarts
         self.run_id = uuid.uuid4().hex[:12]
+        self._secret = new_secret()  # proves data-plane connections belong to this run (handshake.py)
         self.restarts = [0] * self.topology.num_stages
         self.errors: list[str] = []  # every failure the supervisor handled, for the report
         self._head_stages = sorted({e.src for e in self.topology.inbound(DRIVER) if e.entries})
@@ -99,7 +102,7 @@ class Pipeline:
                    and h not in self.topology.inputs.values()]
         if missing or not self._head_stages:
             raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
-        self._expect = {e.src: Inbound.of(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
+        self._expect = {e.src: inbound_limits(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
         self._input_specs = {name: self.topology.specs[eid] for name, eid in self.topology.inputs.items()}
         self._feeds = [(e.dst, e.entries, {x: self.topology.names[x] for x in e.entries})
                        for e in self.topology.outbound(DRIVER)]
@@ -107,16 +110,20 @@ class Pipeline:
         # schedule state, guarded by _cond
         self._cond = threading.Condition()
         self._epoch = 0
+        self._first = 0  # the first micro-batch the current epoch carries
         self._submitted = 0  # next sequence number to hand out
         self._completed = 0  # every micro-batch below this has all its outputs
         self._delivered = 0  # every micro-batch below this was returned to the caller
         self._inputs: dict[int, dict[int, np.ndarray]] = {}  # kept until completion, for replay
         self._partial: dict[int, dict[int, Frame]] = {}
+        self._admitted: set[int] = set()  # stages connected in this epoch (one connection each)
+        self._next_from: dict[int, int] = {}  # stage -> next micro-batch it must send in this epoch
         self._results: dict[int, Outputs] = {}
         self.submit_times: dict[int, float] = {}
         self.done_times: dict[int, float] = {}
         self._last_progress = time.time()
         self._fatal: PipelineError | None = None
+        self._stall_seen: int | None = None  # a stall nobody was blamed for, at this many completed
         self._closing = False
 
         # data plane, guarded by _wire_lock (sending vs re-wiring)
@@ -131,7 +138,7 @@ class Pipeline:
         # Outputs are read by the thread waiting for them (get(), or submit() on a full window): a
         # hand-off from a receiving thread would cost a wake-up per micro-batch (PolledListener).
         self._listener = PolledListener(host or _node_ip(), self._accept_hello, self._on_frame, self._on_close,
-                                        retains_frames=True)
+                                        retains_frames=True, secret=self._secret)
         specs = [StageSpec(i, s, e, str(self.bundle.path), backend, dict(backend_opts or {}), host, warmup, seed)
                  for i, (s, e) in enumerate(self.plan.stages)]
         self._addresses: list[Address] = []
@@ -307,10 +314,15 @@ class Pipeline:
 
     # ---- receiving -------------------------------------------------------------------------------
     def _accept_hello(self, peer: Peer) -> FrameLimits:
-        if peer.run != self.run_id or peer.epoch != self._epoch or not 0 <= peer.stage < self.topology.num_stages:
-            raise FrameError(f"hello from stage {peer.stage} run {peer.run} epoch {peer.epoch} is not for this "
-                             f"pipeline (run {self.run_id} epoch {self._epoch})")
-        return self._expect[peer.stage].limits
+        with self._cond:
+            if peer.run != self.run_id or peer.epoch != self._epoch or peer.stage not in self._expect:
+                raise FrameError(f"hello from stage {peer.stage} run {peer.run} epoch {peer.epoch} is not for this "
+                                 f"pipeline (run {self.run_id} epoch {self._epoch})")
+            if peer.stage in self._admitted:
+                raise FrameError(f"stage {peer.stage} is already connected in epoch {peer.epoch}")
+            self._admitted.add(peer.stage)
+            self._next_from[peer.stage] = self._first
+        return self._expect[peer.stage]
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
         if frame.kind == "error":
@@ -318,11 +330,18 @@ class Pipeline:
             return
         if frame.kind != "data":
             raise FrameError(f"stage {peer.stage} sent a {frame.kind} frame to the driver")
-        self._expect[peer.stage].check(frame, peer.stage)
+        seq = frame.seq
         with self._cond:
-            if peer.epoch != self._epoch or frame.seq < self._completed:
-                return  # a replayed or stale micro-batch: already delivered, drop it
-            self._partial.setdefault(frame.seq, {})[peer.stage] = frame
+            if peer.epoch != self._epoch:
+                return  # a stale epoch's output: its micro-batch is replayed
+            want = self._next_from[peer.stage]
+            if seq != want or seq >= self._submitted:  # raised: this connection closes, logged
+                what = "was never submitted" if seq >= self._submitted else f"expected {want}"
+                raise FrameError(f"stage {peer.stage} sent outputs of micro-batch {seq}, which {what}")
+            self._next_from[peer.stage] = seq + 1
+            if seq < self._completed:
+                return  # a replayed micro-batch: already delivered, drop it
+            self._partial.setdefault(seq, {})[peer.stage] = frame
             while len(self._partial.get(self._completed, ())) == len(self._head_stages):
                 seq = self._completed
                 parts = self._partial.pop(seq)
@@ -357,14 +376,15 @@ class Pipeline:
         topo = self.topology
         addr = lambda i: self._listener.address if i == DRIVER else self._addresses[i]  # noqa: E731
         wirings = [Wiring(self.run_id, epoch, first_seq, {e.src: e.entries for e in topo.inbound(i)},
-                          [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1)
+                          [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
+                          secret=self._secret)
                    for i in range(topo.num_stages)]
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
         _raise_first(self.launcher.call_all("connect"))
         hello = Frame("hello", self.run_id, epoch, first_seq, DRIVER)
         for e in topo.outbound(DRIVER):
             try:
-                self._links[e.dst] = Link(self._addresses[e.dst], hello, self._link_failed(epoch, e.dst),
+                self._links[e.dst] = Link(self._addresses[e.dst], hello, self._secret, self._link_failed(epoch, e.dst),
                                           depth=self.window + 1)
             except OSError as exc:
                 raise WorkerLost(e.dst, f"the driver cannot connect to it: {exc}") from None
@@ -390,10 +410,11 @@ class Pipeline:
                 waited = time.time() - self._last_progress
                 stalled = self._submitted > self._completed and waited > self.timeouts.progress
                 stale = signal is not None and signal.epoch != self._epoch
+                completed = self._completed
             if stale or (signal is None and not stalled):
                 continue
             if signal is None:
-                signal = _Signal(self._epoch, -1, f"no micro-batch completed for {self.timeouts.progress:.0f} s")
+                signal = _Signal(self._epoch, -1, f"no micro-batch completed for {self.timeouts.progress:.0f} s", completed)
             try:
                 self._recover(signal)
             except Exception as exc:  # the supervisor must end the run, never die silently
@@ -423,13 +444,35 @@ class Pipeline:
                          f"({signal.message})")
         return failed
 
+    def _held_up_by(self, signal: _Signal) -> dict[int, str]:
+        """A stall with nobody dead, failed or computing: re-check progress before blaming anyone.
+
+        If anything completed since the stall was noticed (a stage that was paused has caught up),
+        it is over. Otherwise look again one progress timeout later; if nothing has moved by then,
+        the stage furthest behind (fewest micro-batches computed; the earliest on a tie) holds the
+        pipeline up: it is restarted and every incomplete micro-batch replays. So a run fails only
+        with a stage named (after max_restarts), never with "stalled" alone."""
+        with self._cond:
+            if self._completed > signal.completed or self._submitted == self._completed:
+                self._stall_seen = None
+                return {}
+            if self._stall_seen != self._completed:
+                self._stall_seen = self._completed
+                self._last_progress = time.time()
+                return {}
+            self._stall_seen = None
+        behind = [(st.next_seq, i) for i, st in enumerate(self.launcher.call_all("status"))
+                  if not isinstance(st, WorkerError)]
+        if not behind:
+            return {}
+        seq, i = min(behind)
+        return {i: f"waits at micro-batch {seq} while no stage is busy, failed or dead ({signal.message})"}
+
     def _recover(self, signal: _Signal) -> None:
         while True:
-            failed = self._diagnose(signal)
-            if not failed:  # nobody dead, failed or stuck, and no stage reported: nothing to restart
-                self.errors.append(signal.message)
-                raise PipelineError(f"pipeline stalled: {signal.message}; worker status: {self.status()}",
-                                    None, signal.message)
+            failed = self._diagnose(signal) or self._held_up_by(signal)
+            if not failed:  # progress resumed, or a second look is due
+                return
             for stage, why in failed.items():
                 self.errors.append(f"stage {stage}: {why}")
                 self.restarts[stage] += 1
@@ -448,7 +491,9 @@ class Pipeline:
             with self._cond:
                 self._epoch += 1
                 epoch, first = self._epoch, self._completed
+                self._first = first
                 self._partial.clear()
+                self._admitted.clear()
                 self._sent = first
             self._close_links()
             self._listener.drop_connections()

@@ -10,12 +10,10 @@ make a connection fail with `FrameError` but cannot make the receiver allocate o
 
 from __future__ import annotations
 
-import mmap
-import socket
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -24,7 +22,7 @@ from tvmpipe.bundle import dtypes
 from tvmpipe.core.errors import TvmpipeError
 
 MAGIC = b"TVPF"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a hello carries `mac`, the proof that its sender holds the run's secret
 PREFIX = struct.Struct("<4sI")  # magic, header length in bytes
 ALIGN = 64  # payload offset of every tensor: cache-line aligned views, whatever the dtype
 KINDS = ("hello", "data", "error")
@@ -34,14 +32,14 @@ NAME_CHARS = 256  # tensor names are for people reading traces and errors: longe
 _BY_DTYPE = {dtypes.np_dtype(n): n for n in dtypes.DTYPES}
 _ITEMSIZE = {n: dtypes.itemsize(n) for n in [*dtypes.DTYPES, "uint1"]}
 HEADER_KEYS = {"v", "kind", "run", "epoch", "seq", "stage", "tensors", "error"}
+HELLO_KEYS = HEADER_KEYS | {"mac"}
 _ZEROS = bytes(ALIGN)
-RETAINED_MMAP_BYTES = 1 << 20  # retained payloads from this size on get pre-populated mappings
 # `seq` is written as a msgpack uint 64 (0xcf + 8 bytes, big endian) whatever its value: a valid,
 # merely non-minimal encoding that any msgpack reader takes, and one that lets a stream's header be
 # packed once and patched per frame. The all-ones value marks the field in a freshly packed header
 # (0xff never occurs in UTF-8, so no name can contain the marker).
 SEQ_FIELD = b"\xa3seq\xcf"  # fixstr "seq", then the uint 64 tag
-_SEQ = struct.Struct(">Q")
+SEQ_VALUE = struct.Struct(">Q")
 _SEQ_MARK = SEQ_FIELD + b"\xff" * 8
 
 
@@ -52,7 +50,11 @@ class FrameError(TvmpipeError):
 @dataclass(frozen=True)
 class FrameLimits:
     """Hard bounds a receiver enforces before allocating. Tighten them per connection when the
-    expected traffic is known (a stage knows every tensor each producer sends it)."""
+    expected traffic is known (a stage knows every tensor each producer sends it): `exact()`.
+
+    `layout`, if set, is the only tensor list a frame may carry: (entry, dtype, shape) per tensor,
+    in any order. It is checked with the header, before the payload buffer exists, so a peer whose
+    frames do not match what its edge was wired for cannot make the receiver allocate for them."""
 
     max_header_bytes: int = 1 << 20
     max_tensors: int = 4096
@@ -61,9 +63,34 @@ class FrameLimits:
     max_error_len: int = 64 << 10
     max_tensor_bytes: int = 4 << 30
     max_payload_bytes: int = 16 << 30
+    layout: tuple[tuple[int, str, tuple[int, ...]], ...] | None = None
+
+    @classmethod
+    def exact(cls, tensors: list[tuple[int, str, tuple[int, ...]]]) -> FrameLimits:
+        """The tightest limits that admit frames carrying exactly `tensors` (entry, dtype, shape),
+        an error report included (error frames carry no tensors)."""
+        sizes = [itemsize(dt) * _count(shape) for _, dt, shape in tensors]
+        return cls(max_header_bytes=(64 << 10) + 256 * len(tensors), max_tensors=len(tensors),
+                   max_ndim=max([len(s) for _, _, s in tensors] + [0]), max_tensor_bytes=max(sizes + [0]),
+                   max_payload_bytes=sum(_align(n) for n in sizes),  # in any order
+                   layout=tuple((int(e), dtypes.np_dtype(dt).name, tuple(s)) for e, dt, s in tensors))
 
 
 DEFAULT_LIMITS = FrameLimits()
+# A hello: a short header and nothing else (the connection is not authenticated until it is read).
+HELLO_LIMITS = FrameLimits(max_header_bytes=256, max_tensors=0, max_ndim=0, max_name_len=64, max_error_len=0,
+                           max_tensor_bytes=0, max_payload_bytes=0, layout=())
+
+
+def itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class TensorMeta(NamedTuple):
@@ -91,6 +118,7 @@ class Frame:
     tensors: dict[int, np.ndarray] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)
     error: str | None = None
+    mac: str | None = None  # hello only: see handshake.py
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +166,7 @@ class Encoder:
             key = key[:6] + (dict(frame.names),)  # a copy: the caller may change its dict later
             self._head, self._tail, self._pads = _pack_header(frame, arrays)
             self._key = key
-        parts: list[memoryview | bytes] = [self._head + _SEQ.pack(frame.seq) + self._tail]
+        parts: list[memoryview | bytes] = [self._head + SEQ_VALUE.pack(frame.seq) + self._tail]
         for pad, arr in zip(self._pads, arrays):
             if pad:
                 parts.append(pad)
@@ -163,11 +191,14 @@ def _pack_header(frame: Frame, arrays: list[np.ndarray]) -> tuple[bytes, bytes, 
         pads.append(_ZEROS[: start - pos])
         pos = start + arr.nbytes
         metas.append((int(eid), frame.names.get(eid, "")[:NAME_CHARS], name, arr.shape, arr.nbytes))
-    header = msgpack.packb({"v": FORMAT_VERSION, "kind": frame.kind, "run": frame.run, "epoch": frame.epoch,
-                            "seq": (1 << 64) - 1, "stage": frame.stage, "tensors": metas, "error": frame.error})
+    doc = {"v": FORMAT_VERSION, "kind": frame.kind, "run": frame.run, "epoch": frame.epoch,
+           "seq": (1 << 64) - 1, "stage": frame.stage, "tensors": metas, "error": frame.error}
+    if frame.kind == "hello":
+        doc["mac"] = frame.mac
+    header = msgpack.packb(doc)
     at = header.index(_SEQ_MARK) + len(SEQ_FIELD)  # the marker is unique (see SEQ_FIELD)
     head = PREFIX.pack(MAGIC, len(header)) + header[:at]
-    return head, header[at + _SEQ.size:], tuple(pads)
+    return head, header[at + SEQ_VALUE.size:], tuple(pads)
 
 
 def encode(frame: Frame) -> list[memoryview | bytes]:
@@ -204,7 +235,7 @@ def _unpack_options(limits: FrameLimits) -> dict:
     """msgpack's own bounds, so a hostile header cannot make the unpacker allocate either."""
     return dict(raw=False, use_list=True, strict_map_key=True, max_bin_len=0, max_ext_len=0,
                 max_str_len=max(limits.max_name_len, limits.max_error_len),
-                max_array_len=max(limits.max_tensors, limits.max_ndim, 5), max_map_len=len(HEADER_KEYS))
+                max_array_len=max(limits.max_tensors, limits.max_ndim, 5), max_map_len=len(HELLO_KEYS))
 
 
 class Layout(NamedTuple):
@@ -230,9 +261,10 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
         h = msgpack.unpackb(data, **_unpack_options(limits))
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, UnicodeDecodeError, ...
         raise FrameError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if type(h) is not dict or h.keys() != HEADER_KEYS:
+    keys = HELLO_KEYS if type(h) is dict and h.get("kind") == "hello" else HEADER_KEYS
+    if type(h) is not dict or h.keys() != keys:
         got = sorted(h) if isinstance(h, dict) else type(h).__name__
-        raise FrameError(f"header must be a map with keys {sorted(HEADER_KEYS)}, got {got}")
+        raise FrameError(f"header must be a map with keys {sorted(keys)}, got {got}")
     if h["v"] != FORMAT_VERSION or type(h["v"]) is not int:
         raise FrameError(f"frame format version {h['v']!r}, this tvmpipe reads {FORMAT_VERSION}")
     if h["kind"] not in KINDS:
@@ -242,10 +274,15 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
     error = h["error"]
     if error is not None and type(error) is not str:
         raise FrameError("error must be a string or nil")
+    mac = h.get("mac")
+    if mac is not None and type(mac) is not str:
+        raise FrameError("mac must be a string or nil")
     raw = h["tensors"]
     layout = last if last is not None and last.limits is limits and last.raw == raw else _layout(raw, limits)
+    if limits.layout is not None:  # data frames carry exactly the wired tensors; others none
+        _check_exact(layout.metas, limits.layout if h["kind"] == "data" else ())
     frame = Frame(h["kind"], h["run"], _int(h["epoch"], 0, "epoch"), _int(h["seq"], 0, "seq"),
-                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error)
+                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error, mac=mac)
     return frame, layout
 
 
@@ -287,6 +324,20 @@ def _layout(raw: object, limits: FrameLimits) -> Layout:
     return Layout(raw, limits, metas, names, pos)
 
 
+def _check_exact(metas: list[TensorMeta], want: tuple[tuple[int, str, tuple[int, ...]], ...]) -> None:
+    """The frame's tensors are exactly `want` (entry, dtype, shape; any order). A stream's repeated
+    headers skip parse_header (Repeat), so this runs when a stream's header changes, not per frame."""
+    got = {m.entry: (m.np_dtype.name, m.shape) for m in metas}
+    expected = {e: (dt, shape) for e, dt, shape in want}
+    if got == expected:
+        return
+    if got.keys() != expected.keys():
+        raise FrameError(f"frame carries entries {sorted(got)}, expected {sorted(expected)} (what the edge was wired for)")
+    e = next(e for e in got if got[e] != expected[e])
+    raise FrameError(f"entry {e} is {got[e][0]}{list(got[e][1])}, expected {expected[e][0]}{list(expected[e][1])} "
+                     "(what the edge was wired for)")
+
+
 def attach(frame: Frame, metas: list[TensorMeta], payload: np.ndarray | memoryview | bytes) -> Frame:
     """Fill `frame.tensors` with views of `payload` (no copy)."""
     tensors = frame.tensors
@@ -311,42 +362,7 @@ def decode(data: bytes | bytearray | memoryview, limits: FrameLimits = DEFAULT_L
     return attach(frame, layout.metas, view[body:])
 
 
-# ---- sockets -------------------------------------------------------------------------------------
-
-def send(sock: socket.socket, frame: Frame, encoder: Encoder | None = None) -> int:
-    """Send one frame with scatter-gather I/O (no concatenation); returns the bytes written.
-    Usually one system call; a partial send carries on from where it stopped. A stream passes its
-    own `encoder` (see Encoder)."""
-    parts = (encoder or Encoder()).encode(frame)  # bytes and unsigned-byte memoryviews: len() counts bytes
-    total = left = sum(map(len, parts))
-    while True:
-        sent = sock.sendmsg(parts if len(parts) <= 1024 else parts[:1024])  # IOV_MAX
-        left -= sent
-        if not left:
-            return total
-        while sent >= len(parts[0]):
-            sent -= len(parts.pop(0))
-        parts[0] = memoryview(parts[0])[sent:]
-
-
-def fresh_buffer(size: int) -> np.ndarray:
-    """A payload buffer for short-lived frames: freed memory is reused through malloc."""
-    return np.empty(size, dtype=np.uint8)
-
-
-def retained_buffer(size: int) -> np.ndarray:
-    """A payload buffer for frames whose arrays the receiver keeps (graph outputs handed to the
-    user). Short-lived payloads reuse freed memory through malloc and cost nothing; a kept one
-    needs fresh pages, and NumPy asks for huge pages on large arrays, which with the usual THP
-    setting (defrag=madvise) stalls in compaction: ~5 ms per fresh 4 MB array against ~1 ms for
-    an anonymous mapping populated in one call (measured, docs/cluster.md)."""
-    if size < RETAINED_MMAP_BYTES:
-        return fresh_buffer(size)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return np.frombuffer(mmap.mmap(-1, size, flags=flags), dtype=np.uint8)
-
-
-class _Repeat(NamedTuple):
+class Repeat(NamedTuple):
     """A data header that passed every check, split around its fixed-width seq value: a header
     with the same bytes everywhere else is the same frame but for `seq` (which any 8 bytes encode
     validly), so it needs no unpacking and no checks. Anything else goes through `parse_header`.
@@ -364,7 +380,7 @@ class _Repeat(NamedTuple):
     stage: int
 
     @classmethod
-    def learn(cls, header: bytes, frame: Frame, layout: Layout) -> _Repeat | None:
+    def learn(cls, header: bytes, frame: Frame, layout: Layout) -> Repeat | None:
         """The repeat pattern of `header` (parsed into `frame`, `layout`) if its seq is fixed-width.
         The field is found by its bytes and then proven: with other seq bytes the header must parse
         to the same frame but for seq (bytes that merely look like the field, inside a name, fail)."""
@@ -372,123 +388,25 @@ class _Repeat(NamedTuple):
         if frame.kind != "data" or frame.error is not None or at < 0 or header.find(SEQ_FIELD, at + 1) >= 0:
             return None
         at += len(SEQ_FIELD)
-        if len(header) < at + _SEQ.size or _SEQ.unpack_from(header, at)[0] != frame.seq:
+        if len(header) < at + SEQ_VALUE.size or SEQ_VALUE.unpack_from(header, at)[0] != frame.seq:
             return None
         other = frame.seq ^ 1
         try:
-            twin, twin_layout = parse_header(header[:at] + _SEQ.pack(other) + header[at + _SEQ.size:],
+            twin, twin_layout = parse_header(header[:at] + SEQ_VALUE.pack(other) + header[at + SEQ_VALUE.size:],
                                              layout.limits, layout)
         except FrameError:
             return None
         if twin_layout is not layout or twin.seq != other or (twin.kind, twin.run, twin.epoch, twin.stage, twin.error) \
                 != (frame.kind, frame.run, frame.epoch, frame.stage, frame.error):
             return None
-        return cls(header[:at], header[at + _SEQ.size:], at, PREFIX.pack(MAGIC, len(header)) + header[:at],
+        return cls(header[:at], header[at + SEQ_VALUE.size:], at, PREFIX.pack(MAGIC, len(header)) + header[:at],
                    PREFIX.size + len(header) + layout.size, layout.limits, layout, frame.run, frame.epoch, frame.stage)
 
     def frame(self, buf: bytearray, header_at: int) -> Frame:
         """The repeated frame (no tensors yet), with the seq of the header at `header_at` in `buf`."""
-        return Frame("data", self.run, self.epoch, _SEQ.unpack_from(buf, header_at + self.seq_at)[0], self.stage,
+        return Frame("data", self.run, self.epoch, SEQ_VALUE.unpack_from(buf, header_at + self.seq_at)[0], self.stage,
                      {}, self.layout.names)
 
     def matches(self, buf: bytearray, at: int, hlen: int, limits: FrameLimits) -> bool:
-        return (hlen == len(self.head) + _SEQ.size + len(self.tail) and limits is self.limits
-                and buf.startswith(self.head, at) and buf.startswith(self.tail, at + self.seq_at + _SEQ.size))
-
-
-class FrameReader:
-    """Reads frames from one connection, in order.
-
-    One `recv_into` usually brings a small frame's prefix, header and payload at once (three
-    separate reads cost three system calls per hop), so the reader keeps a small buffer; bytes of
-    the next frame stay in it for the next `read`. A payload larger than what is buffered is
-    received straight into its own array: big tensors are not copied twice.
-    """
-
-    def __init__(self, sock: socket.socket, limits: FrameLimits = DEFAULT_LIMITS, buffer_bytes: int = 64 << 10,
-                 alloc: Callable[[int], np.ndarray] = fresh_buffer):
-        self.sock = sock
-        self.limits = limits
-        self.alloc = alloc
-        self._buf = bytearray(buffer_bytes)
-        self._view = memoryview(self._buf)
-        self._start = 0  # buffered bytes are _buf[_start:_end]
-        self._end = 0
-        self._layout: Layout | None = None  # of the last frame: the next one's tensors are usually the same
-        self._repeat: _Repeat | None = None  # the last data header, to recognise its repeats
-
-    @property
-    def buffered(self) -> bool:
-        """Bytes of a next frame are already here (a poller waiting for the socket would miss them)."""
-        return self._end > self._start
-
-    def _fill(self, need: int, what: str, at_boundary: bool = False) -> bool:
-        """Buffer at least `need` bytes (need <= buffer size). False on a clean EOF before the first
-        byte when `at_boundary`; a FrameError on EOF anywhere else (a truncated frame)."""
-        have = self._end - self._start
-        if have >= need:
-            return True
-        if self._start:
-            self._view[:have] = self._view[self._start:self._end]
-            self._start, self._end = 0, have
-        while self._end < need:
-            n = self.sock.recv_into(self._view[self._end:])
-            if n == 0:
-                if at_boundary and self._end == 0:
-                    return False
-                raise FrameError(f"truncated frame: connection closed after {self._end} of {need} {what} bytes")
-            self._end += n
-        return True
-
-    def _take(self, out: memoryview, what: str) -> None:
-        """Fill `out`: buffered bytes first, then straight from the socket."""
-        n = min(len(out), self._end - self._start)
-        out[:n] = self._view[self._start:self._start + n]
-        self._start += n
-        while n < len(out):
-            k = self.sock.recv_into(out[n:])
-            if k == 0:
-                raise FrameError(f"truncated frame: connection closed after {n} of {len(out)} {what} bytes")
-            n += k
-
-    def read(self, limits: FrameLimits | None = None) -> Frame | None:
-        """The next frame; None when the peer closed the connection cleanly between frames.
-
-        The payload is one fresh array (from `alloc`) and the tensors are views of it, so a frame's
-        memory lives exactly as long as its arrays do.
-        """
-        limits = limits or self.limits
-        if not self._fill(PREFIX.size, "prefix", at_boundary=self._start == self._end):
-            return None
-        rep = self._repeat
-        at = self._start
-        if (rep is not None and self._end - at >= rep.size and limits is rep.limits
-                and self._buf.startswith(rep.lead, at)
-                and self._buf.startswith(rep.tail, at + PREFIX.size + rep.seq_at + _SEQ.size)):
-            # the whole frame is here and repeats the last header but for seq: one copy, no parsing
-            # (a small frame's usual case; every call saved is paid cold on each hop)
-            frame = rep.frame(self._buf, at + PREFIX.size)
-            payload = self.alloc(rep.layout.size)
-            self._start = at + rep.size
-            memoryview(payload)[:] = self._view[self._start - rep.layout.size:self._start]
-            return attach(frame, rep.layout.metas, payload)
-        hlen = parse_prefix(self._view[self._start:self._start + PREFIX.size], limits)
-        self._start += PREFIX.size
-        if hlen <= len(self._buf):
-            self._fill(hlen, "header")
-            at = self._start
-            self._start += hlen
-            if rep is not None and rep.matches(self._buf, at, hlen, limits):
-                frame = rep.frame(self._buf, at)
-            else:
-                header = bytes(self._view[at:at + hlen])
-                frame, self._layout = parse_header(header, limits, self._layout)
-                self._repeat = _Repeat.learn(header, frame, self._layout)
-        else:  # a header larger than the buffer (allowed by the limits): read it on its own
-            big = bytearray(hlen)
-            self._take(memoryview(big), "header")
-            frame, self._layout = parse_header(big, limits, self._layout)
-            self._repeat = None
-        payload = self.alloc(self._layout.size)  # a repeat's layout is the last one parsed
-        self._take(memoryview(payload), "payload")
-        return attach(frame, self._layout.metas, payload)
+        return (hlen == len(self.head) + SEQ_VALUE.size + len(self.tail) and limits is self.limits
+                and buf.startswith(self.head, at) and buf.startswith(self.tail, at + self.seq_at + SEQ_VALUE.size))

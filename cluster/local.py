@@ -28,6 +28,7 @@ from typing import Iterator
 
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.environment import scoped_environ
+from tvmpipe.cluster.reaper import Reaper
 from tvmpipe.executor.cubin import cache_root
 
 LOOPBACK = "127.0.0.1"
@@ -56,6 +57,9 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
     own = temp_dir is None
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="tvp-ray-", dir="/tmp")
     daemon_home = str(ray_daemon_home(tempfile.mkdtemp(prefix="tvp-home-", dir="/tmp")))
+    # started first: if this process dies in any way from here on, the run's processes and
+    # directories go with it (reaper.py); the private HOME marks every process of the run
+    reaper = Reaper(daemon_home, os.path.abspath(temp_dir), [daemon_home] + ([temp_dir] if own else []))
     pinned = {"HOME": daemon_home, "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
               "TVMPIPE_CACHE": str(cache_root())}
     try:
@@ -64,6 +68,7 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
                      _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
     except BaseException:
         shutil.rmtree(daemon_home, ignore_errors=True)
+        reaper.done()
         raise
     try:
         yield
@@ -72,6 +77,7 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
         shutil.rmtree(daemon_home, ignore_errors=True)
         if own:
             shutil.rmtree(temp_dir, ignore_errors=True)
+        reaper.done()
 
 
 def ray_daemon_home(path: str | Path) -> Path:

@@ -1,63 +1,43 @@
 """The data plane: one TCP stream per pipeline edge, frames in sequence order.
 
-Ray carries only control (placement, lifecycle, addresses); tensors go producer -> consumer over
-these sockets, because a plain Ray actor call costs ~1 ms and ~210 MB/s per hop on the machines we
-measured, against tens of microseconds and GB/s for a socket (docs/cluster.md has the numbers).
+Ray carries only control (placement, lifecycle, addresses, the run's secret); tensors go producer
+-> consumer over these sockets, because a plain Ray actor call costs ~1 ms and ~210 MB/s per hop on
+the machines we measured, against tens of microseconds and GB/s for a socket (docs/cluster.md).
 
-A `Listener` accepts connections; each starts with a `hello` frame naming the producer, the run and
-the wiring epoch, which the owner accepts (returning the limits for that peer) or refuses. A `Link`
-is the sending end: small frames are sent at once by the producer, large ones by a thread that
-drains a bounded queue so the producer's compute overlaps the transfer.
-Errors never escape a thread: they close that connection and are reported through a callback.
+Every listener admits connections through a `Gate` (handshake.py): an HMAC challenge-response
+proves the producer holds the run's secret, the owner accepts its hello (returning the exact
+limits for that peer) or refuses it, and hellos are read with a deadline, a cap on handshakes in
+progress and every refusal logged, on one thread per listener. What differs is how admitted
+connections are read, and both ways are kept because each saves a thread wake-up per micro-batch
+where it is used (measured, docs/cluster.md "Two readers"):
+
+* `Listener` (stage workers): a thread per admitted connection, blocked in `recv`, calls the owner
+  itself, so a stage computes a small micro-batch on the thread the kernel woke. Admitted
+  connections are at most one per planned producer and epoch, so the threads are bounded by the plan.
+* `PolledListener` (the driver): one selector, read by whichever thread waits for outputs.
+
+A `Link` is the sending end: small frames are sent at once by the producer, large ones by a thread
+that drains a bounded queue so the producer's compute overlaps the transfer. Errors never escape
+a thread: they close that connection, are logged, and are reported through a callback.
 """
 
 from __future__ import annotations
 
+import logging
 import selectors
 import socket
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
-from tvmpipe.cluster import frames
+from tvmpipe.cluster import frames, stream
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.handshake import Address, Gate, Peer, greet, tune
 
-Address = tuple[str, int]
-HELLO_TIMEOUT_S = 10.0
+log = logging.getLogger("tvmpipe.cluster.transport")
 INLINE_BYTES = 64 << 10  # frames up to this size are sent by the producing thread itself
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-@dataclass
-class Peer:
-    """What a listener's owner learns from a hello: who is sending, under which wiring."""
-
-    stage: int
-    run: str
-    epoch: int
-
-
-def _handshake(conn: socket.socket, alloc: Callable[[int], object],
-               accept_hello: Callable[[Peer], FrameLimits]) -> tuple[frames.FrameReader, Peer] | None:
-    """Read and accept a new connection's hello; None if the peer closed before sending one."""
-    _tune(conn)
-    conn.settimeout(HELLO_TIMEOUT_S)
-    reader = frames.FrameReader(conn, alloc=alloc)
-    hello = reader.read()
-    if hello is None:
-        return None
-    if hello.kind != "hello":
-        raise FrameError(f"first frame is {hello.kind!r}, expected hello")
-    peer = Peer(hello.stage, hello.run, hello.epoch)
-    reader.limits = accept_hello(peer)
-    conn.settimeout(None)
-    return reader, peer
 
 
 def _check_follower(peer: Peer, frame: Frame) -> None:
@@ -70,47 +50,39 @@ def _check_follower(peer: Peer, frame: Frame) -> None:
 
 
 class _Acceptor:
-    """What both listeners share: the owner's callbacks, the listening socket, the accepted
-    connections, and a thread that accepts them and hands each to `_on_accept` (lock held), which
-    returns the thread that will serve it."""
+    """What both listeners share: the owner's callbacks, a `Gate` that admits authenticated
+    connections (handshake.py: challenge, deadline, cap, refusals logged) and hands each to
+    `_on_admit`, and the admitted connections. `secret` is the current run's; None refuses all."""
 
     def __init__(self, host: str, accept_hello: Callable[[Peer], FrameLimits],
                  on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
-                 retains_frames: bool = False):
-        self._accept_hello = accept_hello
-        self._alloc = frames.retained_buffer if retains_frames else frames.fresh_buffer
+                 retains_frames: bool = False, secret: bytes | None = None):
+        self.secret = secret
+        self._alloc = stream.retained_buffer if retains_frames else stream.fresh_buffer
         self._on_frame = on_frame
         self._on_close = on_close
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(64)
-        self.address: Address = self._sock.getsockname()[:2]
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()  # accepted and not finished
+        self._conns: set[socket.socket] = set()  # admitted and not finished
         self._dropped: set[socket.socket] = set()  # closed on purpose: their errors are not the peer's
         self._closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"accept-{self.address[1]}", daemon=True)
+        self._gate = Gate(host, lambda: self.secret, accept_hello, self._admitted)
+        self.address: Address = self._gate.address
 
-    def _on_accept(self, conn: socket.socket) -> threading.Thread:
+    def _on_admit(self, conn: socket.socket, reader: stream.FrameReader, peer: Peer) -> None:
         raise NotImplementedError
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-                t = self._on_accept(conn)
-            t.start()
+    def _admitted(self, conn: socket.socket, peer: Peer, limits: FrameLimits) -> None:
+        """The gate admitted `conn` (gate thread)."""
+        reader = stream.FrameReader(conn, limits, alloc=self._alloc)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
+            self._on_admit(conn, reader, peer)
 
     def _shut_down_accepted(self) -> list[socket.socket]:
-        """Mark every accepted connection dropped and shut it down (its reader sees the end);
+        """Mark every admitted connection dropped and shut it down (its reader sees the end);
         returns them."""
         with self._lock:
             conns = list(self._conns)
@@ -123,14 +95,24 @@ class _Acceptor:
         return conns
 
     def _stop_accepting(self) -> None:
-        """Mark closed and close the listening socket (the accept thread ends)."""
+        """Mark closed and close the gate (no more connections)."""
         with self._lock:
             self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._gate.close()
+
+
+def _peer_address(conn: socket.socket) -> str:
+    try:
+        return "%s:%d" % conn.getpeername()[:2]
+    except OSError:
+        return "?"
+
+
+def _log_end(address: Address, conn: socket.socket, peer: Peer, error: Exception | None) -> None:
+    """A connection the owner or a bad frame ended (before it is closed): logged with the peer."""
+    if error is not None:
+        log.warning("data plane %s:%d dropped stage %d (epoch %d) at %s: %s: %s", *address, peer.stage,
+                    peer.epoch, _peer_address(conn), type(error).__name__, error)
 
 
 class Listener(_Acceptor):
@@ -139,29 +121,30 @@ class Listener(_Acceptor):
     `accept_hello(peer)` returns the `FrameLimits` for that peer or raises FrameError to refuse it;
     `on_frame(peer, frame)` gets every later frame; `on_close(peer, error)` is called once per
     accepted peer when its stream ends (error None: clean EOF or local close). `retains_frames`:
-    the owner keeps received arrays for long (the driver's outputs), see frames.retained_buffer.
+    the owner keeps received arrays for long (the driver's outputs), see stream.retained_buffer.
+
+    Each admitted connection gets a thread that blocks in `recv` and calls `on_frame` itself (a
+    worker computes small micro-batches right there: one wake-up per hop). Only authenticated
+    producers the owner accepts get one, at most one per producer and epoch, so the threads are
+    bounded by the plan; hellos are read by the gate.
     """
 
     def __init__(self, host: str, accept_hello: Callable[[Peer], FrameLimits],
                  on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
-                 retains_frames: bool = False):
-        super().__init__(host, accept_hello, on_frame, on_close, retains_frames)
+                 retains_frames: bool = False, secret: bytes | None = None):
+        super().__init__(host, accept_hello, on_frame, on_close, retains_frames, secret)
         self._threads: list[threading.Thread] = []
-        self._accept_thread.start()
+        self._gate.start()
 
-    def _on_accept(self, conn: socket.socket) -> threading.Thread:
-        t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"recv-{self.address[1]}")
+    def _on_admit(self, conn: socket.socket, reader: stream.FrameReader, peer: Peer) -> None:
+        t = threading.Thread(target=self._serve, args=(conn, reader, peer), daemon=True,
+                             name=f"recv-{self.address[1]}")
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        return t
+        t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        peer: Peer | None = None
+    def _serve(self, conn: socket.socket, reader: stream.FrameReader, peer: Peer) -> None:
         error: Exception | None = None
         try:
-            accepted = _handshake(conn, self._alloc, self._accept_hello)
-            if accepted is None:
-                return
-            reader, peer = accepted
             while True:
                 frame = reader.read()
                 if frame is None:
@@ -176,9 +159,9 @@ class Listener(_Acceptor):
                 if self._closed or conn in self._dropped:
                     error = None
                 self._dropped.discard(conn)
+            _log_end(self.address, conn, peer, error)
             conn.close()
-            if peer is not None:
-                self._on_close(peer, error)
+            self._on_close(peer, error)
 
     def drop_connections(self) -> None:
         """Close every accepted connection (a new wiring epoch starts); keep listening."""
@@ -192,7 +175,6 @@ class Listener(_Acceptor):
     def close(self) -> None:
         self._stop_accepting()
         self.drop_connections()
-        self._accept_thread.join(timeout=5)
 
 
 class PolledListener(_Acceptor):
@@ -205,15 +187,15 @@ class PolledListener(_Acceptor):
     for frames calls `pump(until, timeout)` and reads them itself; when nobody has pumped for
     GRACE_S a background thread takes the role, so results and error reports keep flowing while the
     owner is busy elsewhere. Frames are handled one at a time, in order per connection. Hellos are
-    read by a short-lived thread per connection, as in Listener.
+    read by the gate, as in Listener.
     """
 
     GRACE_S = 0.005
 
     def __init__(self, host: str, accept_hello: Callable[[Peer], FrameLimits],
                  on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
-                 retains_frames: bool = False):
-        super().__init__(host, accept_hello, on_frame, on_close, retains_frames)
+                 retains_frames: bool = False, secret: bytes | None = None):
+        super().__init__(host, accept_hello, on_frame, on_close, retains_frames, secret)
         self._changed = threading.Condition(self._lock)  # a connection ended, or closing
         self._round = threading.Condition(self._lock)  # the reader ended a round (for pumpers waiting)
         self._round_waiters = 0
@@ -223,32 +205,19 @@ class PolledListener(_Acceptor):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._new: list[tuple[socket.socket, frames.FrameReader, Peer]] = []  # for the reader to register
+        self._new: list[tuple[socket.socket, stream.FrameReader, Peer]] = []  # for the reader to register
         self._pumpers = 0
         self._last_pump = 0.0
         self._background_thread = threading.Thread(target=self._background, name=f"poll-{self.address[1]}",
                                                    daemon=True)
-        self._accept_thread.start()
+        self._gate.start()
         self._background_thread.start()
 
     # ---- connections -------------------------------------------------------------------------
-    def _on_accept(self, conn: socket.socket) -> threading.Thread:
-        return threading.Thread(target=self._hello, args=(conn,), daemon=True, name=f"hello-{self.address[1]}")
-
-    def _hello(self, conn: socket.socket) -> None:
-        try:
-            accepted = _handshake(conn, self._alloc, self._accept_hello)
-        except (FrameError, OSError):
-            accepted = None
-        with self._lock:
-            if accepted is not None and not self._closed and conn not in self._dropped:
-                self._new.append((conn, *accepted))
-                self.wake()
-                return
-            self._conns.discard(conn)
-            self._dropped.discard(conn)
-            self._changed.notify_all()
-        conn.close()
+    def _on_admit(self, conn: socket.socket, reader: stream.FrameReader, peer: Peer) -> None:
+        """(lock held) The reader registers it in its next round."""
+        self._new.append((conn, reader, peer))
+        self.wake()
 
     def _finish(self, conn: socket.socket, peer: Peer, error: Exception | None) -> None:
         """A connection ended (role held): forget it, close it, tell the owner."""
@@ -259,6 +228,7 @@ class PolledListener(_Acceptor):
         with self._lock:
             if self._closed or conn in self._dropped:
                 error = None  # closed on purpose: not the peer's fault
+        _log_end(self.address, conn, peer, error)
         conn.close()
         try:
             self._on_close(peer, error)
@@ -279,7 +249,7 @@ class PolledListener(_Acceptor):
             pass
 
     # ---- reading -----------------------------------------------------------------------------
-    def _read(self, conn: socket.socket, reader: frames.FrameReader, peer: Peer) -> None:
+    def _read(self, conn: socket.socket, reader: stream.FrameReader, peer: Peer) -> None:
         """Frames from a readable connection: at least one, and every one already buffered."""
         error: Exception | None = None
         try:
@@ -397,8 +367,7 @@ class PolledListener(_Acceptor):
             for conn, _, peer in new:  # handshaken but never registered
                 self._finish(conn, peer, None)
             self._sel.close()
-        for t in (self._accept_thread, self._background_thread):
-            t.join(timeout=5)
+        self._background_thread.join(timeout=5)
         self._wake_r.close()
         self._wake_w.close()
 
@@ -414,7 +383,7 @@ class Link:
     once and further frames are dropped.
     """
 
-    def __init__(self, address: Address, hello: Frame, on_error: Callable[[Exception], None],
+    def __init__(self, address: Address, hello: Frame, secret: bytes, on_error: Callable[[Exception], None],
                  depth: int = 8, connect_timeout_s: float = 10.0, inline_bytes: int = INLINE_BYTES):
         self.address = address
         self.bytes_sent = 0
@@ -430,12 +399,7 @@ class Link:
         self._dead = False
         self._closing = False
         self._encoder = frames.Encoder()  # used by one sending thread at a time (_busy)
-        self._sock = _connect(address, connect_timeout_s)
-        try:
-            frames.send(self._sock, hello)
-        except OSError:
-            self._sock.close()
-            raise
+        self._sock = _connect(address, hello, secret, connect_timeout_s)
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name=f"send-{address[1]}")
         self._thread.start()
 
@@ -459,7 +423,7 @@ class Link:
         only when there is queued work for it: a needless wake-up costs as much as the send."""
         error = None
         try:
-            n = frames.send(self._sock, frame, self._encoder)
+            n = stream.send(self._sock, frame, self._encoder)
         except (OSError, FrameError) as exc:
             error = exc
         with self._lock:
@@ -512,16 +476,20 @@ class Link:
         self._sock.close()
 
 
-def _connect(address: Address, timeout_s: float) -> socket.socket:
-    """Connect, retrying briefly: a peer's listener may be a moment behind the control plane."""
+def _connect(address: Address, hello: Frame, secret: bytes, timeout_s: float) -> socket.socket:
+    """Connect and say hello (handshake.greet), retrying briefly: a peer's listener may be a moment
+    behind the control plane, or busy with other handshakes (it closes us without a challenge)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        sock = None
         try:
             sock = socket.create_connection(address, timeout=timeout_s)
-            sock.settimeout(None)
-            _tune(sock)
+            tune(sock)
+            greet(sock, secret, hello, max(0.1, deadline - time.monotonic()))
             return sock
         except OSError:
+            if sock is not None:
+                sock.close()
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)

@@ -32,7 +32,7 @@ import numpy as np
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle import dtypes
-from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
+from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
 from tvmpipe.cluster.status import Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
@@ -63,7 +63,8 @@ class StageSpec:
 
 @dataclass
 class Wiring:
-    """One epoch of the data plane, as one worker sees it."""
+    """One epoch of the data plane, as one worker sees it. `secret` is the run's data-plane key
+    (handshake.py): it reaches the worker only this way, through the control plane."""
 
     run: str
     epoch: int
@@ -71,6 +72,7 @@ class Wiring:
     inbound: dict[int, tuple[int, ...]]  # producer stage (or DRIVER) -> entries it sends here
     outbound: list[tuple[Edge, Address]]  # edges from this stage, with the consumer's address
     queue_depth: int = 8
+    secret: bytes = field(default=b"", repr=False)
 
 
 def read_bundle_files(path: str | Path) -> dict[str, bytes]:
@@ -81,35 +83,11 @@ def read_bundle_files(path: str | Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-@dataclass(frozen=True)
-class Inbound:
-    """What one producer sends per micro-batch: the limits its frames are read under (the
-    tightest that admit exactly the planned entries, so a peer cannot make us allocate more than
-    one micro-batch of what the plan says it sends) and the exact layout a frame must have."""
-
-    limits: FrameLimits
-    layout: dict[int, tuple[tuple[int, ...], np.dtype]]
-
-    @classmethod
-    def of(cls, entries: tuple[int, ...], specs: dict) -> Inbound:
-        sizes = [specs[e].nbytes for e in entries]
-        limits = FrameLimits(max_tensors=len(entries), max_ndim=max([len(specs[e].shape) for e in entries] + [0]),
-                             max_tensor_bytes=max(sizes + [0]), max_payload_bytes=payload_bytes(sizes),
-                             max_header_bytes=(64 << 10) + 256 * len(entries))
-        return cls(limits, {e: (tuple(specs[e].shape), dtypes.np_dtype(specs[e].dtype)) for e in entries})
-
-    def check(self, frame: Frame, producer: int) -> None:
-        """A data frame must carry exactly the planned entries with the planned shapes and dtypes.
-        (Every micro-batch passes here on every hop: messages are built only on failure.)"""
-        layout = self.layout
-        tensors = frame.tensors
-        if tensors.keys() != layout.keys():
-            raise FrameError(f"{_name(producer)} sent entries {sorted(tensors)}, expected {sorted(layout)}")
-        for e, arr in tensors.items():
-            shape, dt = layout[e]
-            if arr.shape != shape or (arr.dtype is not dt and arr.dtype != dt):
-                raise FrameError(f"{_name(producer)} sent entry {e} as {arr.dtype}{list(arr.shape)}, "
-                                 f"expected {dt}{list(shape)}")
+def inbound_limits(entries: tuple[int, ...], specs: dict) -> FrameLimits:
+    """The limits one producer's frames are read under: exactly the planned entries, shapes and
+    dtypes (FrameLimits.exact), so a peer cannot make us allocate for anything else, nor more than
+    one micro-batch of what the plan says it sends."""
+    return FrameLimits.exact([(e, specs[e].dtype, tuple(specs[e].shape)) for e in entries])
 
 
 def _name(stage: int) -> str:
@@ -146,7 +124,8 @@ class StageWorker:
         self._wiring: Wiring | None = None
         self._pending: dict[int, dict[int, Frame]] = {}  # seq -> producer -> frame
         self._next_from: dict[int, int] = {}  # producer -> next seq expected from it
-        self._inbound: dict[int, Inbound] = {}  # producer -> what it sends
+        self._inbound: dict[int, FrameLimits] = {}  # producer -> what it sends
+        self._admitted: set[int] = set()  # producers connected in this epoch (one connection each)
         self._links: list[tuple[Edge, Link, dict[int, str]]] = []  # with the names its frames carry
         self._data_links: list[tuple[Link, tuple[int, ...], dict[int, str]]] = []  # those that carry outputs
         self._compute: threading.Thread | None = None
@@ -177,7 +156,9 @@ class StageWorker:
             self._wiring = wiring
             self._pending.clear()
             self._next_from = {p: wiring.first_seq for p in wiring.inbound}
-            self._inbound = {p: Inbound.of(es, self.program.entry_specs) for p, es in wiring.inbound.items()}
+            self._inbound = {p: inbound_limits(es, self.program.entry_specs) for p, es in wiring.inbound.items()}
+            self._admitted = set()
+            self._listener.secret = wiring.secret or None
             self._next_seq = wiring.first_seq
             self._error = None
             self._peer_errors = []
@@ -193,7 +174,7 @@ class StageWorker:
         assert w is not None, "prepare() first"
         hello = Frame("hello", w.run, w.epoch, w.first_seq, self.index)
         for edge, addr in w.outbound:
-            link = Link(tuple(addr), hello, self._link_failed(edge.dst), depth=w.queue_depth)
+            link = Link(tuple(addr), hello, w.secret, self._link_failed(edge.dst), depth=w.queue_depth)
             names = {e: self.program.entry_names[e] for e in edge.entries}
             self._links.append((edge, link, names))
             if edge.carries_data:
@@ -261,13 +242,16 @@ class StageWorker:
                              "current wiring")
         if peer.stage not in w.inbound:
             raise FrameError(f"stage {peer.stage} is not a producer of stage {self.index}")
-        return self._inbound[peer.stage].limits
+        with self._lock:
+            if peer.stage in self._admitted:
+                raise FrameError(f"{_name(peer.stage)} is already connected in epoch {peer.epoch}")
+            self._admitted.add(peer.stage)
+        return self._inbound[peer.stage]
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
         producer = peer.stage
         if frame.kind != "data":
             raise FrameError(f"{_name(producer)} sent a {frame.kind} frame; stages only take data")
-        self._inbound[producer].check(frame, producer)
         seq = frame.seq
         with self._lock:
             want = self._next_from[producer]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import frames
+from tvmpipe.cluster import frames, stream
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -34,7 +34,7 @@ def header_bytes(h: dict) -> bytes:
 
 
 def base_header(**kw) -> dict:
-    h = {"v": 1, "kind": "data", "run": "r", "epoch": 0, "seq": 0, "stage": 0, "tensors": [], "error": None}
+    h = {"v": frames.FORMAT_VERSION, "kind": "data", "run": "r", "epoch": 0, "seq": 0, "stage": 0, "tensors": [], "error": None}
     h.update(kw)
     return h
 
@@ -87,13 +87,13 @@ def test_socket_round_trip_large_and_many():
 
     def tx():
         for f in sent:
-            frames.send(a, f)
+            stream.send(a, f)
         a.close()
 
     t = threading.Thread(target=tx)
     t.start()
     got = []
-    reader = frames.FrameReader(b, buffer_bytes=1000)  # frames straddle the buffer
+    reader = stream.FrameReader(b, buffer_bytes=1000)  # frames straddle the buffer
     while (f := reader.read()) is not None:
         got.append(f)
     t.join()
@@ -124,15 +124,15 @@ def test_truncated_stream_is_a_frame_error_but_clean_eof_is_none():
         a.sendall(data[:cut])
         a.close()
         if cut == 0:
-            assert frames.FrameReader(b).read() is None
+            assert stream.FrameReader(b).read() is None
         else:
             with pytest.raises(FrameError, match="truncated"):
-                frames.FrameReader(b).read()
+                stream.FrameReader(b).read()
         b.close()
 
 
 @pytest.mark.parametrize("header, match", [
-    (base_header(v=2), "version"),
+    (base_header(v=1), "version"),
     (base_header(v=True), "version"),
     (base_header(kind="shout"), "kind"),
     (base_header(epoch=-1), "epoch"),
@@ -194,7 +194,7 @@ def test_limits_are_enforced_before_allocation():
     tracemalloc.start()
     try:
         with pytest.raises(FrameError):
-            frames.FrameReader(b, limits).read()
+            stream.FrameReader(b, limits).read()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -261,7 +261,7 @@ def test_fuzz_socket_stream(data):
     try:
         a.sendall(struct.pack("<4sI", frames.MAGIC, len(data)) + data)
         a.close()
-        reader = frames.FrameReader(b, FUZZ_LIMITS, buffer_bytes=64)
+        reader = stream.FrameReader(b, FUZZ_LIMITS, buffer_bytes=64)
         try:
             while reader.read() is not None:
                 pass
@@ -278,8 +278,8 @@ def test_reader_checks_a_changed_tensor_list_again():
     limits = FrameLimits(max_tensors=1, max_ndim=1, max_tensor_bytes=16, max_payload_bytes=16)
     ok = [Frame("data", "r", 0, s, 0, {4: np.full(4, s, np.float32)}, {4: "x"}) for s in range(3)]
     for f in ok + [Frame("data", "r", 0, 3, 0, {4: np.zeros(8, np.float32)}, {4: "x"})]:
-        frames.send(a, f)
-    reader = frames.FrameReader(b, limits)
+        stream.send(a, f)
+    reader = stream.FrameReader(b, limits)
     for f in ok:
         assert_same(reader.read(), f)
     with pytest.raises(FrameError, match="exceeds the limit"):
@@ -334,7 +334,7 @@ class BytesSock:
 
 def read_all(data: bytes, limits: FrameLimits, chunk: int) -> list:
     """Every frame of a stream, then None (clean end) or the FrameError's class."""
-    reader = frames.FrameReader(BytesSock(data, chunk), limits, buffer_bytes=4096)
+    reader = stream.FrameReader(BytesSock(data, chunk), limits, buffer_bytes=4096)
     out = []
     while True:
         try:
@@ -349,7 +349,7 @@ def read_all(data: bytes, limits: FrameLimits, chunk: int) -> list:
 def minimal_header(f: Frame) -> bytes:
     """f as a non-tvmpipe sender might write it: msgpack's own smallest encodings, same payload."""
     metas = [[e, f.names.get(e, ""), str(a.dtype), list(a.shape), a.nbytes] for e, a in f.tensors.items()]
-    body = msgpack.packb({"v": 1, "kind": f.kind, "run": f.run, "epoch": f.epoch, "seq": f.seq, "stage": f.stage,
+    body = msgpack.packb({"v": frames.FORMAT_VERSION, "kind": f.kind, "run": f.run, "epoch": f.epoch, "seq": f.seq, "stage": f.stage,
                           "tensors": metas, "error": f.error})
     return frames.PREFIX.pack(frames.MAGIC, len(body)) + body
 
@@ -365,7 +365,7 @@ def test_fuzz_repeat_fast_path_changes_nothing(specs, flip):
     errors, for tvmpipe's and other encoders' headers, names that contain the seq field's bytes,
     and a corrupted header byte."""
     enc = frames.Encoder()
-    stream = b""
+    data = b""
     for i, (seq, epoch, shape, name, style) in enumerate(specs):
         f = Frame("data", "run", epoch, seq, 1, {3: np.arange(np.prod(shape), dtype=np.float32).reshape(shape)},
                   {3: name})
@@ -374,17 +374,17 @@ def test_fuzz_repeat_fast_path_changes_nothing(specs, flip):
         if flip is not None and i == len(specs) - 1:  # corrupt the last frame's header
             pos = frames.PREFIX.size + flip[0] % (len(head) - frames.PREFIX.size)
             head = head[:pos] + bytes([flip[1]]) + head[pos + 1:]
-        stream += head + b"".join(parts[1:])
+        data += head + b"".join(parts[1:])
     limits = FrameLimits(max_payload_bytes=64, max_tensor_bytes=64, max_tensors=2, max_ndim=2)
     # chunks of 97 bytes straddle headers (the header-level repeat check); 4096 brings whole frames
     # at once (the whole-frame one)
-    fast = {chunk: read_all(stream, limits, chunk) for chunk in (97, 4096)}
-    learn = frames._Repeat.learn
+    fast = {chunk: read_all(data, limits, chunk) for chunk in (97, 4096)}
+    learn = frames.Repeat.learn
     try:
-        frames._Repeat.learn = classmethod(lambda cls, *a: None)  # no fast path: every header parsed
-        slow = read_all(stream, limits, 97)
+        frames.Repeat.learn = classmethod(lambda cls, *a: None)  # no fast path: every header parsed
+        slow = read_all(data, limits, 97)
     finally:
-        frames._Repeat.learn = learn
+        frames.Repeat.learn = learn
     for got in fast.values():
         assert len(got) == len(slow)
         for a, b in zip(got, slow):

@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster import frames
+from tvmpipe.cluster import frames, handshake, stream
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
 from tvmpipe.cluster.topology import build_topology
+from tvmpipe.cluster.handshake import greet
 from tvmpipe.cluster.transport import Link, Listener, Peer, PolledListener
 from tvmpipe.cluster.worker import StageSpec, StageWorker, Wiring
 from tvmpipe.partition import plan_equal_ops
 
 
+SECRET = b"k" * 32  # the run's data-plane secret in these tests
 LISTENERS = pytest.mark.parametrize("kind", [Listener, PolledListener], ids=["threaded", "polled"])
 
 
@@ -36,7 +38,8 @@ class Recorder:
         self.events.put(("frame", p, f))
 
     def listener(self):
-        return self.kind("127.0.0.1", self.accept, self._on_frame, lambda p, e: self.events.put(("close", p, e)))
+        return self.kind("127.0.0.1", self.accept, self._on_frame, lambda p, e: self.events.put(("close", p, e)),
+                         secret=SECRET)
 
     def next(self):
         return self.events.get(timeout=10)
@@ -49,9 +52,10 @@ def closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
-def raw_peer(addr, stage=0, epoch=0) -> socket.socket:
+def raw_peer(addr, stage=0, epoch=0, secret=SECRET) -> socket.socket:
+    """A producer that has said its authenticated hello."""
     s = socket.create_connection(addr)
-    frames.send(s, Frame("hello", "run", epoch, 0, stage))
+    greet(s, secret, Frame("hello", "run", epoch, 0, stage), 10)
     return s
 
 
@@ -60,7 +64,7 @@ def test_a_garbage_peer_is_dropped_and_others_keep_flowing(kind):
     rec = Recorder(kind=kind)
     lst = rec.listener()
     try:
-        good = Link(lst.address, Frame("hello", "run", 0, 0, 1), on_error=lambda e: None)
+        good = Link(lst.address, Frame("hello", "run", 0, 0, 1), SECRET, on_error=lambda e: None)
         bad = raw_peer(lst.address, stage=2)
         bad.sendall(b"TVPF\xff\xff\xff\x7fgarbage")
         kind, peer, err = rec.next()
@@ -85,13 +89,13 @@ def test_hello_refused_and_protocol_violations_close_the_connection(kind):
     rec = Recorder(accept, kind)
     lst = rec.listener()
     try:
-        s = raw_peer(lst.address, epoch=1)
-        assert closed_by_peer(s)  # refused: closed without a callback (it never became a peer)
-        s.close()
+        with pytest.raises(ConnectionError, match="refused"):  # closed without a callback (never a peer)
+            raw_peer(lst.address, epoch=1)
+        assert rec.events.empty()
         for bad in (Frame("hello", "run", 3, 0, 0), Frame("data", "run", 3, 0, 5),
                     Frame("data", "run", 3, 0, 0, {1: np.zeros(100, np.float32)})):
             s = raw_peer(lst.address, epoch=3)
-            frames.send(s, bad)
+            stream.send(s, bad)
             kind, peer, err = rec.next()
             assert kind == "close" and isinstance(err, FrameError), err
             assert closed_by_peer(s)
@@ -113,21 +117,24 @@ def test_polled_listener_reads_on_the_pumping_thread():
 
     try:
         s = socket.create_connection(lst.address)
-        later(lambda: s.sendall(frames.to_bytes(Frame("hello", "run", 0, 0, 1)) +
+        nonce = s.recv(handshake.CHALLENGE.size)[4:]
+        mac = handshake.hello_mac(SECRET, nonce, "run", 0, 0, 1)
+        later(lambda: s.sendall(frames.to_bytes(Frame("hello", "run", 0, 0, 1, mac=mac)) +
                                 frames.to_bytes(Frame("data", "run", 0, 0, 1, {2: np.arange(4, dtype=np.int64)}))))
         t = time.monotonic()
         lst.pump(lambda: rec.events.qsize() >= 1, timeout=10)
+        assert s.recv(len(handshake.ADMITTED)) == handshake.ADMITTED  # else our close would be a reset
         assert rec.threads == [threading.current_thread()] and time.monotonic() - t < 5
         kind, peer, frame = rec.next()
         assert (kind, peer.stage, frame.seq) == ("frame", 1, 0)
         np.testing.assert_array_equal(frame.tensors[2], np.arange(4))
-        later(lambda: [frames.send(s, Frame("data", "run", 0, seq, 1, {2: np.full(4, seq, np.int64)}), enc)
+        later(lambda: [stream.send(s, Frame("data", "run", 0, seq, 1, {2: np.full(4, seq, np.int64)}), enc)
                        for seq in range(1, 4)])
         lst.pump(lambda: rec.events.qsize() >= 3, timeout=10)
         assert [rec.next()[2].seq for _ in range(3)] == [1, 2, 3]
         assert set(rec.threads) == {threading.current_thread()}
         # nobody pumps: the background reader delivers, after the grace period
-        frames.send(s, Frame("data", "run", 0, 4, 1, {2: np.zeros(4, np.int64)}), enc)
+        stream.send(s, Frame("data", "run", 0, 4, 1, {2: np.zeros(4, np.int64)}), enc)
         assert rec.next()[2].seq == 4 and rec.threads[-1] is not threading.current_thread()
         s.close()
         assert rec.next() == ("close", Peer(1, "run", 0), None)
@@ -155,11 +162,11 @@ def test_polled_listener_two_pumpers_each_return_on_their_own_condition():
         short.start()
         time.sleep(0.1)
         sent = time.monotonic()
-        frames.send(s, Frame("data", "run", 0, 0, 0))
+        stream.send(s, Frame("data", "run", 0, 0, 0))
         short.join(timeout=5)
         assert "short" in done and done["short"] - sent < 2 and "long" not in done
         for seq in (1, 2):
-            frames.send(s, Frame("data", "run", 0, seq, 0))
+            stream.send(s, Frame("data", "run", 0, seq, 0))
         long.join(timeout=5)
         assert "long" in done and [rec.next()[2].seq for _ in range(3)] == [0, 1, 2]
     finally:
@@ -192,7 +199,7 @@ def test_polled_listener_drop_connections_waits_for_their_close():
     try:
         peers = [raw_peer(lst.address, stage=i) for i in range(3)]
         for p in peers:  # once each has delivered a frame, each is a registered connection
-            frames.send(p, Frame("data", "run", 0, 0, peers.index(p)))
+            stream.send(p, Frame("data", "run", 0, 0, peers.index(p)))
         assert [rec.next()[0] for _ in peers] == ["frame"] * 3
         lst.drop_connections()
         closes = [rec.events.get_nowait() for _ in range(3)]  # all reported before it returned
@@ -200,7 +207,7 @@ def test_polled_listener_drop_connections_waits_for_their_close():
         assert all(closed_by_peer(p) for p in peers)
         # still listening: a new epoch's peer is served
         s = raw_peer(lst.address, stage=5, epoch=1)
-        frames.send(s, Frame("data", "run", 1, 0, 5))
+        stream.send(s, Frame("data", "run", 1, 0, 5))
         t = time.monotonic()
         lst.pump(lambda: not rec.events.empty(), timeout=10)
         assert time.monotonic() - t < 5  # returned on the frame, not on the timeout
@@ -218,14 +225,15 @@ def test_polled_listener_owner_refusing_a_frame_closes_only_that_connection():
         events.put(("frame", peer.stage, frame.seq))
 
     events: queue.Queue = queue.Queue()
-    lst = PolledListener("127.0.0.1", lambda p: FrameLimits(), on_frame, lambda p, e: events.put(("close", p.stage, e)))
+    lst = PolledListener("127.0.0.1", lambda p: FrameLimits(), on_frame, lambda p, e: events.put(("close", p.stage, e)),
+                         secret=SECRET)
     try:
         a, b = raw_peer(lst.address, stage=0), raw_peer(lst.address, stage=1)
         for seq in (0, 1):
-            frames.send(a, Frame("data", "run", 0, seq, 0))
+            stream.send(a, Frame("data", "run", 0, seq, 0))
         kind, stage, err = [events.get(timeout=10) for _ in range(2)][1]
         assert (kind, stage) == ("close", 0) and "unwelcome" in str(err)
-        frames.send(b, Frame("data", "run", 0, 1 - 1, 1))
+        stream.send(b, Frame("data", "run", 0, 1 - 1, 1))
         assert events.get(timeout=10) == ("frame", 1, 0)
         a.close()
         b.close()
@@ -243,14 +251,14 @@ def test_polled_listener_survives_an_owner_callback_that_raises(capsys):
         raise RuntimeError("owner bug")
 
     lst = PolledListener("127.0.0.1", lambda p: FrameLimits(), lambda p, f: events.put(("frame", p.stage, f.seq)),
-                         on_close)
+                         on_close, secret=SECRET)
     try:
         a, b = raw_peer(lst.address, stage=0), raw_peer(lst.address, stage=1)
-        frames.send(a, Frame("data", "run", 0, 0, 0))
+        stream.send(a, Frame("data", "run", 0, 0, 0))
         assert events.get(timeout=10) == ("frame", 0, 0)
         a.close()
         assert events.get(timeout=10) == ("close", 0)
-        frames.send(b, Frame("data", "run", 0, 0, 1))
+        stream.send(b, Frame("data", "run", 0, 0, 1))
         assert events.get(timeout=10) == ("frame", 1, 0)
         b.close()
     finally:
@@ -271,22 +279,22 @@ def test_worker_rejects_a_bad_frame_and_reports_it(bundles):
     try:
         inbound = {e.src: e.entries for e in topo.inbound(1)}
         outbound = [(e, driver.address) for e in topo.outbound(1)]
-        worker.prepare(Wiring("run", 0, 0, inbound, outbound))
+        worker.prepare(Wiring("run", 0, 0, inbound, outbound, secret=SECRET))
         worker.connect()
         (src, entries), = inbound.items()
         s = raw_peer(worker.address(), stage=src)
-        frames.send(s, Frame("data", "run", 0, 0, src, {entries[0]: np.zeros(3, np.int32)}))
+        stream.send(s, Frame("data", "run", 0, 0, src, {entries[0]: np.zeros(3, np.int32)}))
         kind, peer, frame = rec.next()
         assert kind == "frame" and frame.kind == "error" and "expected" in frame.error and peer.stage == 1
         assert closed_by_peer(s)
         assert worker.status().peer_errors
         # re-wired under a new epoch, the same worker computes correctly
-        worker.prepare(Wiring("run", 1, 0, inbound, outbound))
+        worker.prepare(Wiring("run", 1, 0, inbound, outbound, secret=SECRET))
         worker.connect()
         s2 = raw_peer(worker.address(), stage=src, epoch=1)
         spec = topo.specs[entries[0]]
         x = np.arange(3, dtype=np.float32).reshape(spec.shape)
-        frames.send(s2, Frame("data", "run", 1, 0, src, {entries[0]: x}))
+        stream.send(s2, Frame("data", "run", 1, 0, src, {entries[0]: x}))
         while True:
             kind, peer, frame = rec.next()
             if kind == "frame" and frame.kind == "data":

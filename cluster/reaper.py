@@ -1,0 +1,112 @@
+"""The reaper: what cleans up after a local-mode driver that dies without running its `finally`.
+
+A SIGKILLed (or OOM-killed) driver cannot shut Ray down. Ray fate-shares the daemons it starts
+itself (GCS, raylet: PR_SET_PDEATHSIG), but the raylet's own children, the DashboardAgent and the
+RuntimeEnvAgent, poll for their parent and were measured living on for 62 s, holding ports, and
+the run's temporary directories (`tvp-ray-*`, `tvp-home-*`) were never removed.
+
+So `local.local_ray` starts this small process first. It holds the read end of a pipe whose
+write end only the driver has; when the driver exits in any way, the pipe reaches EOF at once. The
+reaper then kills every process of the run and removes the run's directories. The processes are
+found by what marks them as the run's, not through a process tree that is coming apart (the
+raylet dies with the driver and its children are re-parented): each was started with the run's
+private HOME (`tvp-home-<random>`, local.py) in its environment, and each keeps its log files open
+in the run's Ray temp dir (`tvp-ray-<random>`). Both are checked, because Ray's processes rename
+themselves (`ray::DashboardAgent`) with setproctitle, which overwrites the start of the memory
+/proc/PID/environ shows, HOME included. After a clean shutdown the driver writes `exit` first; the
+reaper still sweeps (a lingering agent is killed sooner) and exits.
+
+    python -m tvmpipe.cluster.reaper DRIVER_PID HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SWEEP_S = 4.0  # how long to keep looking for processes still starting or exiting
+QUIET_ROUNDS = 3  # sweeps in a row that find nothing before the reaper stops looking
+
+
+class Reaper:
+    """The driver's handle on its reaper process."""
+
+    def __init__(self, home: str, temp_dir: str, remove: list[str]):
+        env = {k: v for k, v in os.environ.items() if v != home}  # the reaper must not match its own marker
+        self._proc = subprocess.Popen([sys.executable, "-m", "tvmpipe.cluster.reaper", str(os.getpid()), home,
+                                       temp_dir, *remove],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                                      start_new_session=True)  # a Ctrl-C to the driver's group spares it
+
+    def done(self) -> None:
+        """The run ended cleanly: the reaper sweeps once and exits (not waited for)."""
+        try:
+            self._proc.stdin.write(b"exit")
+            self._proc.stdin.close()
+        except OSError:  # it died already: nothing to tell
+            pass
+
+
+def run_processes(home: str, temp_dir: str, spare: int) -> list[int]:
+    """Every process (but this one and `spare`, the driver: after a clean shutdown it may still
+    hold a Ray log file open) with HOME=`home` in its environment or a file open below `temp_dir`
+    (module docstring)."""
+    marker = b"\0HOME=" + os.fsencode(home) + b"\0"
+    below = temp_dir.rstrip("/") + "/"
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in (os.getpid(), spare):
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                mine = marker in b"\0" + f.read()
+            fds = f"/proc/{d}/fd"
+            mine = mine or any(os.readlink(f"{fds}/{fd}").startswith(below) for fd in os.listdir(fds))
+        except OSError:  # gone, or another user's
+            continue
+        if mine:
+            found.append(int(d))
+    return found
+
+
+def sweep(home: str, temp_dir: str, dirs: list[str], spare: int, budget_s: float = SWEEP_S) -> list[int]:
+    """SIGKILL the run's processes until none has shown up for a few rounds; remove `dirs`.
+    Returns the pids killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + budget_s
+    quiet = 0
+    while quiet < QUIET_ROUNDS and time.monotonic() < deadline:
+        found = run_processes(home, temp_dir, spare)
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+        quiet = 0 if found else quiet + 1
+        time.sleep(0.05)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    return killed
+
+
+def main(argv: list[str]) -> int:
+    driver, home, temp_dir, dirs = int(argv[0]), argv[1], argv[2], argv[3:]
+    if not (Path(home).is_absolute() and Path(temp_dir).is_absolute()):
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the driver's end of the pipe ends the wait
+    try:
+        sys.stdin.buffer.read()  # returns at EOF: the driver closed it ("exit") or died
+    except OSError:
+        pass
+    sweep(home, temp_dir, dirs, spare=driver)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
