@@ -65,9 +65,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "planner, and for the simulated backend")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="simulated backend: multiply every op time (make stages long against transport overhead)")
-    s.add_argument("--frame-overhead-us", default="auto", metavar="US|auto",
-                   help="runtime cost per frame a stage receives, added to every prediction; 'auto' (default) "
-                        "measures it as the gap between a 1-stage run and its prediction")
+    s.add_argument("--runtime", default="auto", metavar="auto|none|COSTS.json",
+                   help="runtime costs in predictions (receive, send, Stage.run, driver; docs/partition.md): 'auto' "
+                        "(default) calibrates them with a 1-stage zero-compute run; 'none' predicts an ideal "
+                        "runtime; a JSON file of RuntimeCosts fields pins them")
+    s.add_argument("--rounds", type=int, default=3, help="measured runs per plan, reported as median and min-max "
+                                                         "(default 3)")
+    s.add_argument("--cluster", metavar="CLUSTER.json", help="what-if cluster (devices, speeds, memory, links; "
+                   "docs/partition.md): with --backend simulated, plans are run by the event simulator, not on "
+                   "this machine")
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
     add_cluster_args(s)
     s.set_defaults(func=sweep_command)
@@ -336,24 +342,53 @@ def _number_or_auto(value: str, flag: str, convert: Any, minimum: float, what: s
     return number
 
 
-def _frame_overhead(value: str, model: Any, run_plan: Any, micro_batches: int) -> float:
-    """Microseconds the runtime adds per received frame (wake-up, decode, send), beyond op time.
+def _runtime_costs(value: str, bundle: Any, backend: str, profile: Any, args: argparse.Namespace,
+                   cluster: Cluster, n: int) -> Any:
+    """RuntimeCosts for the sweep's predictions: calibrated ('auto'), none, or read from a JSON file."""
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.cluster.experiment import calibration_of, local_cores, measure_rounds
+    from tvmpipe.cluster.local import LOOPBACK
+    from tvmpipe.executor.backend_simulated import SPIN_S
+    from tvmpipe.executor.inputs import random_micro_batches
+    from tvmpipe.partition import plan_equal_ops
+    from tvmpipe.partition.runtime import NO_RUNTIME, RuntimeCosts
 
-    The cost models know op times only; on small stages the transport dominates and predictions
-    would be off several-fold. 'auto' measures it once: the 1-stage plan's measured time per
-    micro-batch minus its predicted time (its only frame is the driver's input frame).
-    """
-    from tvmpipe.cluster.metrics import compute_metrics
-    from tvmpipe.partition.planners import make_plan
-    from tvmpipe.partition.predict import predict
-
+    if value == "none":
+        return NO_RUNTIME
+    local = cluster.host == LOOPBACK
+    cap = {"reference": None, "simulated": SPIN_S * 1e6}.get(backend, 0.0)
     if value != "auto":
-        return _number_or_auto(value, "--frame-overhead-us", float, 0, "microseconds")
-    plan = make_plan(model, 1, "equal", requests=micro_batches)
-    m = compute_metrics(run_plan(plan))
-    measured_us = 1e6 / (m.steady_throughput * m.batch)
-    predicted_us = 1e6 / predict(model, plan, micro_batches).throughput
-    return max(0.0, measured_us - predicted_us)
+        try:
+            fields = json.loads(Path(value).read_text())
+            return RuntimeCosts(**{**fields, "source": f"file {value}"})
+        except (OSError, ValueError, TypeError) as exc:
+            raise TvmpipeError(f"--runtime {value}: cannot read runtime costs: {exc}") from None
+    kw = pipeline_kwargs(args, cluster, "simulated", 1)
+    kw["backend_opts"] = {"time_scale": 0.0}
+    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as pipe:
+        rounds = measure_rounds(pipe, random_micro_batches(bundle, n, seed=1), 3, local)
+    run_us = None
+    if isinstance(profile, dict) and backend == "reference":  # Stage.run beyond its ops, from the profile
+        run_us = max(0.0, profile.get("run_min_us", 0.0) - sum(r["time_us"] for r in profile["nodes"]))
+    extra = {"run_us": run_us} if run_us is not None else {}
+    return calibration_of(rounds).costs(compute_cpu_cap_us=cap, cores=local_cores() if local else None,
+                                        window=args.window, source="calibrated", **extra)
+
+
+def backend_profile(bundle: Any, backend: str, time_scale: float) -> dict[str, Any] | None:
+    """Op times of the backend the sweep runs on: the simulated backend's own model, or a reference
+    profile where each node's time is its fastest of 30 runs (the machine may be shared: noise only adds)."""
+    if backend == "simulated":
+        return simulated_profile(bundle, time_scale)
+    if backend != "reference":
+        return None
+    from tvmpipe.executor import GraphRunner, random_inputs
+
+    with GraphRunner(bundle, backend="reference") as runner:
+        prof = runner.profile(repeat=30, warmup=3, **random_inputs(bundle)).to_json()
+    for row in prof["nodes"]:
+        row["time_us"] = row["min_us"]
+    return prof
 
 
 SWEEP_STEADY_S = 0.25  # 'auto' micro-batch count: seconds of steady state at the fastest possible rate
@@ -376,7 +411,8 @@ def _sweep_micro_batches(value: str, model: Any, max_stages: int) -> int:
 def sweep_command(args: argparse.Namespace) -> int:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.metrics import compute_metrics
+    from tvmpipe.cluster.experiment import measure_rounds, spreads
+    from tvmpipe.cluster.local import LOOPBACK
     from tvmpipe.cluster.timeline import gantt_spans, write_trace
     from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition.cost import read_profile
@@ -387,58 +423,103 @@ def sweep_command(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle)
     lo, hi = _stage_range(args.stages)
     strategies = tuple(s for s in args.strategies.split(",") if s)
+    if args.rounds < 1:
+        raise TvmpipeError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.cluster:
+        return whatif_sweep(args, bundle, lo, hi, strategies)
     out = Path(args.output)
     (out / "plans").mkdir(parents=True, exist_ok=True)
     (out / "traces").mkdir(exist_ok=True)
     best: tuple[float, Any] | None = None
     with open_cluster(args, hi) as cluster:
         backend = pick_backend(args.backend, cluster.gpus)
-        profile = read_profile(args.profile) if args.profile else None
-        if profile is None and backend == "simulated":
-            profile = simulated_profile(bundle, args.time_scale)
+        profile = read_profile(args.profile) if args.profile else backend_profile(bundle, backend, args.time_scale)
         model = PipelineModel.build(bundle, profile=profile)
         n = _sweep_micro_batches(args.micro_batches, model, hi)
         batches = random_micro_batches(bundle, n, seed=0)
-        print(f"{n} micro-batches per plan" + (" (auto)" if args.micro_batches == "auto" else ""), flush=True)
-
-        def run_plan(plan: Any) -> Any:
-            kw = pipeline_kwargs(args, cluster, backend, len(plan.stages))
-            if backend == "simulated":
-                kw["backend_opts"] = {"cost_profile": profile}
-            with Pipeline(bundle, plan, **kw) as pipe:
-                pipe.run(batches)
-                return pipe.record()
-
-        overhead = _frame_overhead(args.frame_overhead_us, model, run_plan, n)
-        model = replace(model, link=replace(model.link, latency_us=overhead))
-        print(f"per-frame runtime overhead in predictions: {overhead:.1f} us"
-              + (" (measured: 1-stage run vs its prediction)" if args.frame_overhead_us == "auto" else ""), flush=True)
+        print(f"{n} micro-batches per plan" + (" (auto)" if args.micro_batches == "auto" else "")
+              + f", {args.rounds} round(s)", flush=True)
+        runtime = _runtime_costs(args.runtime, bundle, backend, profile, args, cluster, min(n, 500))
+        model = replace(model, runtime=runtime)
+        print(f"runtime costs in predictions ({runtime.source}): receive {runtime.recv_us:.1f} us and send "
+              f"{runtime.send_us:.1f} us per frame, Stage.run {runtime.run_us:.1f} us, driver {runtime.driver_us:.1f} us"
+              + (f", {runtime.cores} cores shared" if runtime.cores else ""), flush=True)
         cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
         for case in cases:
             if case.plan is None:
                 print(f"[{_key(case)}] not planned: {case.error.splitlines()[0]}", flush=True)
                 continue
             case.plan.save(out / "plans" / f"{_key(case)}.json")
+            kw = pipeline_kwargs(args, cluster, backend, len(case.plan.stages))
+            if backend == "simulated":
+                kw["backend_opts"] = {"cost_profile": profile}
             try:
-                rec = run_plan(case.plan)
+                with Pipeline(bundle, case.plan, **kw) as pipe:
+                    rounds = measure_rounds(pipe, batches, args.rounds, cluster.host == LOOPBACK)
             except TvmpipeError as exc:
                 case.error = f"run failed: {exc}"
                 print(f"[{_key(case)}] {case.error}", flush=True)
                 continue
-            m = compute_metrics(rec)
-            case.measured = Measured(throughput=m.steady_throughput * m.batch, latency_p50_us=m.latency_p50_ms * 1e3,
-                                     latency_p99_us=m.latency_p99_ms * 1e3, bubble=m.bubble)
-            write_trace(rec, out / "traces" / f"{_key(case)}.json")
+            sp = spreads(rounds)
+            mid = sorted(rounds, key=lambda r: r.throughput)[len(rounds) // 2]
+            m = mid.metrics
+            case.measured = Measured(
+                throughput=sp["throughput"].median, latency_p50_us=sp["latency_p50_us"].median,
+                latency_p99_us=sp["latency_p99_us"].median, bubble=sp["bubble"].median, rounds=len(rounds),
+                throughput_range=(sp["throughput"].lo, sp["throughput"].hi), bubble_range=(sp["bubble"].lo, sp["bubble"].hi),
+                load=(sp["load"].lo, sp["load"].hi),
+                utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages])
+            write_trace(mid.record, out / "traces" / f"{_key(case)}.json")
             (out / "traces" / f"{_key(case)}.metrics.json").write_text(json.dumps(m.to_json(), indent=1))
             if best is None or case.measured.throughput > best[0]:
-                best = (case.measured.throughput, rec)
-            pred, meas = case.prediction.throughput, case.measured.throughput
-            print(f"[{_key(case)}] predicted {pred:.1f}/s, measured {meas:.1f}/s ({100 * (meas / pred - 1):+.1f}%), "
-                  f"p50 {m.latency_p50_ms:.2f} ms, p99 {m.latency_p99_ms:.2f} ms, bubble {100 * (m.bubble or 0):.0f}% "
-                  f"(predicted {100 * case.prediction.bubble:.0f}%)", flush=True)
-    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend}; predictions include "
-                                           f"{overhead:.1f} us runtime overhead per received frame)",
-                         timeline=gantt_spans(best[1]) if best else None)
+                best = (case.measured.throughput, mid.record, case)
+            pred, meas = case.prediction.throughput, case.measured
+            print(f"[{_key(case)}] predicted {pred:.1f}/s, measured {meas.throughput:.1f}/s "
+                  f"({100 * (pred / meas.throughput - 1):+.1f}%; {meas.rounds} rounds {meas.throughput_range[0]:.1f}-"
+                  f"{meas.throughput_range[1]:.1f}), bubble {100 * meas.bubble:.0f}% (predicted "
+                  f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
+                  f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else ""), flush=True)
+    title = f"tvmpipe sweep: {bundle.name} ({backend})"
+    paths = write_report(cases, out, title=title, timeline=gantt_spans(best[1]) if best else None,
+                         timeline_title=f"{_key(best[2])}, the fastest measured plan" if best else None,
+                         runtime=model.runtime)
     for p in paths.values():
         print(f"wrote {p}")
     return 0 if any(c.measured for c in cases) else 1
+
+
+def whatif_sweep(args: argparse.Namespace, bundle: Any, lo: int, hi: int, strategies: tuple[str, ...]) -> int:
+    """`sweep --cluster`: plans for a described cluster, run by the event simulator (no processes)."""
+    from tvmpipe.partition.cost import read_profile
+    from tvmpipe.partition.hardware import load_cluster
+    from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.report import write_report
+    from tvmpipe.partition.sweep import simulate_cases, sweep_plans
+
+    if args.backend != "simulated":
+        raise TvmpipeError("--cluster describes hardware this machine does not have: use it with --backend simulated")
+    cluster = load_cluster(args.cluster)
+    speeds, caps, links = cluster.stages(min(hi, cluster.num_devices))
+    model = PipelineModel.build(bundle, profile=read_profile(args.profile) if args.profile else None,
+                                speeds=speeds, memory_caps=caps, links=links)
+    n = 256 if args.micro_batches == "auto" else int(_number_or_auto(args.micro_batches, "--micro-batches", int, 1,
+                                                                       "a count"))
+    t0 = time.perf_counter()
+    cases = sweep_plans(model, min(hi, cluster.num_devices), strategies, min_stages=lo, requests=n)
+    runs = simulate_cases(model, cases, n)
+    print(f"{cluster.describe()}\n{len(cases)} plans, {n} simulated micro-batches each, "
+          f"{time.perf_counter() - t0:.2f} s", flush=True)
+    for case in cases:
+        if case.measured:
+            print(f"[{_key(case)}] predicted {case.prediction.throughput:.1f}/s, simulated {case.measured.throughput:.1f}/s, "
+                  f"bubble {100 * case.prediction.bubble:.1f}% (simulated {100 * case.measured.bubble:.1f}%)")
+        else:
+            print(f"[{_key(case)}] not planned: {(case.error or '').splitlines()[0]}")
+    best = max((c for c in cases if c.measured), key=lambda c: c.measured.throughput, default=None)
+    paths = write_report(cases, Path(args.output), title=f"what-if: {bundle.name} on {cluster.name}",
+                         timeline=runs[id(best)].spans() if best else None, timeline_unit="us",
+                         timeline_title=f"{_key(best)} (event simulation)" if best else None,
+                         runtime=model.runtime, measured_label="simulated")
+    for p in paths.values():
+        print(f"wrote {p}")
+    return 0 if best else 1

@@ -65,6 +65,10 @@ class SimulatedRun:
             out.append((busy / wall, fill_drain / wall, max(0.0, 1 - (busy + fill_drain) / wall)))
         return out
 
+    def spans(self) -> list[tuple[int, float, float, int]]:
+        """(stage, start us, end us, micro-batch) of every compute span, for a Gantt chart."""
+        return [(s, a, b, m) for s, spans in enumerate(self.busy) for m, (a, b) in enumerate(spans)]
+
     @property
     def bubble(self) -> float:
         u = self.utilisation()
