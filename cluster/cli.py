@@ -480,7 +480,8 @@ def sweep_command(args: argparse.Namespace) -> int:
                   f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
                   f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else ""), flush=True)
     title = f"tvmpipe sweep: {bundle.name} ({backend})"
-    paths = write_report(cases, out, title=title, timeline=gantt_spans(best[1]) if best else None,
+    timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
+    paths = write_report(cases, out, title=title, timeline=timeline,
                          timeline_title=f"{_key(best[2])}, the fastest measured plan" if best else None,
                          runtime=model.runtime)
     for p in paths.values():

@@ -190,7 +190,7 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     util = utilisation if utilisation is not None else span_utilisation(spans)
     shown = steady_window(spans, window)
     stages = sorted({s.stage for s in spans})
-    height = 0.45 * max(len(stages), 1) + 1.6
+    height = 0.5 * max(len(stages), 1) + 2.0
     fig, (ax, ux) = plt.subplots(1, 2, figsize=(12, height), gridspec_kw={"width_ratios": [3, 1]}, sharey=True)
     cmap = plt.get_cmap("tab10")
     labels = list(dict.fromkeys(s.label for s in shown))
@@ -200,8 +200,9 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     for s in shown:
         ax.barh(s.stage, s.end - s.start, left=s.start - t0, height=0.6, color=color[s.label], edgecolor="black",
                 linewidth=0.4)
-        if (s.end - s.start) / extent > 0.012 * len(str(s.label)):
-            ax.text((s.start + s.end) / 2 - t0, s.stage, str(s.label), ha="center", va="center", fontsize=7)
+        wide = (s.end - s.start) / extent > 0.011 * len(str(s.label))
+        ax.text((s.start + s.end) / 2 - t0, s.stage, str(s.label), ha="center", va="center",
+                fontsize=7 if wide else 6, rotation=0 if wide else 90)
     ax.set_yticks(stages)
     ax.set_yticklabels([f"stage {s}" for s in stages])
     ax.invert_yaxis()
@@ -219,9 +220,9 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
         ux.text(1, st, f"{100 * b:.0f}%", va="center", fontsize=7)
     ux.set_xlim(0, 100)
     ux.set_xlabel("% of the whole run")
-    ux.set_title("whole run", fontsize="medium")
-    ux.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(stages) < 4 else -0.12), ncol=3)
-    return _save(fig, path)
+    ux.set_title("whole run: busy / bubble / idle", fontsize="medium")
+    fig.legend(*ux.get_legend_handles_labels(), fontsize="small", loc="lower right", ncol=3)
+    return _save(fig, path, rect=(0, 0.1, 1, 1))
 
 
 def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmpipe sweep",
@@ -275,9 +276,9 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
     path = Path(path)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
