@@ -5,8 +5,9 @@ cycle = link time of the bytes it receives + max(busy + receives, its CPU time).
 period is the largest of: the slowest stage's cycle (the bottleneck), the driver's cycle, the total
 CPU per micro-batch over the shared cores (when stage processes + driver outnumber them, the run is
 CPU-bound and `cpu_bound` says so), and one micro-batch's latency over the window. Throughput =
-batch / period. One request's latency is the sum, along the pipeline, of link time, receive, busy
-and send, plus the driver's work and the link time of the graph outputs to the driver.
+batch / period. One request's latency is the longest path through the stages (a stage starts once
+every stage it reads from has sent) of link time, receive, busy and send, after the driver's work,
+plus the link time of the graph outputs to the driver.
 
 The bubble is the fraction of stage-device time not spent busy, as the cluster measures it: for M
 requests the run lasts latency + (M-1) x period, and stage s is busy M x busy_s of it; as M grows it
@@ -141,8 +142,12 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
     bottleneck = max(st.time_us for st in stages)
     driver = rt.driver_cycle_us(sum(1 for r in senders if -1 in r), sum(1 for io in ios if io.outputs))
     head_bytes = sum(flow.entries[e].nbytes for e in flow.graph.head_entries)
-    latency = driver + links[-1].transfer_us(head_bytes) + sum(
-        st.transfer_us + st.frames_in * rt.recv_us + st.busy_us + st.frames_out * rt.send_us for st in stages)
+    finish: list[float] = []  # one micro-batch alone: when each stage has sent it (longest path over stages)
+    for s, st in enumerate(stages):
+        ready = max([finish[p] for p in senders[s] if p >= 0] + [driver if -1 in senders[s] else 0.0])
+        finish.append(ready + st.transfer_us + st.frames_in * rt.recv_us + st.busy_us + st.frames_out * rt.send_us)
+    outputs = [finish[s] for s, io in enumerate(ios) if io.outputs]
+    latency = max(max(outputs, default=0.0) + links[-1].transfer_us(head_bytes), max(finish))
     cpu_total = sum(st.cpu_us for st in stages) + driver
     window = rt.window or 2 * k
     bounds = {"stage": bottleneck, "driver": driver, "window": latency / window}

@@ -11,7 +11,8 @@ predict.py takes a maximum of rates. The two must agree within fill and drain ef
 Stage s serves micro-batch m from start = max(inputs arrived, stage free); it is busy from start +
 transfer + receives for busy_us, its output is sent send_us later, and it is free again cycle_us
 after start. The driver submits m when the window admits it (m - window completed) and the driver is
-free; m completes when every output frame has reached the driver.
+free; m completes when every output frame has reached the driver and every stage has finished it
+(queues are bounded, so even a stage whose output nobody reads paces its producers).
 """
 
 from __future__ import annotations
@@ -109,13 +110,16 @@ def simulate(model: PipelineModel, plan: Plan, micro_batches: int) -> SimulatedR
         submit[m] = t
         driver_free = t + pred.driver_us
         for s, st in enumerate(pred.stages):
-            ready = max([out[p, m] for p in producers[s]] + [driver_free if reads_inputs[s] else 0.0])
+            ready = max([out[p, m] for p in producers[s]] + [driver_free if reads_inputs[s] else t])
             start = max(ready, free[s])
             compute_start = start + st.transfer_us + st.frames_in * rt.recv_us
             busy[s].append((compute_start, compute_start + st.busy_us))
             out[s, m] = compute_start + st.busy_us + st.frames_out * rt.send_us
             free[s] = start + st.time_us
         finished = max(out[s, m] for s in outputs_from) + head_link if outputs_from else driver_free
+        # bounded queues: a stage whose frames nobody waits for still holds its producers back, so
+        # m counts as done (for the window) once every stage has finished it
+        finished = max(finished, out[:, m].max())
         if rt.cores is not None:  # the cores as one pool: a micro-batch needs cpu_per_mb of it
             cpu_free = max(cpu_free, submit[m]) + cpu_per_mb / rt.cores
             finished = max(finished, cpu_free)
