@@ -16,7 +16,7 @@ from tvmpipe.partition.devices import Link, format_bytes
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan, check_stage_count, plan_equal_ops
-from tvmpipe.partition.predict import attach, predict
+from tvmpipe.partition.predict import Prediction, attach, predict
 
 STRATEGIES = ("manual", "equal", "optimal")
 DEFAULT_TOLERANCE = 0.01
@@ -95,7 +95,13 @@ def _fmt_caps(caps: list[int | None]) -> str:
 
 def make_plan(model: PipelineModel, k: int | None, strategy: str, cuts: list[int] | None = None,
               tolerance: float = DEFAULT_TOLERANCE, requests: int | None = None) -> Plan:
-    """Plan with `strategy` and record the prediction in `plan.predicted`.
+    """Plan with `strategy` and record the prediction in `plan.predicted` (see plan_and_predict)."""
+    return plan_and_predict(model, k, strategy, cuts, tolerance, requests)[0]
+
+
+def plan_and_predict(model: PipelineModel, k: int | None, strategy: str, cuts: list[int] | None = None,
+                     tolerance: float = DEFAULT_TOLERANCE, requests: int | None = None) -> tuple[Plan, Prediction]:
+    """Plan with `strategy`; the plan (its prediction recorded in `plan.predicted`) and the prediction.
 
     manual: `cuts` (op ordinals; `k`, if given, must be len(cuts)+1); equal: K equal op counts;
     optimal: plan_optimal.
@@ -117,4 +123,5 @@ def make_plan(model: PipelineModel, k: int | None, strategy: str, cuts: list[int
         plan = plan_optimal(model, k, tolerance)
     else:
         raise PartitionError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
-    return attach(plan, predict(model, plan, requests))
+    prediction = predict(model, plan, requests)
+    return attach(plan, prediction), prediction

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tvmpipe.partition.cuts import stage_io
+from tvmpipe.partition.cuts import plan_io
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan, validate_plan
 
@@ -109,7 +109,7 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
     rt = model.runtime
     flow = model.flow
     ranges = [flow.op_range(s, e) for s, e in plan.stages]
-    ios = [stage_io(flow, a, b) for a, b in ranges]
+    ios = plan_io(flow, ranges)
     loaders: dict[int, list[int]] = {}
     for s, io in enumerate(ios):
         for p in io.params:

@@ -197,9 +197,9 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     color = {lab: cmap(i % 10) for i, lab in enumerate(labels)}
     t0 = min((s.start for s in shown), default=0.0)
     extent = max((s.end for s in shown), default=1.0) - t0 or 1.0
+    ax.barh([s.stage for s in shown], [s.end - s.start for s in shown], left=[s.start - t0 for s in shown],
+            height=0.6, color=[color[s.label] for s in shown], edgecolor="black", linewidth=0.4)
     for s in shown:
-        ax.barh(s.stage, s.end - s.start, left=s.start - t0, height=0.6, color=color[s.label], edgecolor="black",
-                linewidth=0.4)
         wide = (s.end - s.start) / extent > 0.011 * len(str(s.label))
         ax.text((s.start + s.end) / 2 - t0, s.stage, str(s.label), ha="center", va="center",
                 fontsize=7 if wide else 6, rotation=0 if wide else 90)
@@ -211,13 +211,14 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     ax.set_xlabel(f"time ({unit}) from the window's first span; bars labelled with their micro-batch")
     ax.set_title(_wrap(f"{title}: {what}", 80), fontsize="medium")
     parts = (("busy", "C2"), ("bubble (fill/drain)", "C1"), ("idle", "0.8"))
-    for st in stages:
-        left = 0.0
-        for (name, col), v in zip(parts, util.get(st, (0.0, 0.0, 0.0))):
-            ux.barh(st, 100 * v, left=left, height=0.6, color=col, label=name if st == stages[0] else None)
-            left += 100 * v
-        b = util.get(st, (0.0,))[0]
-        ux.text(1, st, f"{100 * b:.0f}%", va="center", fontsize=7)
+    values = [util.get(st, (0.0, 0.0, 0.0)) for st in stages]
+    left = [0.0] * len(stages)
+    for i, (name, col) in enumerate(parts):
+        width = [100 * v[i] for v in values]
+        ux.barh(stages, width, left=left, height=0.6, color=col, label=name)
+        left = [a + b for a, b in zip(left, width)]
+    for st, v in zip(stages, values):
+        ux.text(1, st, f"{100 * v[0]:.0f}%", va="center", fontsize=7)
     ux.set_xlim(0, 100)
     ux.set_xlabel("% of the whole run")
     ux.set_title("whole run: busy / bubble / idle", fontsize="medium")

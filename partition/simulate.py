@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tvmpipe.partition.cuts import plan_io
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan
 from tvmpipe.partition.predict import Prediction, predict
@@ -76,27 +77,19 @@ class SimulatedRun:
         return float(np.mean([1 - b for b, _, _ in u])) if u else 0.0
 
 
-def simulate(model: PipelineModel, plan: Plan, micro_batches: int) -> SimulatedRun:
-    """Run `plan` through the event recurrence for `micro_batches` micro-batches."""
-    pred = predict(model, plan, micro_batches)
+def simulate(model: PipelineModel, plan: Plan, micro_batches: int, prediction: Prediction | None = None) -> SimulatedRun:
+    """Run `plan` through the event recurrence for `micro_batches` micro-batches (`prediction`: the
+    plan's, for its per-stage figures, if already made)."""
+    pred = prediction if prediction is not None else predict(model, plan, micro_batches)
     rt = model.runtime
     k, n = len(pred.stages), max(1, micro_batches)
     window = rt.window or 2 * k
     flow = model.flow
-    ranges = [st.ops for st in pred.stages]
-    stage_of_op = {op: s for s, (a, b) in enumerate(ranges) for op in range(a, b)}
-    producers: list[set[int]] = [set() for _ in range(k)]
-    reads_inputs = [False] * k
-    outputs_from = []
-    for s, (a, b) in enumerate(ranges):
-        for e in flow.entries:
-            used_here = any(a <= u < b for u in e.uses)
-            if e.kind == "activation" and used_here and e.producer < a:
-                producers[s].add(stage_of_op[e.producer])
-            elif e.kind == "input" and used_here:
-                reads_inputs[s] = True
-            if e.kind == "activation" and e.is_head and a <= e.producer < b and s not in outputs_from:
-                outputs_from.append(s)
+    ios = plan_io(flow, [st.ops for st in pred.stages])
+    stage_of_op = {op: s for s, io in enumerate(ios) for op in io.ops}
+    producers = [{stage_of_op[flow.entries[e].producer] for e in io.recv} for io in ios]
+    reads_inputs = [bool(io.inputs) for io in ios]
+    outputs_from = [s for s, io in enumerate(ios) if io.outputs]
     head_bytes = sum(flow.entries[e].nbytes for e in flow.graph.head_entries)
     head_link = model.stage_links(k)[-1].transfer_us(head_bytes)
     cpu_per_mb = sum(st.cpu_us for st in pred.stages) + pred.driver_us

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan
-from tvmpipe.partition.planners import DEFAULT_TOLERANCE, make_plan
-from tvmpipe.partition.predict import Prediction, predict
+from tvmpipe.partition.planners import DEFAULT_TOLERANCE, plan_and_predict
+from tvmpipe.partition.predict import Prediction
 from tvmpipe.partition.simulate import SimulatedRun, simulate
 
 SWEEP_STRATEGIES = ("equal", "optimal")
@@ -61,11 +61,11 @@ def sweep_plans(model: PipelineModel, max_stages: int, strategies: tuple[str, ..
     for k in range(min_stages, max_stages + 1):
         for strategy in strategies:
             try:
-                plan = make_plan(model, k, strategy, tolerance=tolerance, requests=requests)
+                plan, prediction = plan_and_predict(model, k, strategy, tolerance=tolerance, requests=requests)
             except PartitionError as exc:
                 cases.append(SweepCase(k, strategy, None, None, error=str(exc)))
                 continue
-            cases.append(SweepCase(k, strategy, plan, predict(model, plan, requests)))
+            cases.append(SweepCase(k, strategy, plan, prediction))
     return cases
 
 
@@ -75,7 +75,8 @@ def simulate_cases(model: PipelineModel, cases: list[SweepCase], micro_batches: 
     for case in cases:
         if case.plan is None:
             continue
-        run = simulate(model, case.plan, micro_batches)
+        run = simulate(model, case.plan, micro_batches,
+                       case.prediction if case.prediction and case.prediction.requests == micro_batches else None)
         case.measured = Measured(throughput=run.steady_throughput, latency_p50_us=run.latency_p50_us,
                                  latency_p99_us=run.latency_p99_us, bubble=run.bubble,
                                  utilisation=run.utilisation(), source="simulated")
