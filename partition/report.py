@@ -155,12 +155,23 @@ GANTT_WINDOW = 20  # micro-batches in the steady-state window
 
 
 def steady_window(spans: list[Span], size: int = GANTT_WINDOW) -> list[Span]:
-    """The spans of `size` micro-batches from the middle of the run (labels are micro-batch numbers)."""
+    """The spans of `size` consecutive micro-batches (labels are micro-batch numbers) whose window
+    lasts the median time of all such windows after the first and before the last `size`: typical
+    steady state, neither the fill nor a stall that a loaded machine puts somewhere in a long run."""
     seqs = sorted({s.label for s in spans if isinstance(s.label, int)})
     if not seqs or len(seqs) <= size:
         return spans
-    mid = len(seqs) // 2
-    keep = set(seqs[max(0, mid - size // 2): max(0, mid - size // 2) + size])
+    first = {q: float("inf") for q in seqs}
+    last = {q: float("-inf") for q in seqs}
+    for s in spans:
+        if isinstance(s.label, int):
+            first[s.label] = min(first[s.label], s.start)
+            last[s.label] = max(last[s.label], s.end)
+    starts = range(size, len(seqs) - 2 * size + 1) if len(seqs) >= 3 * size + 1 else range(len(seqs) - size + 1)
+    durations = sorted((max(last[q] for q in seqs[i:i + size]) - min(first[q] for q in seqs[i:i + size]), i)
+                       for i in starts)
+    i = durations[len(durations) // 2][1]
+    keep = set(seqs[i:i + size])
     return [s for s in spans if s.label in keep]
 
 

@@ -90,9 +90,12 @@ def test_whatif_at_scale_700_ops_64_stages():
 def test_gantt_window_and_spread_in_the_report(tmp_path, fixtures_dir):
     from tvmpipe.bundle import load_bundle
 
-    spans = [Span(s, m * 1.0 + s, m * 1.0 + s + 0.9, m) for m in range(200) for s in range(2)]
-    window = steady_window(spans)
-    assert sorted({s.label for s in window}) == list(range(90, 110))  # 20 from the middle, not 0..9 or all 200
+    stall = {m: 50.0 if 95 <= m < 100 else 0.0 for m in range(200)}  # a loaded machine stalls somewhere
+    spans = [Span(s, m * 1.0 + s + sum(stall[q] for q in range(m)), m * 1.0 + s + 0.9 + sum(stall[q] for q in range(m))
+                  + stall[m], m) for m in range(200) for s in range(2)]
+    window = sorted({s.label for s in steady_window(spans)})
+    assert len(window) == 20 and window[0] >= 20 and window[-1] < 180  # not the fill nor the drain, not all 200
+    assert not set(window) & set(range(95, 100))  # a typical window, not the one with the stall
     model = PipelineModel.build(load_bundle(fixtures_dir / "resnet18_nnvm.json"))
     cases = sweep_plans(model, 2, ("equal",))
     for c in cases:
