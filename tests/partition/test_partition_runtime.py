@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from graphgen import Reference, random_bundle, random_profile
+from tests.support.random_graphs import Reference, random_bundle, random_profile
 from tvmpipe.bundle import load_bundle
 from tvmpipe.partition import Plan, PartitionError
 from tvmpipe.partition.devices import Link

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from graphgen import random_bundle, random_profile
+from tests.support.random_graphs import random_bundle, random_profile
 from tvmpipe.cli import main
 from tvmpipe.partition import PartitionError
 from tvmpipe.partition.hardware import load_cluster, parse_cluster
