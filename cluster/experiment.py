@@ -72,7 +72,7 @@ def local_cores() -> int:
 
 
 def _worker_pids(pipe: Any) -> list[int | None]:
-    return [st["pid"] if st else None for st in pipe.record().worker_stats]
+    return [st.pid if st else None for st in pipe.record().worker_stats]
 
 
 def _slice(rec: RunRecord, seqs: range) -> RunRecord:

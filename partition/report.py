@@ -11,6 +11,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from tvmpipe.core import files
 from tvmpipe.partition.runtime import RuntimeCosts
 from tvmpipe.partition.sweep import SweepCase
 
@@ -63,7 +64,7 @@ def _fmt(v: object) -> str:
 
 def write_csv(cases: list[SweepCase], path: str | Path) -> Path:
     path = Path(path)
-    with open(path, "w", newline="") as f:
+    with files.atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for c in cases:
@@ -276,7 +277,7 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
     if timeline:
         md.append("\n![timeline: a steady-state window and per-stage busy/bubble/idle](gantt.png)")
     paths["markdown"] = out / "sweep.md"
-    paths["markdown"].write_text("\n".join(md) + "\n")
+    files.write_text(paths["markdown"], "\n".join(md) + "\n")
     return paths
 
 def _pyplot():
@@ -291,6 +292,9 @@ def _pyplot():
 def _save(fig, path: str | Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
     path = Path(path)
     fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    try:
+        with files.atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        _pyplot().close(fig)
     return path

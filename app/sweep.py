@@ -1,0 +1,229 @@
+"""`tvmpipe sweep`'s measuring half: run every planned case on the cluster and fill in what it
+measured. Which plans to run and what each should do is the partition layer's (partition/sweep.py,
+predict.py, report.py); the functions here only run pipelines and measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from tvmpipe.app.connect import open_cluster, pick_backend, pipeline_kwargs
+from tvmpipe.app.options import ClusterOptions
+from tvmpipe.bundle import Bundle
+from tvmpipe.core import files
+from tvmpipe.core.errors import TvmpipeError
+
+SWEEP_STEADY_S = 0.25  # 'auto' micro-batch count: seconds of steady state at the fastest possible rate
+AUTO = "auto"
+
+
+def simulated_profile(bundle: Bundle, time_scale: float) -> dict[str, Any]:
+    """Per-node times of the simulated backend's own model, as a profile both the planner and the
+    simulated stages read, so a sweep compares the prediction with a run of the same op times."""
+    from tvmpipe.executor import GraphRunner, random_inputs
+
+    with GraphRunner(bundle, backend="simulated", time_scale=time_scale) as runner:
+        return runner.profile(repeat=1, warmup=0, **random_inputs(bundle)).to_json()
+
+
+def runtime_costs(value: str, bundle: Bundle, backend: str, profile: Any, options: ClusterOptions,
+                  cluster: Any, n: int) -> Any:
+    """RuntimeCosts for the sweep's predictions (partition/runtime.py): calibrated ('auto': a 1-stage
+    pipeline of this bundle on the simulated backend with every op time 0, so it measures only the
+    runtime, a workload none of the predicted plans is), 'none', or a JSON file of RuntimeCosts fields."""
+    import json
+
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.cluster.experiment import calibration_of, local_cores, measure_rounds
+    from tvmpipe.cluster.local import LOOPBACK
+    from tvmpipe.executor.backend_simulated import SPIN_S
+    from tvmpipe.executor.inputs import random_micro_batches
+    from tvmpipe.partition import plan_equal_ops
+    from tvmpipe.partition.errors import PartitionError
+    from tvmpipe.partition.runtime import NO_RUNTIME, RuntimeCosts
+
+    if value == "none":
+        return NO_RUNTIME
+    if value != AUTO:
+        try:
+            fields = json.loads(Path(value).read_text())
+            return RuntimeCosts(**{**fields, "source": f"file {value}"})
+        except PartitionError as exc:
+            raise TvmpipeError(f"--runtime {value}: {exc}") from None
+        except (OSError, ValueError, TypeError) as exc:
+            raise TvmpipeError(f"--runtime {value}: cannot read runtime costs: {exc}") from None
+    local = cluster.host == LOOPBACK
+    kw = pipeline_kwargs(options, cluster, "simulated", 1)
+    kw["backend_opts"] = {"time_scale": 0.0}
+    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as pipe:
+        rounds = measure_rounds(pipe, random_micro_batches(bundle, n, seed=1), 3, local)
+    extra = {}
+    if isinstance(profile, dict) and backend == "reference":  # Stage.run beyond its ops, from the profile
+        extra["run_us"] = max(0.0, profile.get("run_min_us", 0.0) - sum(r["time_us"] for r in profile["nodes"]))
+    cap = {"reference": None, "simulated": SPIN_S * 1e6}.get(backend, 0.0)
+    return calibration_of(rounds).costs(compute_cpu_cap_us=cap, cores=local_cores() if local else None,
+                                        window=options.window, source="calibrated", **extra)
+
+
+def backend_profile(bundle: Bundle, backend: str, time_scale: float) -> dict[str, Any] | None:
+    """Op times of the backend the sweep runs on: the simulated backend's own model, or a reference
+    profile where each node's time is its fastest of 30 runs (the machine may be shared: noise only adds)."""
+    if backend == "simulated":
+        return simulated_profile(bundle, time_scale)
+    if backend != "reference":
+        return None
+    from tvmpipe.executor import GraphRunner, random_inputs
+
+    with GraphRunner(bundle, backend="reference") as runner:
+        prof = runner.profile(repeat=30, warmup=3, **random_inputs(bundle)).to_json()
+    for row in prof["nodes"]:
+        row["time_us"] = row["min_us"]
+    return prof
+
+
+def sweep_micro_batches(value: int | str, model: Any, max_stages: int) -> int:
+    """Micro-batches per sweep plan. A fixed count is wrong at both ends: 32 micro-batches of a
+    sub-millisecond model are a few ms of steady state, all noise, while 2000 of a 35 ms model
+    take a minute per plan. 'auto' aims at SWEEP_STEADY_S for the fastest plan the op times allow
+    (K stages of the 1-stage rate, an upper bound), within 32..2000."""
+    from tvmpipe.partition.planners import make_plan
+    from tvmpipe.partition.predict import predict
+
+    if value != AUTO:
+        return int(value)
+    rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
+    return int(min(2000, max(32, rate * max_stages * SWEEP_STEADY_S)))
+
+
+def case_key(case: Any) -> str:
+    return f"{case.strategy}-k{case.stages}"
+
+
+def prepare_report_dir(out: str | Path) -> Path:
+    """The report directory with its plans/ and traces/, created before any cluster is opened."""
+    out = Path(out)
+    try:
+        (out / "plans").mkdir(parents=True, exist_ok=True)
+        (out / "traces").mkdir(exist_ok=True)
+    except OSError as exc:
+        raise files.OutputError(f"-o {out}: cannot create the report directory: {exc.strerror or exc}") from None
+    return out
+
+
+def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stages: tuple[int, int],
+              strategies: tuple[str, ...], micro_batches: int | str = AUTO, profile: str | None = None,
+              time_scale: float = 1.0, runtime: str = AUTO, rounds: int = 3,
+              say: Callable[[str], None] = lambda line: None) -> tuple[list[Any], dict[str, Path]]:
+    """Plan `bundle` for every stage count in `stages` (lo, hi) and strategy, run each plan `rounds`
+    times, and write the report under `out`. `say` receives one line per step as it happens. Returns
+    the cases (a case that could not be planned or run has `error` set) and the report's files."""
+    import statistics
+
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.cluster.experiment import measure_rounds, spreads
+    from tvmpipe.cluster.local import LOOPBACK
+    from tvmpipe.cluster.timeline import gantt_spans, write_trace
+    from tvmpipe.executor.inputs import random_micro_batches
+    from tvmpipe.partition.cost import read_profile
+    from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.report import write_report
+    from tvmpipe.partition.sweep import Measured, sweep_plans
+
+    if rounds < 1:
+        raise TvmpipeError(f"--rounds must be >= 1, got {rounds}")
+    lo, hi = stages
+    out = prepare_report_dir(out)
+    best: tuple[float, Any, Any] | None = None
+    with open_cluster(options, hi) as cluster:
+        backend = pick_backend(options.backend, cluster.gpus)
+        prof = read_profile(profile) if profile else backend_profile(bundle, backend, time_scale)
+        model = PipelineModel.build(bundle, profile=prof)
+        n = sweep_micro_batches(micro_batches, model, hi)
+        batches = random_micro_batches(bundle, n, seed=0)
+        say(f"{n} micro-batches per plan" + (" (auto)" if micro_batches == AUTO else "") + f", {rounds} round(s)")
+        costs = runtime_costs(runtime, bundle, backend, prof, options, cluster, min(n, 500))
+        model = replace(model, runtime=costs)
+        say(f"runtime costs in predictions ({costs.source}): receive {costs.recv_us:.1f} us and send "
+            f"{costs.send_us:.1f} us per frame, Stage.run {costs.run_us:.1f} us, driver {costs.driver_us:.1f} us"
+            + (f", {costs.cores} cores shared" if costs.cores else ""))
+        cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
+        for case in cases:
+            key = case_key(case)
+            if case.plan is None:
+                say(f"[{key}] not planned: {case.error.splitlines()[0]}")
+                continue
+            case.plan.save(out / "plans" / f"{key}.json")
+            kw = pipeline_kwargs(options, cluster, backend, len(case.plan.stages))
+            if backend == "simulated":
+                kw["backend_opts"] = {"cost_profile": prof}
+            try:
+                with Pipeline(bundle, case.plan, **kw) as pipe:
+                    measured = measure_rounds(pipe, batches, rounds, cluster.host == LOOPBACK)
+            except TvmpipeError as exc:
+                case.error = f"run failed: {exc}"
+                say(f"[{key}] {case.error}")
+                continue
+            sp = spreads(measured)
+            mid = sorted(measured, key=lambda r: r.throughput)[len(measured) // 2]
+            m = mid.metrics
+            case.measured = Measured(
+                throughput=sp["throughput"].median, latency_p50_us=sp["latency_p50_us"].median,
+                latency_p99_us=sp["latency_p99_us"].median, bubble=sp["bubble"].median, rounds=len(measured),
+                throughput_range=(sp["throughput"].lo, sp["throughput"].hi),
+                bubble_range=(sp["bubble"].lo, sp["bubble"].hi), load=(sp["load"].lo, sp["load"].hi),
+                utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages])
+            write_trace(mid.record, out / "traces" / f"{key}.json")
+            files.write_json(out / "traces" / f"{key}.metrics.json", m.to_json())
+            if best is None or case.measured.throughput > best[0]:
+                best = (case.measured.throughput, mid.record, case)
+            pred, meas = case.prediction.throughput, case.measured
+            say(f"[{key}] predicted {pred:.1f}/s, measured {meas.throughput:.1f}/s "
+                f"({100 * (pred / meas.throughput - 1):+.1f}%; {meas.rounds} rounds {meas.throughput_range[0]:.1f}-"
+                f"{meas.throughput_range[1]:.1f}), bubble {100 * meas.bubble:.0f}% (predicted "
+                f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
+                f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else ""))
+    timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
+    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})", timeline=timeline,
+                         timeline_title=f"{case_key(best[2])}, the fastest measured plan" if best else None,
+                         runtime=model.runtime)
+    return cases, paths
+
+
+def whatif_sweep(bundle: Bundle, out: str | Path, cluster_file: str, *, stages: tuple[int, int],
+                 strategies: tuple[str, ...], micro_batches: int | str = AUTO, profile: str | None = None,
+                 say: Callable[[str], None] = lambda line: None) -> tuple[list[Any], dict[str, Path]]:
+    """`sweep --backend simulated --cluster FILE`: plans for a described cluster, run by the event
+    simulator (partition/simulate.py), no processes started."""
+    import time
+
+    from tvmpipe.partition.cost import read_profile
+    from tvmpipe.partition.hardware import load_cluster
+    from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.report import write_report
+    from tvmpipe.partition.sweep import simulate_cases, sweep_plans
+
+    lo, hi = stages
+    spec = load_cluster(cluster_file)
+    speeds, caps, links = spec.stages(min(hi, spec.num_devices))
+    model = PipelineModel.build(bundle, profile=read_profile(profile) if profile else None,
+                                speeds=speeds, memory_caps=caps, links=links)
+    n = 256 if micro_batches == AUTO else int(micro_batches)
+    t0 = time.perf_counter()
+    cases = sweep_plans(model, min(hi, spec.num_devices), strategies, min_stages=lo, requests=n)
+    runs = simulate_cases(model, cases, n)
+    say(f"{spec.describe()}\n{len(cases)} plans, {n} simulated micro-batches each, {time.perf_counter() - t0:.2f} s")
+    for case in cases:
+        if case.measured:
+            say(f"[{case_key(case)}] predicted {case.prediction.throughput:.1f}/s, simulated "
+                f"{case.measured.throughput:.1f}/s, bubble {100 * case.prediction.bubble:.1f}% (simulated "
+                f"{100 * case.measured.bubble:.1f}%)")
+        else:
+            say(f"[{case_key(case)}] not planned: {(case.error or '').splitlines()[0]}")
+    best = max((c for c in cases if c.measured), key=lambda c: c.measured.throughput, default=None)
+    paths = write_report(cases, Path(out), title=f"what-if: {bundle.name} on {spec.name}",
+                         timeline=runs[id(best)].spans() if best else None, timeline_unit="us",
+                         timeline_title=f"{case_key(best)} (event simulation)" if best else None,
+                         runtime=model.runtime, measured_label="simulated")
+    return cases, paths
