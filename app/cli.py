@@ -14,6 +14,7 @@ import sys
 
 from tvmpipe.app.args import COUNT, POSITIVE, add_cluster_args, cluster_options, number
 from tvmpipe.app.sources import BUILTIN_EXAMPLE
+from tvmpipe.core.errors import TvmpipeError
 
 DEFAULT_MICRO_BATCHES = 16
 
@@ -71,10 +72,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "planner, and for the simulated backend")
     s.add_argument("--time-scale", type=POSITIVE, default=1.0,
                    help="simulated backend: multiply every op time (make stages long against transport overhead)")
-    s.add_argument("--frame-overhead-us", type=count_or_auto(float, 0, "microseconds"), default="auto",
-                   metavar="US|auto",
-                   help="runtime cost per frame a stage receives, added to every prediction; 'auto' (default) "
-                        "measures it as the gap between a 1-stage run and its prediction")
+    s.add_argument("--runtime", default="auto", metavar="auto|none|COSTS.json",
+                   help="runtime costs in predictions (receive, send, Stage.run, driver; docs/partition.md): 'auto' "
+                        "(default) calibrates them with a 1-stage zero-compute run; 'none' predicts an ideal "
+                        "runtime; a JSON file of RuntimeCosts fields pins them")
+    s.add_argument("--rounds", type=COUNT, default=3,
+                   help="measured runs per plan, reported as median and min-max (default 3)")
+    s.add_argument("--cluster", metavar="CLUSTER.json", help="what-if cluster (devices, speeds, memory, links; "
+                   "docs/partition.md): with --backend simulated, plans run in the event simulator, not here")
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
     add_cluster_args(s)
     s.set_defaults(func=sweep_command)
@@ -145,12 +150,22 @@ def sweep_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.sweep import run_sweep
     from tvmpipe.bundle import load_bundle
 
-    options = cluster_options(args)
-    check_where(options)
     bundle = load_bundle(args.bundle)
-    cases, paths = run_sweep(bundle, args.output, options, stages=args.stages, strategies=args.strategies,
-                             micro_batches=args.micro_batches, profile=args.profile, time_scale=args.time_scale,
-                             frame_overhead_us=args.frame_overhead_us, say=lambda line: print(line, flush=True))
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    if args.cluster:
+        from tvmpipe.app.sweep import whatif_sweep
+
+        if args.backend != "simulated":
+            raise TvmpipeError("--cluster describes hardware this machine does not have: use it with "
+                               "--backend simulated")
+        cases, paths = whatif_sweep(bundle, args.output, args.cluster, stages=args.stages, strategies=args.strategies,
+                                    micro_batches=args.micro_batches, profile=args.profile, say=say)
+    else:
+        options = cluster_options(args)
+        check_where(options)
+        cases, paths = run_sweep(bundle, args.output, options, stages=args.stages, strategies=args.strategies,
+                                 micro_batches=args.micro_batches, profile=args.profile, time_scale=args.time_scale,
+                                 runtime=args.runtime, rounds=args.rounds, say=say)
     for p in paths.values():
         print(f"wrote {p}")
     return 0 if any(c.measured for c in cases) else 1

@@ -28,24 +28,59 @@ def simulated_profile(bundle: Bundle, time_scale: float) -> dict[str, Any]:
         return runner.profile(repeat=1, warmup=0, **random_inputs(bundle)).to_json()
 
 
-def frame_overhead(value: float | str, model: Any, run_plan: Callable[[Any], Any], micro_batches: int) -> float:
-    """Microseconds the runtime adds per received frame (wake-up, decode, send), beyond op time.
+def runtime_costs(value: str, bundle: Bundle, backend: str, profile: Any, options: ClusterOptions,
+                  cluster: Any, n: int) -> Any:
+    """RuntimeCosts for the sweep's predictions (partition/runtime.py): calibrated ('auto': a 1-stage
+    pipeline of this bundle on the simulated backend with every op time 0, so it measures only the
+    runtime, a workload none of the predicted plans is), 'none', or a JSON file of RuntimeCosts fields."""
+    import json
 
-    The cost models know op times only; on small stages the transport dominates and predictions
-    would be off several-fold. 'auto' measures it once: the 1-stage plan's measured time per
-    micro-batch minus its predicted time (its only frame is the driver's input frame).
-    """
-    from tvmpipe.cluster.metrics import compute_metrics
-    from tvmpipe.partition.planners import make_plan
-    from tvmpipe.partition.predict import predict
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.cluster.experiment import calibration_of, local_cores, measure_rounds
+    from tvmpipe.cluster.local import LOOPBACK
+    from tvmpipe.executor.backend_simulated import SPIN_S
+    from tvmpipe.executor.inputs import random_micro_batches
+    from tvmpipe.partition import plan_equal_ops
+    from tvmpipe.partition.errors import PartitionError
+    from tvmpipe.partition.runtime import NO_RUNTIME, RuntimeCosts
 
+    if value == "none":
+        return NO_RUNTIME
     if value != AUTO:
-        return float(value)
-    plan = make_plan(model, 1, "equal", requests=micro_batches)
-    m = compute_metrics(run_plan(plan))
-    measured_us = 1e6 / (m.steady_throughput * m.batch)
-    predicted_us = 1e6 / predict(model, plan, micro_batches).throughput
-    return max(0.0, measured_us - predicted_us)
+        try:
+            fields = json.loads(Path(value).read_text())
+            return RuntimeCosts(**{**fields, "source": f"file {value}"})
+        except PartitionError as exc:
+            raise TvmpipeError(f"--runtime {value}: {exc}") from None
+        except (OSError, ValueError, TypeError) as exc:
+            raise TvmpipeError(f"--runtime {value}: cannot read runtime costs: {exc}") from None
+    local = cluster.host == LOOPBACK
+    kw = pipeline_kwargs(options, cluster, "simulated", 1)
+    kw["backend_opts"] = {"time_scale": 0.0}
+    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as pipe:
+        rounds = measure_rounds(pipe, random_micro_batches(bundle, n, seed=1), 3, local)
+    extra = {}
+    if isinstance(profile, dict) and backend == "reference":  # Stage.run beyond its ops, from the profile
+        extra["run_us"] = max(0.0, profile.get("run_min_us", 0.0) - sum(r["time_us"] for r in profile["nodes"]))
+    cap = {"reference": None, "simulated": SPIN_S * 1e6}.get(backend, 0.0)
+    return calibration_of(rounds).costs(compute_cpu_cap_us=cap, cores=local_cores() if local else None,
+                                        window=options.window, source="calibrated", **extra)
+
+
+def backend_profile(bundle: Bundle, backend: str, time_scale: float) -> dict[str, Any] | None:
+    """Op times of the backend the sweep runs on: the simulated backend's own model, or a reference
+    profile where each node's time is its fastest of 30 runs (the machine may be shared: noise only adds)."""
+    if backend == "simulated":
+        return simulated_profile(bundle, time_scale)
+    if backend != "reference":
+        return None
+    from tvmpipe.executor import GraphRunner, random_inputs
+
+    with GraphRunner(bundle, backend="reference") as runner:
+        prof = runner.profile(repeat=30, warmup=3, **random_inputs(bundle)).to_json()
+    for row in prof["nodes"]:
+        row["time_us"] = row["min_us"]
+    return prof
 
 
 def sweep_micro_batches(value: int | str, model: Any, max_stages: int) -> int:
@@ -79,13 +114,16 @@ def prepare_report_dir(out: str | Path) -> Path:
 
 def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stages: tuple[int, int],
               strategies: tuple[str, ...], micro_batches: int | str = AUTO, profile: str | None = None,
-              time_scale: float = 1.0, frame_overhead_us: float | str = AUTO,
+              time_scale: float = 1.0, runtime: str = AUTO, rounds: int = 3,
               say: Callable[[str], None] = lambda line: None) -> tuple[list[Any], dict[str, Path]]:
-    """Plan `bundle` for every stage count in `stages` (lo, hi) and strategy, run each plan, and
-    write the report under `out`. `say` receives one line per step as it happens. Returns the
-    cases (a case that could not be planned or run has `error` set) and the report's files."""
+    """Plan `bundle` for every stage count in `stages` (lo, hi) and strategy, run each plan `rounds`
+    times, and write the report under `out`. `say` receives one line per step as it happens. Returns
+    the cases (a case that could not be planned or run has `error` set) and the report's files."""
+    import statistics
+
     from tvmpipe.cluster import Pipeline
-    from tvmpipe.cluster.metrics import compute_metrics
+    from tvmpipe.cluster.experiment import measure_rounds, spreads
+    from tvmpipe.cluster.local import LOOPBACK
     from tvmpipe.cluster.timeline import gantt_spans, write_trace
     from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition.cost import read_profile
@@ -93,31 +131,23 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     from tvmpipe.partition.report import write_report
     from tvmpipe.partition.sweep import Measured, sweep_plans
 
+    if rounds < 1:
+        raise TvmpipeError(f"--rounds must be >= 1, got {rounds}")
     lo, hi = stages
     out = prepare_report_dir(out)
-    best: tuple[float, Any] | None = None
+    best: tuple[float, Any, Any] | None = None
     with open_cluster(options, hi) as cluster:
         backend = pick_backend(options.backend, cluster.gpus)
-        prof = read_profile(profile) if profile else None
-        if prof is None and backend == "simulated":
-            prof = simulated_profile(bundle, time_scale)
+        prof = read_profile(profile) if profile else backend_profile(bundle, backend, time_scale)
         model = PipelineModel.build(bundle, profile=prof)
         n = sweep_micro_batches(micro_batches, model, hi)
         batches = random_micro_batches(bundle, n, seed=0)
-        say(f"{n} micro-batches per plan" + (" (auto)" if micro_batches == AUTO else ""))
-
-        def run_plan(plan: Any) -> Any:
-            kw = pipeline_kwargs(options, cluster, backend, len(plan.stages))
-            if backend == "simulated":
-                kw["backend_opts"] = {"cost_profile": prof}
-            with Pipeline(bundle, plan, **kw) as pipe:
-                pipe.run(batches)
-                return pipe.record()
-
-        overhead = frame_overhead(frame_overhead_us, model, run_plan, n)
-        model = replace(model, link=replace(model.link, latency_us=overhead))
-        say(f"per-frame runtime overhead in predictions: {overhead:.1f} us"
-            + (" (measured: 1-stage run vs its prediction)" if frame_overhead_us == AUTO else ""))
+        say(f"{n} micro-batches per plan" + (" (auto)" if micro_batches == AUTO else "") + f", {rounds} round(s)")
+        costs = runtime_costs(runtime, bundle, backend, prof, options, cluster, min(n, 500))
+        model = replace(model, runtime=costs)
+        say(f"runtime costs in predictions ({costs.source}): receive {costs.recv_us:.1f} us and send "
+            f"{costs.send_us:.1f} us per frame, Stage.run {costs.run_us:.1f} us, driver {costs.driver_us:.1f} us"
+            + (f", {costs.cores} cores shared" if costs.cores else ""))
         cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
         for case in cases:
             key = case_key(case)
@@ -125,24 +155,75 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
                 say(f"[{key}] not planned: {case.error.splitlines()[0]}")
                 continue
             case.plan.save(out / "plans" / f"{key}.json")
+            kw = pipeline_kwargs(options, cluster, backend, len(case.plan.stages))
+            if backend == "simulated":
+                kw["backend_opts"] = {"cost_profile": prof}
             try:
-                rec = run_plan(case.plan)
+                with Pipeline(bundle, case.plan, **kw) as pipe:
+                    measured = measure_rounds(pipe, batches, rounds, cluster.host == LOOPBACK)
             except TvmpipeError as exc:
                 case.error = f"run failed: {exc}"
                 say(f"[{key}] {case.error}")
                 continue
-            m = compute_metrics(rec)
-            case.measured = Measured(throughput=m.steady_throughput * m.batch, latency_p50_us=m.latency_p50_ms * 1e3,
-                                     latency_p99_us=m.latency_p99_ms * 1e3, bubble=m.bubble)
-            write_trace(rec, out / "traces" / f"{key}.json")
+            sp = spreads(measured)
+            mid = sorted(measured, key=lambda r: r.throughput)[len(measured) // 2]
+            m = mid.metrics
+            case.measured = Measured(
+                throughput=sp["throughput"].median, latency_p50_us=sp["latency_p50_us"].median,
+                latency_p99_us=sp["latency_p99_us"].median, bubble=sp["bubble"].median, rounds=len(measured),
+                throughput_range=(sp["throughput"].lo, sp["throughput"].hi),
+                bubble_range=(sp["bubble"].lo, sp["bubble"].hi), load=(sp["load"].lo, sp["load"].hi),
+                utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages])
+            write_trace(mid.record, out / "traces" / f"{key}.json")
             files.write_json(out / "traces" / f"{key}.metrics.json", m.to_json())
             if best is None or case.measured.throughput > best[0]:
-                best = (case.measured.throughput, rec)
-            pred, meas = case.prediction.throughput, case.measured.throughput
-            say(f"[{key}] predicted {pred:.1f}/s, measured {meas:.1f}/s ({100 * (meas / pred - 1):+.1f}%), "
-                f"p50 {m.latency_p50_ms:.2f} ms, p99 {m.latency_p99_ms:.2f} ms, bubble {100 * (m.bubble or 0):.0f}% "
-                f"(predicted {100 * case.prediction.bubble:.0f}%)")
-    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend}; predictions include "
-                                           f"{overhead:.1f} us runtime overhead per received frame)",
-                         timeline=gantt_spans(best[1]) if best else None)
+                best = (case.measured.throughput, mid.record, case)
+            pred, meas = case.prediction.throughput, case.measured
+            say(f"[{key}] predicted {pred:.1f}/s, measured {meas.throughput:.1f}/s "
+                f"({100 * (pred / meas.throughput - 1):+.1f}%; {meas.rounds} rounds {meas.throughput_range[0]:.1f}-"
+                f"{meas.throughput_range[1]:.1f}), bubble {100 * meas.bubble:.0f}% (predicted "
+                f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
+                f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else ""))
+    timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
+    paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})", timeline=timeline,
+                         timeline_title=f"{case_key(best[2])}, the fastest measured plan" if best else None,
+                         runtime=model.runtime)
+    return cases, paths
+
+
+def whatif_sweep(bundle: Bundle, out: str | Path, cluster_file: str, *, stages: tuple[int, int],
+                 strategies: tuple[str, ...], micro_batches: int | str = AUTO, profile: str | None = None,
+                 say: Callable[[str], None] = lambda line: None) -> tuple[list[Any], dict[str, Path]]:
+    """`sweep --backend simulated --cluster FILE`: plans for a described cluster, run by the event
+    simulator (partition/simulate.py), no processes started."""
+    import time
+
+    from tvmpipe.partition.cost import read_profile
+    from tvmpipe.partition.hardware import load_cluster
+    from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.report import write_report
+    from tvmpipe.partition.sweep import simulate_cases, sweep_plans
+
+    lo, hi = stages
+    spec = load_cluster(cluster_file)
+    speeds, caps, links = spec.stages(min(hi, spec.num_devices))
+    model = PipelineModel.build(bundle, profile=read_profile(profile) if profile else None,
+                                speeds=speeds, memory_caps=caps, links=links)
+    n = 256 if micro_batches == AUTO else int(micro_batches)
+    t0 = time.perf_counter()
+    cases = sweep_plans(model, min(hi, spec.num_devices), strategies, min_stages=lo, requests=n)
+    runs = simulate_cases(model, cases, n)
+    say(f"{spec.describe()}\n{len(cases)} plans, {n} simulated micro-batches each, {time.perf_counter() - t0:.2f} s")
+    for case in cases:
+        if case.measured:
+            say(f"[{case_key(case)}] predicted {case.prediction.throughput:.1f}/s, simulated "
+                f"{case.measured.throughput:.1f}/s, bubble {100 * case.prediction.bubble:.1f}% (simulated "
+                f"{100 * case.measured.bubble:.1f}%)")
+        else:
+            say(f"[{case_key(case)}] not planned: {(case.error or '').splitlines()[0]}")
+    best = max((c for c in cases if c.measured), key=lambda c: c.measured.throughput, default=None)
+    paths = write_report(cases, Path(out), title=f"what-if: {bundle.name} on {spec.name}",
+                         timeline=runs[id(best)].spans() if best else None, timeline_unit="us",
+                         timeline_title=f"{case_key(best)} (event simulation)" if best else None,
+                         runtime=model.runtime, measured_label="simulated")
     return cases, paths

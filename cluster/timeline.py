@@ -55,12 +55,16 @@ def write_trace(rec: RunRecord, path: str | Path) -> Path:
     return files.write_text(path, json.dumps(trace(rec)))
 
 
-def gantt_spans(rec: RunRecord) -> list[tuple[int, float, float, str]]:
-    """(stage, start ms, end ms, label) per compute span; labels cycle so neighbours differ in colour."""
-    return [(stage, a * 1e3, b * 1e3, f"mb {seq % 10}") for stage, _, seq, a, b in _events(rec)]
+def gantt_spans(rec: RunRecord) -> list[tuple[int, float, float, int]]:
+    """(stage, start ms, end ms, micro-batch) per compute span: the Gantt shows a steady-state window
+    of them, each bar labelled with its micro-batch (partition/report.py)."""
+    return [(stage, a * 1e3, b * 1e3, seq) for stage, _, seq, a, b in _events(rec)]
 
 
 def write_gantt(rec: RunRecord, path: str | Path, title: str = "pipeline timeline") -> Path:
+    """A steady-state window of the run and per-stage busy/bubble/idle over all of it (from the metrics)."""
+    from tvmpipe.cluster.metrics import compute_metrics
     from tvmpipe.partition.report import plot_gantt
 
-    return plot_gantt(gantt_spans(rec), path, unit="ms", title=title)
+    util = {s.stage: (s.busy, s.bubble, s.idle) for s in compute_metrics(rec).stages if s.busy is not None}
+    return plot_gantt(gantt_spans(rec), path, unit="ms", title=title, utilisation=util)

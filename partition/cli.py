@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                     "h100, h200, a100, l4, t4, cpu (default h100)")
     p.add_argument("--link-bandwidth", default="25GB/s", help="bandwidth between stages, e.g. 25GB/s, 100Gbit/s")
     p.add_argument("--link-latency", default="0us", help="fixed cost per received frame, e.g. 20us")
+    p.add_argument("--cluster", metavar="CLUSTER.json",
+                   help="what-if cluster: devices per node, speeds, memory, links (docs/partition.md); replaces "
+                        "--speeds, --memory-per-device and the --link options")
     p.add_argument("--profile", help="GraphRunner.profile() JSON measured on the device (measured cost model)")
     p.add_argument("--cost", default="auto", choices=["auto", "measured", "analytic", "uniform"],
                    help="op cost model (auto: --profile, else analytic with ops.json, else uniform)")
@@ -77,10 +80,19 @@ def run(args: argparse.Namespace) -> int:
     cuts = _ints(args.cuts, "--cuts") if args.cuts is not None else None
     strategy = args.strategy or ("manual" if cuts is not None else "optimal")
     caps = [parse_bytes(v) for v in args.memory_per_device.split(",")] if args.memory_per_device else [device.memory]
+    speeds = _floats(args.speeds, "--speeds") if args.speeds else None
+    links = None
+    if args.cluster:
+        from tvmpipe.partition.hardware import load_cluster
+
+        if args.speeds or args.memory_per_device:
+            raise PartitionError("--cluster gives every device's speed and memory: drop --speeds / --memory-per-device")
+        cluster = load_cluster(args.cluster)
+        speeds, caps, links = cluster.stages(args.stages or (len(cuts) + 1 if cuts is not None else 1))
     model = PipelineModel.build(
         bundle, cost=args.cost, profile=args.profile, device=device,
         link=Link(parse_bandwidth(args.link_bandwidth), parse_duration_us(args.link_latency)),
-        speeds=_floats(args.speeds, "--speeds") if args.speeds else None, memory_caps=caps,
+        speeds=speeds, memory_caps=caps, links=links,
         inputs=[s for s in args.inputs.split(",") if s] if args.inputs else None)
     plan = make_plan(model, args.stages, strategy, cuts=cuts, tolerance=args.tolerance)
     prediction = predict(model, plan)
@@ -111,8 +123,9 @@ def format_table(model: PipelineModel, prediction: Prediction, args: argparse.Na
 
     costs = model.costs.source + (f" ({UNIFORM_OP_US:g} us per op node)" if model.costs.source == "uniform" else "")
     lines = [f"{model.bundle.name}: {len(prediction.stages)} stage(s), strategy {prediction.strategy}, "
-             f"cost model {costs}, device {model.device.name}, link {args.link_bandwidth}"
-             + (f" + {args.link_latency}/frame" if model.link.latency_us else "")]
+             f"cost model {costs}, " + (f"cluster {args.cluster}" if getattr(args, "cluster", None) else
+                                        f"device {model.device.name}, link {args.link_bandwidth}"
+                                        + (f" + {args.link_latency}/frame" if model.link.latency_us else ""))]
     b = model.bundle
     if b.is_bare and b.knows_params:
         lines.append(f"weights: {len(b.param_names)} params, {format_bytes(sum(a.nbytes for a in b.params.values()))} "

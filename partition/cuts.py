@@ -119,21 +119,46 @@ class StageIO:
 
 def stage_io(flow: GraphFlow, a: int, b: int) -> StageIO:
     """Loads, receives and sends of the stage holding op ordinals [a, b)."""
-    params, inputs, recv, send, outputs = [], [], [], [], []
+    return plan_io(flow, [(a, b)] if (a, b) == (0, flow.num_ops) else _around(flow, a, b))[1 if a else 0]
+
+
+def _around(flow: GraphFlow, a: int, b: int) -> list[tuple[int, int]]:
+    """[a, b) with the ranges before and after it, so plan_io sees it as one stage of a plan."""
+    out = ([(0, a)] if a else []) + [(a, b)] + ([(b, flow.num_ops)] if b < flow.num_ops else [])
+    return out
+
+
+def plan_io(flow: GraphFlow, ranges: list[tuple[int, int]]) -> list[StageIO]:
+    """stage_io for every stage of a plan (contiguous op-ordinal ranges), in one pass over the entries:
+    a 64-stage plan of a 700-op graph must not walk every entry 64 times."""
+    k = len(ranges)
+    stage_of = [0] * flow.num_ops
+    for s, (a, b) in enumerate(ranges):
+        stage_of[a:b] = [s] * (b - a)
+    params: list[list[int]] = [[] for _ in range(k)]
+    inputs: list[list[int]] = [[] for _ in range(k)]
+    recv: list[list[int]] = [[] for _ in range(k)]
+    send: list[list[int]] = [[] for _ in range(k)]
+    outputs: list[list[int]] = [[] for _ in range(k)]
     for e in flow.entries:
-        used_here = any(a <= u < b for u in e.uses)
-        if e.kind == "param" and used_here:
-            params.append(e.id)
-        elif e.kind == "input" and used_here:
-            inputs.append(e.id)
-        elif e.kind == "activation":
-            if e.producer < a and used_here:
-                recv.append(e.id)
-            elif a <= e.producer < b and (e.is_head or any(u >= b for u in e.uses)):
-                send.append(e.id)
+        users = sorted({stage_of[u] for u in e.uses})
+        if e.kind == "param":
+            for s in users:
+                params[s].append(e.id)
+        elif e.kind == "input":
+            for s in users:
+                inputs[s].append(e.id)
+        else:
+            p = stage_of[e.producer]
+            for s in users:
+                if s > p:
+                    recv[s].append(e.id)
+            if e.is_head or (users and users[-1] > p):
+                send[p].append(e.id)
                 if e.is_head:
-                    outputs.append(e.id)
-    return StageIO(range(a, b), [flow.ops[k] for k in range(a, b)], params, inputs, recv, send, outputs)
+                    outputs[p].append(e.id)
+    return [StageIO(range(a, b), [flow.ops[i] for i in range(a, b)], params[s], inputs[s], recv[s], send[s], outputs[s])
+            for s, (a, b) in enumerate(ranges)]
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", 67e12, 989e12, 3.35e12, 80 * GiB),
     "h200": DeviceSpec("h200", 67e12, 989e12, 4.8e12, 141 * GiB),
     "a100": DeviceSpec("a100", 19.5e12, 312e12, 2.0e12, 80 * GiB),
+    "a10": DeviceSpec("a10", 31.2e12, 125e12, 600e9, 24 * GiB),
     "l4": DeviceSpec("l4", 30.3e12, 121e12, 300e9, 24 * GiB),
     "t4": DeviceSpec("t4", 8.1e12, 65e12, 320e9, 16 * GiB),
     "cpu": DeviceSpec("cpu", 1e12, 1e12, 100e9, 64 * GiB, launch_us=1.0, compute_efficiency=0.2,

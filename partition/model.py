@@ -1,9 +1,12 @@
-"""Everything a planner weighs, in one object: the graph's dataflow, op times, devices and link.
+"""Everything a planner weighs, in one object: the graph's dataflow, op times, devices, links, runtime.
 
 Built once per planning request; planners and predictions only read it. Stage s of a plan runs on
-device s: `speeds[s]` divides its compute time (1 = the device the op times are for) and
-`memory_caps[s]` bounds its memory. A single speed or cap applies to every stage; per-stage lists
-longer than the plan are cut to its length, so one device list serves a sweep over stage counts.
+device s: `speeds[s]` divides its compute time (1 = the device the op times are for),
+`memory_caps[s]` bounds its memory, and `links[s]` is the link its inbound frames cross (from the
+device before it; for stage 0, from the driver's host). A single speed, cap or link applies to every
+stage; per-stage lists longer than the plan are cut to its length, so one device list (a cluster
+description, cluster.py) serves a sweep over stage counts. `runtime` holds what the pipeline
+runtime itself costs per micro-batch (runtime.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tvmpipe.partition.cuts import GraphFlow
 from tvmpipe.partition.devices import DeviceSpec, Link, get_device
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.range_tables import RangeTables
+from tvmpipe.partition.runtime import NO_RUNTIME, RuntimeCosts
 
 COST_MODELS = ("auto", "measured", "analytic", "uniform")
 
@@ -33,12 +37,15 @@ class PipelineModel:
     speeds: list[float] = field(default_factory=lambda: [1.0])
     memory_caps: list[int | None] = field(default_factory=lambda: [None])
     device: DeviceSpec | None = None
+    links: list[Link] | None = None  # per stage (inbound link); None: `link` for every stage
+    runtime: RuntimeCosts = NO_RUNTIME
 
     @classmethod
     def build(cls, bundle: Bundle, *, cost: str = "auto", profile: str | Path | dict[str, Any] | None = None,
               device: str | DeviceSpec = "h100", link: Link | None = None, speeds: list[float] | None = None,
               memory_caps: list[int | None] | None = None, inputs: list[str] | None = None,
-              uniform_op_us: float = UNIFORM_OP_US) -> PipelineModel:
+              uniform_op_us: float = UNIFORM_OP_US, links: list[Link] | None = None,
+              runtime: RuntimeCosts = NO_RUNTIME) -> PipelineModel:
         """`cost="auto"`: the profile if given, else analytic when the bundle has ops.json, else uniform."""
         if cost not in COST_MODELS:
             raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
@@ -59,7 +66,8 @@ class PipelineModel:
         else:
             costs = uniform_costs(flow, uniform_op_us)
         model = cls(bundle, flow, costs, RangeTables.build(flow, costs.time_us, workspace_bytes(bundle)),
-                    link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec)
+                    link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec,
+                    list(links) if links else None, runtime)
         if any(not (s > 0) for s in model.speeds):
             raise PartitionError(f"speed factors must be positive, got {model.speeds}")
         if any(c is not None and c <= 0 for c in model.memory_caps):
@@ -87,8 +95,13 @@ class PipelineModel:
     def stage_caps(self, k: int) -> list[int | None]:
         return self._per_stage(self.memory_caps, k, "memory caps")
 
-    def stage_time_us(self, i: int, j: int, speed: float) -> float:
-        return self.tables.compute_us(i, j) / speed + self.link.transfer_us(self.tables.recv[i, j])
+    def stage_links(self, k: int) -> list[Link]:
+        return self._per_stage(self.links, k, "links") if self.links else [self.link] * k
+
+    def stage_time_us(self, i: int, j: int, speed: float, link: Link | None = None) -> float:
+        """Cycle of stage [i, j) with one inbound and one outbound frame (what the planner weighs)."""
+        transfer = (link or self.link).transfer_us(self.tables.recv[i, j])
+        return float(self.runtime.stage_cycle_us(self.tables.compute_us(i, j) / speed, transfer))
 
     def stage_memory(self, i: int, j: int) -> int:
         t = self.tables

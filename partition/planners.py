@@ -1,7 +1,8 @@
 """Planners: manual cuts, equal op counts, and the optimal bottleneck plan by dynamic programming.
 
 The optimal planner minimises, over all K-stage plans whose stages fit their memory caps, the
-largest stage time (compute / speed + link time of received bytes); then, among plans within
+largest stage cycle (compute / speed + link time of received bytes over that stage's link + the
+runtime's per-frame costs, runtime.py); then, among plans within
 `tolerance` of that optimum, it picks one moving the fewest bytes, because transfers are where a
 real pipeline loses most against its model. Both passes are O(K n^2) on numpy arrays over
 precomputed range tables (tables.py): a 700-op graph with K = 8 takes well under a second.
@@ -11,21 +12,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from tvmpipe.partition.devices import format_bytes
+from tvmpipe.partition.devices import Link, format_bytes
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan, check_stage_count, plan_equal_ops
-from tvmpipe.partition.predict import attach, predict
+from tvmpipe.partition.predict import Prediction, attach, predict
 
 STRATEGIES = ("manual", "equal", "optimal")
 DEFAULT_TOLERANCE = 0.01
 
 
-def stage_time_table(model: PipelineModel, speed: float) -> np.ndarray:
-    """(n+1, n+1) stage time of [i, j) at `speed`; inf where i >= j."""
+def stage_time_table(model: PipelineModel, speed: float, link: Link | None = None) -> np.ndarray:
+    """(n+1, n+1) cycle of stage [i, j) at `speed` behind `link`; inf where i >= j."""
     t = model.tables
     n = t.n
-    times = t.compute / speed + model.link.transfer_us(t.recv)
+    times = model.runtime.stage_cycle_us(t.compute / speed, (link or model.link).transfer_us(t.recv))
     idx = np.arange(n + 1)
     return np.where(idx[:, None] < idx[None, :], times, np.inf)
 
@@ -36,14 +37,15 @@ def plan_optimal(model: PipelineModel, k: int, tolerance: float = DEFAULT_TOLERA
     check_stage_count(n, k)
     if tolerance < 0:
         raise PartitionError(f"tolerance must be >= 0, got {tolerance}")
-    speeds, caps = model.stage_speeds(k), model.stage_caps(k)
+    speeds, caps, links = model.stage_speeds(k), model.stage_caps(k), model.stage_links(k)
     memory = model.tables.memory
-    by_device: dict[tuple[float, int | None], np.ndarray] = {}  # stages on alike devices share one table
-    for speed, cap in zip(speeds, caps):
-        if (speed, cap) not in by_device:
-            c = stage_time_table(model, speed)
-            by_device[speed, cap] = c if cap is None else np.where(memory <= cap, c, np.inf)
-    costs = [by_device[speed, cap] for speed, cap in zip(speeds, caps)]
+    by_device: dict[tuple[float, int | None, Link], np.ndarray] = {}  # alike devices and links share one table
+    for key in zip(speeds, caps, links):
+        if key not in by_device:
+            speed, cap, link = key
+            c = stage_time_table(model, speed, link)
+            by_device[key] = c if cap is None else np.where(memory <= cap, c, np.inf)
+    costs = [by_device[key] for key in zip(speeds, caps, links)]
 
     # pass 1: minimal bottleneck
     best = costs[0][0].copy()  # best[j]: bottleneck of stages 0..s covering ordinals [0, j)
@@ -93,7 +95,13 @@ def _fmt_caps(caps: list[int | None]) -> str:
 
 def make_plan(model: PipelineModel, k: int | None, strategy: str, cuts: list[int] | None = None,
               tolerance: float = DEFAULT_TOLERANCE, requests: int | None = None) -> Plan:
-    """Plan with `strategy` and record the prediction in `plan.predicted`.
+    """Plan with `strategy` and record the prediction in `plan.predicted` (see plan_and_predict)."""
+    return plan_and_predict(model, k, strategy, cuts, tolerance, requests)[0]
+
+
+def plan_and_predict(model: PipelineModel, k: int | None, strategy: str, cuts: list[int] | None = None,
+                     tolerance: float = DEFAULT_TOLERANCE, requests: int | None = None) -> tuple[Plan, Prediction]:
+    """Plan with `strategy`; the plan (its prediction recorded in `plan.predicted`) and the prediction.
 
     manual: `cuts` (op ordinals; `k`, if given, must be len(cuts)+1); equal: K equal op counts;
     optimal: plan_optimal.
@@ -115,4 +123,5 @@ def make_plan(model: PipelineModel, k: int | None, strategy: str, cuts: list[int
         plan = plan_optimal(model, k, tolerance)
     else:
         raise PartitionError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
-    return attach(plan, predict(model, plan, requests))
+    prediction = predict(model, plan, requests)
+    return attach(plan, prediction), prediction

@@ -1,19 +1,24 @@
 """What a plan should do on the pipeline: per-stage times and memory, throughput, latency, bubble.
 
-Stage time = compute time / speed factor + link time of the bytes it receives (activations from
-earlier stages, graph inputs from the driver). In steady state the slowest stage paces the
-pipeline: throughput = batch / bottleneck. One request's latency is the sum of stage times plus
-the link time of the graph outputs to the driver. The bubble is the fraction of stage-device time
-spent idle: for M requests through K stages with times t_s and bottleneck B it is
-1 - M*sum(t) / (K * (sum(t) + (M-1)*B)); as M grows it tends to 1 - mean(t)/B (imbalance alone).
-"""
+Per stage (runtime.py has the why): busy = compute / speed + the runtime's fixed Stage.run cost;
+cycle = link time of the bytes it receives + max(busy + receives, its CPU time). The pipeline's
+period is the largest of: the slowest stage's cycle (the bottleneck), the driver's cycle, the total
+CPU per micro-batch over the shared cores (when stage processes + driver outnumber them, the run is
+CPU-bound and `cpu_bound` says so), and one micro-batch's latency over the window. Throughput =
+batch / period. One request's latency is the longest path through the stages (a stage starts once
+every stage it reads from has sent) of link time, receive, busy and send, after the driver's work,
+plus the link time of the graph outputs to the driver.
 
+The bubble is the fraction of stage-device time not spent busy, as the cluster measures it: for M
+requests the run lasts latency + (M-1) x period, and stage s is busy M x busy_s of it; as M grows it
+tends to 1 - mean(busy) / period. With no runtime costs this is the imbalance alone.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tvmpipe.partition.cuts import stage_io
+from tvmpipe.partition.cuts import plan_io
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan, validate_plan
 
@@ -28,13 +33,17 @@ class StagePrediction:
     speed: float
     compute_us: float
     transfer_us: float
-    time_us: float
+    time_us: float  # the stage's cycle: what it can sustain between micro-batches
     params_bytes: int
     memory_bytes: int
     memory_cap: int | None
     in_bytes: int  # received activations + graph inputs
     out_bytes: int  # sent to every later stage that reads them + graph outputs to the driver
     shared_params: list[str] = field(default_factory=list)  # params this stage loads that other stages load too
+    frames_in: int = 1  # producers sending to it per micro-batch (earlier stages, the driver)
+    frames_out: int = 1  # consumers it sends to (later stages, the driver)
+    busy_us: float = 0.0  # what its worker records as compute
+    cpu_us: float = 0.0  # host CPU per micro-batch
 
     @property
     def fits(self) -> bool:
@@ -52,6 +61,23 @@ class Prediction:
     bubble: float  # steady-state idle fraction, or for `requests` requests when given
     bytes_moved: int  # sum of stage in_bytes
     requests: int | None = None
+    period_us: float = 0.0  # interval between completions: max(bottleneck, driver, CPU share, latency / window)
+    limit: str = "stage"  # what sets the period: "stage" | "driver" | "cpu" | "window"
+    driver_us: float = 0.0
+    cpu_demand: float = 0.0  # CPU cores busy at the predicted throughput (stages + driver)
+    processes: int = 1  # stage processes + the driver
+    cores: int | None = None
+    runtime: str = "none"  # RuntimeCosts.source
+
+    @property
+    def cpu_bound(self) -> bool:
+        """More processes than cores, and the shared CPU sets the pace: predictions then assume an
+        even share of the cores, which a loaded or differently scheduled machine will not give."""
+        return self.cores is not None and self.processes > self.cores and self.limit == "cpu"
+
+    @property
+    def oversubscribed(self) -> bool:
+        return self.cores is not None and self.processes > self.cores
 
     @property
     def fits_memory(self) -> bool:
@@ -60,6 +86,7 @@ class Prediction:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["fits_memory"] = self.fits_memory
+        d["cpu_bound"] = self.cpu_bound
         return d
 
 
@@ -75,42 +102,73 @@ def bubble_fraction(times_us: list[float], requests: int | None = None) -> float
 
 
 def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Prediction:
-    """Predict `plan` on `model`'s devices and link; the plan is validated against the graph first."""
+    """Predict `plan` on `model`'s devices, links and runtime; the plan is validated against the graph first."""
     validate_plan(model.flow.graph, plan)
     k = plan.num_stages
-    speeds, caps = model.stage_speeds(k), model.stage_caps(k)
+    speeds, caps, links = model.stage_speeds(k), model.stage_caps(k), model.stage_links(k)
+    rt = model.runtime
     flow = model.flow
     ranges = [flow.op_range(s, e) for s, e in plan.stages]
-    ios = [stage_io(flow, a, b) for a, b in ranges]
+    ios = plan_io(flow, ranges)
     loaders: dict[int, list[int]] = {}
     for s, io in enumerate(ios):
         for p in io.params:
             loaders.setdefault(p, []).append(s)
     stage_of_op = {op: s for s, (a, b) in enumerate(ranges) for op in range(a, b)}
     out_bytes = [0] * k
+    senders: list[set[int]] = [set() for _ in range(k)]  # producer stages (-1: the driver) per stage
     for s, io in enumerate(ios):
         for e in io.recv:
-            out_bytes[stage_of_op[flow.entries[e].producer]] += flow.entries[e].nbytes
+            producer = stage_of_op[flow.entries[e].producer]
+            out_bytes[producer] += flow.entries[e].nbytes
+            senders[s].add(producer)
+        if io.inputs:
+            senders[s].add(-1)
         out_bytes[s] += io.nbytes(flow, "outputs")
+    receivers = [sum(1 for r in senders if s in r) + (1 if ios[s].outputs else 0) for s in range(k)]
     stages = []
+    t = model.tables
     for s, ((start, end), (a, b), io) in enumerate(zip(plan.stages, ranges, ios)):
-        t = model.tables
         compute = t.compute_us(a, b) / speeds[s]
-        transfer = model.link.transfer_us(t.recv[a, b])
+        transfer = links[s].transfer_us(t.recv[a, b])
+        fin, fout = len(senders[s]), receivers[s]
         shared = [flow.graph.nodes[flow.graph.entries[p].node].name for p in io.params if len(loaders[p]) > 1]
         stages.append(StagePrediction(
             stage=s, start=start, end=end, ops=(a, b), num_ops=b - a, speed=speeds[s], compute_us=compute,
-            transfer_us=transfer, time_us=compute + transfer, params_bytes=int(t.params[a, b]),
-            memory_bytes=model.stage_memory(a, b), memory_cap=caps[s], in_bytes=int(t.recv[a, b]),
-            out_bytes=out_bytes[s], shared_params=shared))
-    times = [st.time_us for st in stages]
-    bottleneck = max(times)
+            transfer_us=transfer, time_us=float(rt.stage_cycle_us(compute, transfer, fin, fout)),
+            params_bytes=int(t.params[a, b]), memory_bytes=model.stage_memory(a, b), memory_cap=caps[s],
+            in_bytes=int(t.recv[a, b]), out_bytes=out_bytes[s], shared_params=shared, frames_in=fin, frames_out=fout,
+            busy_us=float(rt.busy_us(compute)), cpu_us=float(rt.stage_cpu_us(compute, fin, fout))))
+    bottleneck = max(st.time_us for st in stages)
+    driver = rt.driver_cycle_us(sum(1 for r in senders if -1 in r), sum(1 for io in ios if io.outputs))
     head_bytes = sum(flow.entries[e].nbytes for e in flow.graph.head_entries)
+    finish: list[float] = []  # one micro-batch alone: when each stage has sent it (longest path over stages)
+    for s, st in enumerate(stages):
+        ready = max([finish[p] for p in senders[s] if p >= 0] + [driver if -1 in senders[s] else 0.0])
+        finish.append(ready + st.transfer_us + st.frames_in * rt.recv_us + st.busy_us + st.frames_out * rt.send_us)
+    outputs = [finish[s] for s, io in enumerate(ios) if io.outputs]
+    latency = max(max(outputs, default=0.0) + links[-1].transfer_us(head_bytes), max(finish))
+    cpu_total = sum(st.cpu_us for st in stages) + driver
+    window = rt.window or 2 * k
+    bounds = {"stage": bottleneck, "driver": driver, "window": latency / window}
+    if rt.cores is not None:
+        bounds["cpu"] = cpu_total / rt.cores
+    limit = max(bounds, key=lambda key: bounds[key])
+    period = bounds[limit]
+    busy = [st.busy_us for st in stages]
+    if period <= 0:
+        bubble = 0.0
+    elif requests is None:
+        bubble = 1.0 - sum(busy) / (k * period)
+    else:
+        m = max(1, requests)
+        bubble = 1.0 - m * sum(busy) / (k * (latency + (m - 1) * period))
     return Prediction(
         strategy=plan.strategy, cost_model=model.costs.source, stages=stages, bottleneck_us=bottleneck,
-        throughput=model.batch * 1e6 / bottleneck if bottleneck > 0 else float("inf"),
-        latency_us=sum(times) + model.link.transfer_us(head_bytes), bubble=bubble_fraction(times, requests),
-        bytes_moved=sum(st.in_bytes for st in stages), requests=requests)
+        throughput=model.batch * 1e6 / period if period > 0 else float("inf"),
+        latency_us=latency, bubble=max(0.0, bubble), bytes_moved=sum(st.in_bytes for st in stages),
+        requests=requests, period_us=period, limit=limit, driver_us=driver,
+        cpu_demand=cpu_total / period if period > 0 else 0.0, processes=k + 1, cores=rt.cores, runtime=rt.source)
 
 
 def attach(plan: Plan, prediction: Prediction) -> Plan:
@@ -118,6 +176,8 @@ def attach(plan: Plan, prediction: Prediction) -> Plan:
     plan.predicted = {
         "cost_model": prediction.cost_model,
         "bottleneck_us": prediction.bottleneck_us,
+        "period_us": prediction.period_us,
+        "limit": prediction.limit,
         "throughput": prediction.throughput,
         "latency_us": prediction.latency_us,
         "bubble": prediction.bubble,

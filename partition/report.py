@@ -7,15 +7,18 @@ headless cluster node and `tvmpipe partition` never pays for importing matplotli
 from __future__ import annotations
 
 import csv
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from tvmpipe.core import files
+from tvmpipe.partition.runtime import RuntimeCosts
 from tvmpipe.partition.sweep import SweepCase
 
 COLUMNS = ["stages", "strategy", "cuts", "pred_throughput", "meas_throughput", "throughput_error_pct",
            "pred_latency_us", "meas_latency_p50_us", "meas_latency_p99_us", "pred_bubble", "meas_bubble",
-           "pred_bottleneck_us", "bytes_moved", "error"]
+           "pred_bottleneck_us", "bytes_moved", "error", "rounds", "meas_throughput_min", "meas_throughput_max",
+           "meas_bubble_min", "meas_bubble_max", "pred_period_us", "limit", "oversubscribed", "load_max", "measured_by"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class Span:
     stage: int
     start: float
     end: float
-    label: str = ""
+    label: str | int = ""  # an int is a micro-batch number
 
 
 def case_row(case: SweepCase) -> dict[str, object]:
@@ -36,10 +39,16 @@ def case_row(case: SweepCase) -> dict[str, object]:
         row["cuts"] = " ".join(f"[{s},{e})" for s, e in case.plan.stages)
     if p is not None:
         row.update(pred_throughput=p.throughput, pred_latency_us=p.latency_us, pred_bubble=p.bubble,
-                   pred_bottleneck_us=p.bottleneck_us, bytes_moved=p.bytes_moved)
+                   pred_bottleneck_us=p.bottleneck_us, bytes_moved=p.bytes_moved, pred_period_us=p.period_us,
+                   limit=p.limit, oversubscribed=p.oversubscribed)
     if m is not None:
         row.update(meas_throughput=m.throughput, meas_latency_p50_us=m.latency_p50_us,
-                   meas_latency_p99_us=m.latency_p99_us, meas_bubble=m.bubble)
+                   meas_latency_p99_us=m.latency_p99_us, meas_bubble=m.bubble, rounds=m.rounds,
+                   measured_by=m.source, load_max=m.load[1] if m.load else None)
+        if m.throughput_range:
+            row.update(meas_throughput_min=m.throughput_range[0], meas_throughput_max=m.throughput_range[1])
+        if m.bubble_range:
+            row.update(meas_bubble_min=m.bubble_range[0], meas_bubble_max=m.bubble_range[1])
         if p is not None and m.throughput:
             row["throughput_error_pct"] = 100.0 * (p.throughput - m.throughput) / m.throughput
     return row
@@ -63,90 +72,213 @@ def write_csv(cases: list[SweepCase], path: str | Path) -> Path:
     return path
 
 
-def markdown_table(cases: list[SweepCase]) -> str:
-    head = ["stages", "strategy", "pred thr (/s)", "meas thr (/s)", "err %", "pred lat (us)", "p50 (us)",
-            "p99 (us)", "pred bubble", "meas bubble", "stages [start,end)"]
-    keys = ["stages", "strategy", "pred_throughput", "meas_throughput", "throughput_error_pct", "pred_latency_us",
-            "meas_latency_p50_us", "meas_latency_p99_us", "pred_bubble", "meas_bubble", "cuts"]
+def _range(r: tuple[float, float] | None, scale: float = 1.0, fmt: str = "{:.4g}") -> str:
+    return "-" if r is None else f"{fmt.format(r[0] * scale)}-{fmt.format(r[1] * scale)}"
+
+
+def within_target(case: SweepCase, throughput_pct: float = 10.0, bubble_points: float = 10.0) -> bool | None:
+    """Prediction within the targets (throughput %, bubble points) of the measured median; None where
+    the targets do not apply (not measured, or more processes than cores: CPU-bound by design)."""
+    p, m = case.prediction, case.measured
+    if p is None or m is None or not m.throughput or p.oversubscribed:
+        return None
+    ok = abs(p.throughput - m.throughput) / m.throughput * 100 <= throughput_pct
+    return ok and (m.bubble is None or abs(p.bubble - m.bubble) * 100 <= bubble_points)
+
+
+def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
+    ml = measured_label
+    head = ["K", "strategy", "pred thr/s", f"{ml} thr/s (median)", "min-max", "rounds", "err %", "pred bubble %",
+            f"{ml} bubble %", "bubble min-max", "limit", "CPU", "in target", "stages [start,end)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
-        row = case_row(c)
-        cells = [_fmt(row[k]) for k in keys]
+        row, p, m = case_row(c), c.prediction, c.measured
+        ok = within_target(c)
+        cells = [str(c.stages), c.strategy, _fmt(row["pred_throughput"]), _fmt(row["meas_throughput"]),
+                 _range(m.throughput_range) if m else "-", str(m.rounds) if m else "-",
+                 "-" if row["throughput_error_pct"] is None else f"{row['throughput_error_pct']:+.1f}",
+                 "-" if p is None else f"{100 * p.bubble:.1f}",
+                 "-" if m is None or m.bubble is None else f"{100 * m.bubble:.1f}",
+                 _range(m.bubble_range, 100, "{:.0f}") if m else "-",
+                 p.limit if p else "-",
+                 "-" if p is None else (f"{p.cpu_demand:.2f}/{p.cores}" if p.cores else f"{p.cpu_demand:.2f}")
+                 + (" oversubscribed" if p and p.oversubscribed else ""),
+                 {None: "n/a", True: "yes", False: "no"}[ok], _fmt(row["cuts"])]
         if c.error:
             cells[-1] = f"not planned: {c.error.splitlines()[0]}"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_throughput(cases: list[SweepCase], path: str | Path, title: str = "throughput vs stages") -> Path:
-    """Predicted (dashed) and measured (solid) throughput against stage count, one colour per strategy."""
+def _wrap(title: str, width: int = 70) -> str:
+    return textwrap.fill(title, width)
+
+
+def plot_throughput(cases: list[SweepCase], path: str | Path, title: str = "throughput vs stages",
+                    measured_label: str = "measured") -> Path:
+    """Predicted (dashed) against measured (markers, error bars min-max over rounds) throughput and
+    bubble, against stage count, one colour per strategy."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2))
     strategies = list(dict.fromkeys(c.strategy for c in cases))
     for i, s in enumerate(strategies):
-        color = f"C{i}"
-        pred = [(c.stages, c.prediction.throughput) for c in cases if c.strategy == s and c.prediction]
-        meas = [(c.stages, c.measured.throughput) for c in cases if c.strategy == s and c.measured]
-        if pred:
-            ax.plot(*zip(*pred), "--o", color=color, mfc="none", label=f"{s} predicted")
-        if meas:
-            ax.plot(*zip(*meas), "-s", color=color, label=f"{s} measured")
-    ax.set_xlabel("pipeline stages")
+        color, off = f"C{i}", (i - (len(strategies) - 1) / 2) * 0.06
+        mine = [c for c in cases if c.strategy == s]
+        for axis, pick, rng, scale in ((ax, lambda p: p.throughput, lambda m: m.throughput_range, 1.0),
+                                       (bx, lambda p: p.bubble, lambda m: m.bubble_range, 100.0)):
+            pred = [(c.stages + off, pick(c.prediction) * scale) for c in mine if c.prediction]
+            if pred:
+                axis.plot(*zip(*pred), "--o", color=color, mfc="none", label=f"{s} predicted")
+            meas = [c for c in mine if c.measured]
+            if meas:
+                xs = [c.stages + off for c in meas]
+                ys = [(c.measured.throughput if axis is ax else (c.measured.bubble or 0.0)) * scale for c in meas]
+                lo = [y - (rng(c.measured)[0] * scale if rng(c.measured) else y) for c, y in zip(meas, ys)]
+                hi = [(rng(c.measured)[1] * scale if rng(c.measured) else y) - y for c, y in zip(meas, ys)]
+                axis.errorbar(xs, ys, yerr=[lo, hi], fmt="s", color=color, capsize=4, label=f"{s} {measured_label}")
     ax.set_ylabel("throughput (samples/s)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if strategies:
-        ax.legend()
+    bx.set_ylabel("bubble (% of stage time not computing)")
+    bx.set_ylim(0, 100)
     ks = sorted({c.stages for c in cases})
-    if ks:
-        ax.set_xticks(ks)
+    for axis, sub in ((ax, "throughput"), (bx, "bubble")):
+        axis.set_xlabel("pipeline stages")
+        axis.set_title(sub, fontsize="medium")
+        axis.grid(alpha=0.3)
+        if ks:
+            axis.set_xticks(ks if len(ks) <= 16 else ks[:: max(1, len(ks) // 12)])
+    if strategies:
+        ax.legend(fontsize="small")
+    fig.suptitle(_wrap(title + f" (markers: median, bars: min-max over rounds)"), fontsize="medium")
     return _save(fig, path)
+
+
+GANTT_WINDOW = 20  # micro-batches in the steady-state window
+
+
+def steady_window(spans: list[Span], size: int = GANTT_WINDOW) -> list[Span]:
+    """The spans of `size` consecutive micro-batches (labels are micro-batch numbers) whose window
+    lasts the median time of all such windows after the first and before the last `size`: typical
+    steady state, neither the fill nor a stall that a loaded machine puts somewhere in a long run."""
+    seqs = sorted({s.label for s in spans if isinstance(s.label, int)})
+    if not seqs or len(seqs) <= size:
+        return spans
+    first = {q: float("inf") for q in seqs}
+    last = {q: float("-inf") for q in seqs}
+    for s in spans:
+        if isinstance(s.label, int):
+            first[s.label] = min(first[s.label], s.start)
+            last[s.label] = max(last[s.label], s.end)
+    starts = range(size, len(seqs) - 2 * size + 1) if len(seqs) >= 3 * size + 1 else range(len(seqs) - size + 1)
+    durations = sorted((max(last[q] for q in seqs[i:i + size]) - min(first[q] for q in seqs[i:i + size]), i)
+                       for i in starts)
+    i = durations[len(durations) // 2][1]
+    keep = set(seqs[i:i + size])
+    return [s for s in spans if s.label in keep]
+
+
+def span_utilisation(spans: list[Span]) -> dict[int, tuple[float, float, float]]:
+    """Per stage (busy, bubble, idle) over the spans' whole extent (cluster/metrics.py's definitions)."""
+    if not spans:
+        return {}
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    wall = max(t1 - t0, 1e-12)
+    out = {}
+    for st in sorted({s.stage for s in spans}):
+        mine = [s for s in spans if s.stage == st]
+        busy = sum(s.end - s.start for s in mine)
+        fd = (min(s.start for s in mine) - t0) + (t1 - max(s.end for s in mine))
+        out[st] = (busy / wall, fd / wall, max(0.0, 1 - (busy + fd) / wall))
+    return out
 
 
 def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "ms",
-               title: str = "pipeline timeline") -> Path:
-    """One row per stage, one bar per span, coloured by label (e.g. request id or 'send')."""
+               title: str = "pipeline timeline", utilisation: dict[int, tuple[float, float, float]] | None = None,
+               window: int = GANTT_WINDOW) -> Path:
+    """Left: a steady-state window of `window` micro-batches, one row per stage, each bar labelled with
+    its micro-batch (labels that are ints are micro-batch numbers; others are drawn as given). Right:
+    per-stage busy / bubble (fill and drain) / idle over the whole run (`utilisation`, else from the spans)."""
     plt = _pyplot()
     spans = [s if isinstance(s, Span) else Span(*s) for s in spans]
+    util = utilisation if utilisation is not None else span_utilisation(spans)
+    shown = steady_window(spans, window)
     stages = sorted({s.stage for s in spans})
-    labels = list(dict.fromkeys(s.label for s in spans))
-    cmap = plt.get_cmap("tab20")
-    color = {lab: cmap(i % 20) for i, lab in enumerate(labels)}
-    fig, ax = plt.subplots(figsize=(9, 0.6 * max(len(stages), 1) + 1.8))
-    for s in spans:
-        ax.barh(s.stage, s.end - s.start, left=s.start, height=0.6, color=color[s.label], edgecolor="black",
-                linewidth=0.3)
+    height = 0.5 * max(len(stages), 1) + 2.0
+    fig, (ax, ux) = plt.subplots(1, 2, figsize=(12, height), gridspec_kw={"width_ratios": [3, 1]}, sharey=True)
+    cmap = plt.get_cmap("tab10")
+    labels = list(dict.fromkeys(s.label for s in shown))
+    color = {lab: cmap(i % 10) for i, lab in enumerate(labels)}
+    t0 = min((s.start for s in shown), default=0.0)
+    extent = max((s.end for s in shown), default=1.0) - t0 or 1.0
+    ax.barh([s.stage for s in shown], [s.end - s.start for s in shown], left=[s.start - t0 for s in shown],
+            height=0.6, color=[color[s.label] for s in shown], edgecolor="black", linewidth=0.4)
+    for s in shown:
+        wide = (s.end - s.start) / extent > 0.011 * len(str(s.label))
+        ax.text((s.start + s.end) / 2 - t0, s.stage, str(s.label), ha="center", va="center",
+                fontsize=7 if wide else 6, rotation=0 if wide else 90)
     ax.set_yticks(stages)
     ax.set_yticklabels([f"stage {s}" for s in stages])
     ax.invert_yaxis()
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title)
-    if 1 < len(labels) <= 12:
-        from matplotlib.patches import Patch
-        ax.legend(handles=[Patch(color=color[lab], label=lab or "-") for lab in labels], fontsize="small",
-                  loc="upper left", bbox_to_anchor=(1.01, 1))
-    return _save(fig, path)
+    ints = [lab for lab in labels if isinstance(lab, int)]
+    what = f"micro-batches {min(ints)}-{max(ints)}" if ints else "spans"
+    ax.set_xlabel(f"time ({unit}) from the window's first span; bars labelled with their micro-batch")
+    ax.set_title(_wrap(f"{title}: {what}", 80), fontsize="medium")
+    parts = (("busy", "C2"), ("bubble (fill/drain)", "C1"), ("idle", "0.8"))
+    values = [util.get(st, (0.0, 0.0, 0.0)) for st in stages]
+    left = [0.0] * len(stages)
+    for i, (name, col) in enumerate(parts):
+        width = [100 * v[i] for v in values]
+        ux.barh(stages, width, left=left, height=0.6, color=col, label=name)
+        left = [a + b for a, b in zip(left, width)]
+    for st, v in zip(stages, values):
+        ux.text(1, st, f"{100 * v[0]:.0f}%", va="center", fontsize=7)
+    ux.set_xlim(0, 100)
+    ux.set_xlabel("% of the whole run")
+    ux.set_title("whole run: busy / bubble / idle", fontsize="medium")
+    fig.legend(*ux.get_legend_handles_labels(), fontsize="small", loc="lower right", ncol=3)
+    return _save(fig, path, rect=(0, 0.1, 1, 1))
 
 
 def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmpipe sweep",
-                 timeline: list[Span] | list[tuple] | None = None, timeline_unit: str = "ms") -> dict[str, Path]:
+                 timeline: list[Span] | list[tuple] | None = None, timeline_unit: str = "ms",
+                 timeline_title: str | None = None, runtime: RuntimeCosts | None = None,
+                 measured_label: str = "measured") -> dict[str, Path]:
     """sweep.md, sweep.csv, throughput.png (and gantt.png when a timeline is given) under `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": write_csv(cases, out / "sweep.csv"),
-             "throughput_png": plot_throughput(cases, out / "throughput.png", title)}
+             "throughput_png": plot_throughput(cases, out / "throughput.png", title, measured_label)}
+    util = None
     if timeline:
-        paths["gantt_png"] = plot_gantt(timeline, out / "gantt.png", unit=timeline_unit, title=f"{title}: timeline")
+        best = max((c for c in cases if c.measured), key=lambda c: c.measured.throughput, default=None)
+        util = dict(enumerate(best.measured.utilisation)) if best and best.measured.utilisation else None
+        paths["gantt_png"] = plot_gantt(timeline, out / "gantt.png", unit=timeline_unit,
+                                        title=timeline_title or "timeline", utilisation=util)
     model = next((c.prediction.cost_model for c in cases if c.prediction), "-")
-    md = [f"# {title}", "", f"Predictions from the {model} cost model; measured columns from the cluster run.",
-          "thr = throughput in samples/s; err % = (predicted - measured) / measured.", "",
-          markdown_table(cases), "", "![throughput vs stages](throughput.png)"]
+    md = [f"# {title}", "", f"Predictions from the {model} cost model; `{measured_label}` columns from "
+          + ("the event simulator (partition/simulate.py) over the same model." if measured_label == "simulated"
+             else "the pipeline runs."),
+          "thr = throughput in samples/s, median over rounds with min-max; err % = (predicted - measured) / measured; "
+          "bubble = % of stage time not computing; limit = what sets the predicted pace (stage, driver, cpu: the "
+          "shared cores, window); CPU = cores busy at the predicted rate / cores; in target = throughput within 10 % "
+          "and bubble within 10 points (n/a where stage processes + driver outnumber the cores).", ""]
+    if runtime is not None and not runtime.is_zero:
+        md += [f"Runtime costs ({runtime.source}): receive {runtime.recv_us:.1f} us and send {runtime.send_us:.1f} us "
+               f"per frame, Stage.run {runtime.run_us:.1f} us, driver {runtime.driver_us:.1f} us per micro-batch"
+               + (f", {runtime.cores} cores shared by the stage processes and the driver." if runtime.cores else "."), ""]
+    loads = [c.measured.load for c in cases if c.measured and c.measured.load]
+    if loads:
+        md += [f"Load average during the runs: {min(lo for lo, _ in loads):.1f}-{max(hi for _, hi in loads):.1f}.", ""]
+    bound = [c for c in cases if c.prediction and c.prediction.oversubscribed]
+    if bound:
+        md += [f"**CPU-bound runs**: {len(bound)} row(s) run more processes (stages + driver) than cores; their "
+               "predictions assume an even share of the cores, so they are not held to the targets.", ""]
+    md += [markdown_table(cases, "meas" if measured_label == "measured" else measured_label), "",
+           "![predicted vs measured](throughput.png)"]
     if timeline:
-        md.append("\n![timeline](gantt.png)")
+        md.append("\n![timeline: a steady-state window and per-stage busy/bubble/idle](gantt.png)")
     paths["markdown"] = out / "sweep.md"
     files.write_text(paths["markdown"], "\n".join(md) + "\n")
     return paths
-
 
 def _pyplot():
     import matplotlib
@@ -157,9 +289,9 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> Path:
     path = Path(path)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     try:
         with files.atomic_path(path) as tmp:
             fig.savefig(tmp, dpi=110)

@@ -12,20 +12,33 @@ from dataclasses import dataclass
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan
-from tvmpipe.partition.planners import DEFAULT_TOLERANCE, make_plan
-from tvmpipe.partition.predict import Prediction, predict
+from tvmpipe.partition.planners import DEFAULT_TOLERANCE, plan_and_predict
+from tvmpipe.partition.predict import Prediction
+from tvmpipe.partition.simulate import SimulatedRun, simulate
 
 SWEEP_STRATEGIES = ("equal", "optimal")
 
 
 @dataclass
 class Measured:
-    """What the cluster measured for one plan (throughput in samples/s, latencies in microseconds)."""
+    """What the cluster measured for one plan (throughput in samples/s, latencies in microseconds).
+
+    Over several rounds the figures are medians, and `*_range` the (min, max) over the rounds, so a
+    report shows how far one run can be from the next on the same plan. `utilisation` is per stage
+    (busy, bubble, idle) of the median round; `load` the 1-minute load average during the rounds;
+    `source` says whether a real pipeline or the event simulator (simulate.py) produced the numbers.
+    """
 
     throughput: float
     latency_p50_us: float
     latency_p99_us: float
     bubble: float | None = None
+    rounds: int = 1
+    throughput_range: tuple[float, float] | None = None
+    bubble_range: tuple[float, float] | None = None
+    load: tuple[float, float] | None = None
+    utilisation: list[tuple[float, float, float]] | None = None
+    source: str = "pipeline"
 
 
 @dataclass
@@ -48,9 +61,24 @@ def sweep_plans(model: PipelineModel, max_stages: int, strategies: tuple[str, ..
     for k in range(min_stages, max_stages + 1):
         for strategy in strategies:
             try:
-                plan = make_plan(model, k, strategy, tolerance=tolerance, requests=requests)
+                plan, prediction = plan_and_predict(model, k, strategy, tolerance=tolerance, requests=requests)
             except PartitionError as exc:
                 cases.append(SweepCase(k, strategy, None, None, error=str(exc)))
                 continue
-            cases.append(SweepCase(k, strategy, plan, predict(model, plan, requests)))
+            cases.append(SweepCase(k, strategy, plan, prediction))
     return cases
+
+
+def simulate_cases(model: PipelineModel, cases: list[SweepCase], micro_batches: int) -> dict[int, SimulatedRun]:
+    """Fill every planned case's `measured` from the event simulator (simulate.py); runs by id(case)."""
+    runs = {}
+    for case in cases:
+        if case.plan is None:
+            continue
+        run = simulate(model, case.plan, micro_batches,
+                       case.prediction if case.prediction and case.prediction.requests == micro_batches else None)
+        case.measured = Measured(throughput=run.steady_throughput, latency_p50_us=run.latency_p50_us,
+                                 latency_p99_us=run.latency_p99_us, bubble=run.bubble,
+                                 utilisation=run.utilisation(), source="simulated")
+        runs[id(case)] = run
+    return runs

@@ -81,26 +81,52 @@ def test_sweep_simulated_writes_a_report(capsys, tmp_path, bundles):
     assert len(rows) == 3 and all(r.split(",")[4] for r in rows[1:])  # meas_throughput filled
 
 
-def test_sweep_frame_overhead_enters_every_prediction(capsys, tmp_path, bundles):
-    """Predictions for tiny stages are meaningless without the runtime's per-frame cost: the sweep
-    either measures it (auto) or takes it from the user, and each plan's prediction includes it."""
+def test_sweep_runtime_costs_enter_every_prediction(capsys, tmp_path, bundles):
+    """Predictions for tiny stages are meaningless without the runtime's own costs: the sweep calibrates
+    them (auto: a 1-stage zero-compute run), takes them from a file, or leaves them out (none)."""
     args = ["sweep", str(bundles["skipnet"]), "--stages", "1..2", "--strategies", "equal", "--processes",
-            "--backend", "simulated", "-n", "8"]
-    code, out, _ = run_cli(capsys, *args, "--frame-overhead-us", "0", "-o", str(tmp_path / "zero"))
-    assert code == 0 and "overhead in predictions: 0.0 us" in out
-    code, out, _ = run_cli(capsys, *args, "--frame-overhead-us", "5000", "-o", str(tmp_path / "big"))
-    assert code == 0 and "overhead in predictions: 5000.0 us" in out
+            "--backend", "simulated", "-n", "8", "--rounds", "2"]
+    code, out, _ = run_cli(capsys, *args, "--runtime", "none", "-o", str(tmp_path / "zero"))
+    assert code == 0 and "runtime costs in predictions (none): receive 0.0 us" in out
+    (tmp_path / "big.json").write_text(json.dumps({"recv_us": 2500, "send_us": 2500}))
+    code, out, _ = run_cli(capsys, *args, "--runtime", str(tmp_path / "big.json"), "-o", str(tmp_path / "big"))
+    assert code == 0 and "receive 2500.0 us and send 2500.0 us per frame" in out
     pred = {}
     for name in ("zero", "big"):
         with open(tmp_path / name / "sweep.csv", newline="") as f:
-            pred[name] = [float(row["pred_throughput"]) for row in csv.DictReader(f)]
-        assert len(pred[name]) == 2
-    # 5 ms per received frame bounds every stage at < 200 micro-batches/s
+            rows = list(csv.DictReader(f))
+        pred[name] = [float(row["pred_throughput"]) for row in rows]
+        assert len(rows) == 2 and all(r["rounds"] == "2" for r in rows)
+        assert all(float(r["meas_throughput_min"]) <= float(r["meas_throughput"]) <= float(r["meas_throughput_max"])
+                   for r in rows)
+    # 5 ms of receive + send per stage bounds every stage at < 200 micro-batches/s
     assert all(p < 200 for p in pred["big"]) and all(z > 10 * b for z, b in zip(pred["zero"], pred["big"]))
-    code, out, _ = run_cli(capsys, *args, "--frame-overhead-us", "auto", "-o", str(tmp_path / "auto"))
-    assert code == 0 and "(measured: 1-stage run vs its prediction)" in out
-    code, _, err = run_cli(capsys, *args, "--frame-overhead-us", "-3", "-o", str(tmp_path / "neg"))
-    assert code == 2 and "must be >= 0" in err
+    code, out, _ = run_cli(capsys, *args, "--runtime", "auto", "-o", str(tmp_path / "auto"))
+    assert code == 0 and "runtime costs in predictions (calibrated)" in out
+    md = (tmp_path / "auto" / "sweep.md").read_text()
+    assert "Runtime costs (calibrated)" in md and "min-max" in md and "Load average" in md
+    (tmp_path / "bad.json").write_text(json.dumps({"recv_us": -3}))
+    code, _, err = run_cli(capsys, *args, "--runtime", str(tmp_path / "bad.json"), "-o", str(tmp_path / "neg"))
+    assert code == 2 and "recv_us must be a non-negative number" in err and "Traceback" not in err
+
+
+def test_whatif_sweep_runs_a_described_cluster_in_the_event_simulator(capsys, tmp_path, bundles):
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps({"name": "2 nodes", "nodes": [{"device": "h100", "devices": 2, "count": 2}],
+                                   "network": {"bandwidth": "1GB/s", "latency": "50us"}}))
+    out_dir = tmp_path / "whatif"
+    code, out, _ = run_cli(capsys, "sweep", str(bundles["cnn"]), "--stages", "1..6", "--backend", "simulated",
+                           "--cluster", str(cluster), "-o", str(out_dir))
+    assert code == 0, out
+    assert "2 nodes: 4 x h100 on 2 node(s)" in out and "[optimal-k4] predicted" in out and "k5" not in out
+    rows = list(csv.DictReader(open(out_dir / "sweep.csv")))
+    assert len(rows) == 8 and {r["measured_by"] for r in rows} == {"simulated"}
+    for r in rows:  # the simulator and the closed form are one model: they agree
+        assert float(r["meas_throughput"]) == pytest.approx(float(r["pred_throughput"]), rel=0.05)
+    assert (out_dir / "gantt.png").stat().st_size > 5000
+    code, _, err = run_cli(capsys, "sweep", str(bundles["cnn"]), "--cluster", str(cluster), "--processes",
+                           "-o", str(out_dir))
+    assert code == 2 and "--backend simulated" in err
 
 
 @pytest.mark.parametrize("address, message, calls, ok", [

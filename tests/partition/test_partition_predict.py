@@ -49,7 +49,9 @@ def test_prediction_numbers(resnet):
     assert p.bottleneck_us == max(s.time_us for s in p.stages)
     assert p.throughput == pytest.approx(1e6 / p.bottleneck_us)
     assert p.latency_us == pytest.approx(sum(s.time_us for s in p.stages) + 3.0 + 1000 * 4 / 1e10 * 1e6)
-    assert p.bubble == pytest.approx(1 - sum(s.time_us for s in p.stages) / (3 * p.bottleneck_us))
+    # idle = not computing: time on the link is not device work (the cluster measures compute spans)
+    assert p.bubble == pytest.approx(1 - sum(s.compute_us for s in p.stages) / (3 * p.bottleneck_us))
+    assert p.period_us == p.bottleneck_us and p.limit == "stage" and not p.cpu_bound
     # bytes out of a stage = bytes its later stages receive from it (+ graph outputs)
     assert p.stages[0].out_bytes == p.stages[1].in_bytes and p.stages[2].out_bytes == 1000 * 4
     assert p.bytes_moved == sum(s.in_bytes for s in p.stages)

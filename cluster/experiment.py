@@ -1,0 +1,124 @@
+"""Measuring plans for `tvmpipe sweep`: repeated rounds, CPU time per process, runtime calibration.
+
+A single run on a shared machine is one sample of a noisy process; a researcher needs to see the
+spread. So each plan runs `rounds` times in one Pipeline (workers start once) and every round is
+measured on its own: compute_metrics over that round's micro-batches only (its time span), plus the
+CPU time each stage process and the driver spent in it, read from /proc where the workers are local
+processes, plus the load average. Rounds are summarised as median, min and max.
+
+Calibration measures the runtime itself (partition/runtime.py): a 1-stage pipeline of the same
+bundle on the simulated backend with every op time 0, so what it measures is receive, decode,
+Stage.run, encode, send and the driver, with the model's real frame sizes and nothing of the model's
+compute. It is a different workload from every plan of the sweep, so no prediction is fitted to the
+measurement it is compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from tvmpipe.cluster.metrics import PipelineMetrics, RunRecord, compute_metrics
+from tvmpipe.partition.runtime import Calibration
+
+
+@dataclass
+class Round:
+    metrics: PipelineMetrics
+    stage_cpu_us: list[float] | None  # CPU per micro-batch of each stage process (None: not readable)
+    driver_cpu_us: float
+    load: float  # 1-minute load average at the end of the round
+    record: RunRecord = field(repr=False)
+
+    @property
+    def throughput(self) -> float:
+        """Samples/s between the round's first and last completion (fill excluded)."""
+        return self.metrics.steady_throughput * self.metrics.batch
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of one figure over rounds."""
+
+    rounds: int
+    median: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        return cls(len(values), statistics.median(values), min(values), max(values))
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a local process, or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def local_cores() -> int:
+    """CPU cores this process may run on (what local stage processes and the driver share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _worker_pids(pipe: Any) -> list[int | None]:
+    return [st.pid if st else None for st in pipe.record().worker_stats]
+
+
+def _slice(rec: RunRecord, seqs: range) -> RunRecord:
+    """The record of micro-batches `seqs` only; worker spans are cut to their time span by compute_metrics."""
+    return replace(rec, submit_times={s: rec.submit_times[s] for s in seqs if s in rec.submit_times},
+                   done_times={s: rec.done_times[s] for s in seqs if s in rec.done_times})
+
+
+def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local: bool) -> list[Round]:
+    """Run `batches` through `pipe` `rounds` times; one Round per pass. `local`: workers are processes
+    of this machine, so their CPU time can be read from /proc."""
+    pids = _worker_pids(pipe) if local else []
+    out = []
+    for r in range(rounds):
+        first = pipe.submitted
+        cpu0 = [process_cpu_s(p) if p else None for p in pids]
+        d0 = time.process_time()
+        pipe.run(batches)
+        d1 = time.process_time()
+        cpu1 = [process_cpu_s(p) if p else None for p in pids]
+        n = len(batches)
+        stage_cpu = None
+        if pids and all(a is not None and b is not None for a, b in zip(cpu0, cpu1)):
+            stage_cpu = [(b - a) / n * 1e6 for a, b in zip(cpu0, cpu1)]
+        rec = _slice(pipe.record(), range(first, first + n))
+        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec))
+    return out
+
+
+def calibration_of(rounds: list[Round]) -> Calibration:
+    """The median round of a 1-stage zero-compute run as a Calibration."""
+    mid = sorted(rounds, key=lambda r: r.throughput)[len(rounds) // 2]
+    st = mid.metrics.stages[0]
+    return Calibration(busy_us=(st.compute_ms_mean or 0.0) * 1e3,
+                       stage_cpu_us=mid.stage_cpu_us[0] if mid.stage_cpu_us else None,
+                       driver_cpu_us=mid.driver_cpu_us if mid.stage_cpu_us else None,
+                       period_us=1e6 / mid.metrics.steady_throughput if mid.metrics.steady_throughput else 0.0)
+
+
+def spreads(rounds: list[Round]) -> dict[str, Spread]:
+    """Throughput, latency p50/p99 (us) and bubble over rounds."""
+    return {"throughput": Spread.of([r.throughput for r in rounds]),
+            "latency_p50_us": Spread.of([r.metrics.latency_p50_ms * 1e3 for r in rounds]),
+            "latency_p99_us": Spread.of([r.metrics.latency_p99_ms * 1e3 for r in rounds]),
+            "bubble": Spread.of([r.metrics.bubble or 0.0 for r in rounds]),
+            "load": Spread.of([r.load for r in rounds])}
+
+
+RunPlan = Callable[..., list[Round]]

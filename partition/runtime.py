@@ -1,0 +1,119 @@
+"""What the pipeline runtime costs beyond the ops, and where it is spent.
+
+Cost models give op times; a real pipeline also receives, decodes, encodes and sends a frame per
+edge per micro-batch, and its driver submits and collects every micro-batch. On GPUs with idle
+host cores this is hidden behind compute; with sub-millisecond stages, or on a CPU machine where
+stage processes and the driver share a few cores, it decides the throughput. So the prediction
+charges it where the runtime spends it:
+
+- a stage's *busy* time is what its worker records as compute: op times + `run_us` (one Stage.run's
+  fixed cost: feeds checked, outputs gathered);
+- its *CPU* time per micro-batch is the CPU part of compute (all of it on the reference backend;
+  the simulated backend spins only its last `compute_cpu_cap_us`; a GPU stage ~0) + run_us + a
+  receive per inbound frame + a send per outbound frame. One Python process runs these one at a
+  time (the GIL), so they add up;
+- its *cycle* (the interval it can sustain between micro-batches) is its link time plus the larger of
+  busy + receive (the receiving thread decodes, then computes: serial) and its CPU time (sends overlap
+  compute only while compute holds no CPU);
+- the driver's cycle is `driver_us` + a send per input frame + a receive per output frame;
+- when `cores` is given, every process shares them: the period is at least the total CPU per
+  micro-batch / cores (oversubscription: K stage processes + the driver on fewer cores);
+- with `window` micro-batches in flight, the period is at least one micro-batch's latency / window.
+
+With every figure 0 (the default) the stage cycle is compute + link time, the model of an ideal
+runtime that the planner has always used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.partition.errors import PartitionError
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """Per-micro-batch runtime figures in microseconds (see the module docstring)."""
+
+    recv_us: float = 0.0  # stage CPU per inbound frame: wake-up, decode, checks
+    send_us: float = 0.0  # stage CPU per outbound frame: encode, socket write
+    run_us: float = 0.0  # fixed cost of one Stage.run beyond its ops (counted as busy)
+    driver_us: float = 0.0  # driver CPU per micro-batch beyond its frames: submit, bookkeeping, delivery
+    compute_cpu_cap_us: float | None = None  # CPU part of a stage's compute: None = all of it; else min(compute, cap)
+    cores: int | None = None  # CPU cores the stage processes and the driver share; None: enough for all
+    window: int | None = None  # micro-batches in flight; None: 2 x stages (the Pipeline's default)
+    source: str = "none"  # how the figures were obtained (for reports)
+
+    def __post_init__(self) -> None:
+        for name in ("recv_us", "send_us", "run_us", "driver_us"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise PartitionError(f"runtime cost {name} must be a non-negative number, got {v!r}")
+        if self.cores is not None and self.cores < 1:
+            raise PartitionError(f"cores must be >= 1, got {self.cores}")
+        if self.window is not None and self.window < 1:
+            raise PartitionError(f"window must be >= 1, got {self.window}")
+
+    @property
+    def is_zero(self) -> bool:
+        return not (self.recv_us or self.send_us or self.run_us or self.driver_us)
+
+    def compute_cpu(self, compute_us: np.ndarray | float) -> np.ndarray | float:
+        """The CPU part of `compute_us` of op time (vectorised)."""
+        if self.compute_cpu_cap_us is None:
+            return compute_us
+        return np.minimum(compute_us, self.compute_cpu_cap_us)
+
+    def busy_us(self, compute_us: np.ndarray | float) -> np.ndarray | float:
+        return compute_us + self.run_us
+
+    def stage_cpu_us(self, compute_us: np.ndarray | float, frames_in: int = 1, frames_out: int = 1) -> np.ndarray | float:
+        return self.compute_cpu(compute_us) + self.run_us + frames_in * self.recv_us + frames_out * self.send_us
+
+    def stage_cycle_us(self, compute_us: np.ndarray | float, transfer_us: np.ndarray | float,
+                       frames_in: int = 1, frames_out: int = 1) -> np.ndarray | float:
+        """Sustainable interval between micro-batches of one stage (vectorised over tables)."""
+        serial = self.busy_us(compute_us) + frames_in * self.recv_us
+        return transfer_us + np.maximum(serial, self.stage_cpu_us(compute_us, frames_in, frames_out))
+
+    def driver_cycle_us(self, frames_out: int, frames_in: int) -> float:
+        """The driver per micro-batch: `frames_out` input frames sent, `frames_in` output frames received."""
+        if self.is_zero:
+            return 0.0
+        return self.driver_us + frames_out * self.send_us + frames_in * self.recv_us
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+NO_RUNTIME = RuntimeCosts()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one calibration run measured, per micro-batch: the stage's busy time and CPU time, the
+    driver's CPU time, and the period, of a 1-stage pipeline doing (almost) no compute."""
+
+    busy_us: float
+    stage_cpu_us: float | None  # None where the worker's CPU time cannot be read (a remote node)
+    driver_cpu_us: float | None
+    period_us: float
+
+    def costs(self, compute_us: float = 0.0, **kw: Any) -> RuntimeCosts:
+        """RuntimeCosts from this run: a 1-stage pipeline receives one frame and sends one per micro-batch,
+        so the stage's CPU beyond its busy time is one receive plus one send (split evenly: a chain has as
+        many of each), and the driver's CPU beyond one send and one receive is its own. Without CPU times,
+        the period beyond the busy time is taken as the stage's receive + send."""
+        run_us = max(0.0, self.busy_us - compute_us)
+        if self.stage_cpu_us is not None:
+            hop = max(0.0, self.stage_cpu_us - self.busy_us)
+        else:
+            hop = max(0.0, self.period_us - self.busy_us)
+        frame = hop / 2
+        driver = max(0.0, (self.driver_cpu_us or 0.0) - 2 * frame)
+        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=driver)
+        fields.update(kw)
+        return RuntimeCosts(**fields)
