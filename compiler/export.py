@@ -109,7 +109,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
         fp16 = any(d == "float16" for n in fused.graph.nodes for _, d in n.outputs)
         with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
-            scheduled = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
+            scheduled = _schedule(fused, prims)
     with progress.step("codegen", f"CUDA {arch}"):
         kernels, ops, src = _codegen(fused, scheduled, prims, target)
     return Exported(
@@ -128,7 +128,7 @@ def _fold(mod: Any, names: Any) -> Any:
     import tvm
     from tvm import relax
 
-    from tvmpipe.compiler import npfold
+    from tvmpipe.compiler import lowfold, npfold
 
     mod = tvm.transform.Sequential([
         relax.transform.FoldBatchnormToConv2D(), relax.transform.DecomposeOpsForInference(),
@@ -137,7 +137,7 @@ def _fold(mod: Any, names: Any) -> Any:
     mod = npfold.fold_constants(mod, names)
     folded = relax.transform.FoldConstant()(mod)
     names.track_fold(mod["main"], folded["main"])
-    return relax.transform.DeadCodeElimination()(folded)
+    return lowfold.fold_after_legalize(relax.transform.DeadCodeElimination()(folded), names)
 
 
 def _convert(mod: Any, imp: Any, dtype: str, names: Any) -> Any:
@@ -167,9 +167,10 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     import tvm
     from tvm import relax
 
-    from tvmpipe.compiler import graphjson, opmap
+    from tvmpipe.compiler import graphjson, opmap, scanops
 
     prog = opmap.record_ops(mod["main"])
+    mod = scanops.scans_to_reductions(mod)  # before DispatchSortScan, which would take them
     mod = tvm.transform.Sequential([
         relax.backend.DispatchSortScan(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
     ])(mod)
@@ -197,6 +198,48 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     return _Fused(mod, built, fusion, prog, _calls_by_function(built, group_of))
 
 
+def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
+    """dlight schedules for every function; one whose rules crash gets the Fallback rule alone.
+
+    dlight's reduction rules raise on some fused shapes (a layer_norm fused with the padding of
+    Swin's windows at 64 px); Fallback schedules any function as plain thread blocks. A function
+    that even Fallback cannot schedule is reported with its model ops and graph node.
+    """
+    import tvm
+    import tvm.s_tir.dlight as dl
+
+    try:
+        return dl.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
+    except Exception:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; retried per function below
+        pass
+    out = {}
+    for name, func in prims.items():
+        one = tvm.IRModule({name: func})
+        try:
+            out[name] = dl.ApplyDefaultSchedule(*default_rules())(one)[name]
+            continue
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            out[name] = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({name: func}))[name]
+        except Exception as exc:  # noqa: BLE001
+            node, group = fused.calls[name]
+            raise UnsupportedOpError(_model_ops(fused, group, name), node, "TVM's dlight GPU scheduler fails on it "
+                                     f"({type(exc).__name__}: {_first_line(exc)})") from None
+    return tvm.IRModule(out)
+
+
+def _model_ops(fused: _Fused, group: Any, name: str) -> str:
+    from tvmpipe.compiler import opmap
+
+    return ", ".join(fused.prog.ops[opmap.key(v)].op for v in group.op_vars + group.split_ops) or name
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
 def _codegen(fused: _Fused, scheduled: Any, prims: dict[str, Any],
              target: Any) -> tuple[dict[str, KernelFunction], dict[str, FusedFunction], str]:
     """Launch lists, op programs and the CUDA source; rejects functions a launch list cannot run."""
@@ -206,7 +249,7 @@ def _codegen(fused: _Fused, scheduled: Any, prims: dict[str, Any],
     ops: dict[str, FusedFunction] = {}
     device: dict[str, Any] = {}
     for name, (node_name, group) in fused.calls.items():
-        model_ops = ", ".join(fused.prog.ops[opmap.key(v)].op for v in group.op_vars + group.split_ops) or name
+        model_ops = _model_ops(fused, group, name)
         try:
             lowered = launches.lower_function(name, scheduled[name], target)
         except launches.HostCodeError as exc:

@@ -19,6 +19,7 @@ from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
 from tvmpipe.compiler.errors import SourceError
 from tvmpipe.compiler.models import build_builtin, get_builtin
+from tvmpipe.compiler.tecalls import te_calls_to_ops
 
 
 @dataclass
@@ -172,6 +173,7 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
         const_names.add(const, var.name)
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
+    mod = te_calls_to_ops(mod)
     inputs = list(mod["main"].params)
     try:
         shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]

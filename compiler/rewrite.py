@@ -62,4 +62,8 @@ def rewrite_main(mod: Any, *, map_param: Callable[[Any], Any] = lambda p: p,
                     emit = bb.emit if isinstance(b.var, relax.DataflowVar) else bb.emit_output
                     vmap[b.var.__chandle__()] = emit(new_value, name_hint=b.var.name)
         bb.emit_func_output(conv(main.body.body))
-    return tvm.IRModule({"main": bb.get()["main"]})
+    # other functions (PrimFuncs an importer generated with emit_te) are kept under their GlobalVars
+    others = {gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"}
+    out = tvm.IRModule(others)
+    out["main"] = bb.get()["main"]
+    return out
