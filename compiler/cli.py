@@ -36,10 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tvmpipe.compiler.export import compile_model
-    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.compiler.progress import Progress, native_stderr_silenced
 
     progress = Progress(stream=None if args.quiet else sys.stderr)
-    path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
-                         seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress)
+    with native_stderr_silenced(args.quiet):  # TVM's C++ warnings bypass sys.stderr
+        path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
+                             seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress)
     print(path)
     return 0

@@ -8,14 +8,15 @@ here, inside functions: `import tvmpipe.compiler` works without it.
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
-from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError
+from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError, one_line
 from tvmpipe.compiler.progress import Progress
 
 DEFAULT_ARCH = "sm_90"
@@ -73,6 +74,19 @@ class Exported:
         )
 
 
+@contextmanager
+def _step(progress: Progress, name: str, detail: str = "") -> Iterator[None]:
+    """A timed step whose unexpected TVM failure becomes one line naming the step, not a traceback."""
+    with progress.step(name, detail):
+        try:
+            yield
+        except CompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TVM raises TVMError, TypeError, ValueError, ...
+            raise CompileError(f"TVM fails in the {name} step ({type(exc).__name__}: {one_line(exc)}); the model "
+                               "uses a construct tvmpipe cannot compile yet: please report it with the model") from None
+
+
 def default_rules() -> list[Any]:
     import tvm.s_tir.dlight as dl
 
@@ -94,23 +108,23 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
 
     from tvmpipe.compiler import frontend
 
-    with progress.step("import", source):
+    with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed)
     target = launches.cuda_target(arch)
     names = imp.const_names
-    with progress.step("fold"), target:
+    with _step(progress, "fold"), target:
         mod = _fold(imp.mod, names)
         if dtype is not None and dtype != imp.dtype:
             mod = _convert(mod, imp, dtype, names)
-    with progress.step("fuse"), target:
+    with _step(progress, "fuse"), target:
         fused = _fuse(mod, names)
     prims = {name: fused.mod[name] for name in fused.calls}
-    with progress.step("schedule", f"{len(prims)} functions"):
+    with _step(progress, "schedule", f"{len(prims)} functions"):
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
         fp16 = any(d == "float16" for n in fused.graph.nodes for _, d in n.outputs)
         with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
             scheduled = _schedule(fused, prims)
-    with progress.step("codegen", f"CUDA {arch}"):
+    with _step(progress, "codegen", f"CUDA {arch}"):
         kernels, ops, src = _codegen(fused, scheduled, prims, target)
     return Exported(
         model=imp.model, source=imp.source, target={"kind": "cuda", "arch": arch}, batch=imp.batch,
@@ -225,7 +239,7 @@ def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
         except Exception as exc:  # noqa: BLE001
             node, group = fused.calls[name]
             raise UnsupportedOpError(_model_ops(fused, group, name), node, "TVM's dlight GPU scheduler fails on it "
-                                     f"({type(exc).__name__}: {_first_line(exc)})") from None
+                                     f"({type(exc).__name__}: {one_line(exc)})") from None
     return tvm.IRModule(out)
 
 
@@ -233,11 +247,6 @@ def _model_ops(fused: _Fused, group: Any, name: str) -> str:
     from tvmpipe.compiler import opmap
 
     return ", ".join(fused.prog.ops[opmap.key(v)].op for v in group.op_vars + group.split_ops) or name
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def _codegen(fused: _Fused, scheduled: Any, prims: dict[str, Any],

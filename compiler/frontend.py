@@ -17,7 +17,7 @@ import numpy as np
 
 from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
-from tvmpipe.compiler.errors import SourceError
+from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.models import build_builtin, get_builtin
 from tvmpipe.compiler.tecalls import te_calls_to_ops
 
@@ -141,10 +141,16 @@ def _from_onnx(path: Path, batch: int | None) -> Imported:
         shape_dict[vi.name] = dims
     from tvm.relax.frontend.onnx import from_onnx
 
+    from tvmpipe.compiler import onnxprep
+
+    model = onnxprep.fold_constants(model, shape_dict)
     try:
-        mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
+        with onnxprep.locate_failure() as where:
+            mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
     except Exception as exc:
-        raise SourceError(f"{path}: TVM cannot import this ONNX model: {type(exc).__name__}: {exc}") from None
+        node = f" at node '{where.name}' ({where.op_type})" if where.op_type else ""
+        raise SourceError(f"{path}: TVM's ONNX importer fails{node}: {type(exc).__name__}: {one_line(exc)}; "
+                          "re-export the model without that construct or simplify that node") from None
     imp = _bind(mod, path.stem, {"kind": "onnx", "name": path.name, "sha256": sha256_file(path)})
     if batch is not None and imp.batch != batch:
         raise SourceError(f"{path}: the model has a static batch of {imp.batch}; --batch {batch} needs a "

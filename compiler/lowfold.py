@@ -34,22 +34,22 @@ def folded_values(mod: Any) -> dict[int, Any]:
     before = {key(b.var): b.value for b in bindings(legal["main"])}
     out: dict[int, Any] = {}
 
-    def args_of(call: Any) -> list[Any]:
-        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir":
-            a = call.args[1]
-            return list(a.fields) if isinstance(a, relax.Tuple) else [a]
-        return list(call.args)
+    def match(old: Any, new: Any) -> None:
+        """Walk both expressions in step; a var where the folded one has a constant was folded."""
+        if isinstance(old, relax.Var) and isinstance(new, tvm.ir.GenericConst):
+            out[key(old)] = new
+        elif isinstance(old, tvm.ir.Call) and isinstance(new, tvm.ir.Call) and len(old.args) == len(new.args):
+            for o, n in zip(old.args, new.args):
+                match(o, n)
+        elif isinstance(old, relax.Tuple) and isinstance(new, relax.Tuple) and len(old.fields) == len(new.fields):
+            for o, n in zip(old.fields, new.fields):
+                match(o, n)
+        elif isinstance(old, relax.TupleGetItem) and isinstance(new, relax.TupleGetItem):
+            match(old.tuple_value, new.tuple_value)
 
     for b in bindings(folded["main"]):
-        old = before.get(key(b.var))
-        if not (isinstance(old, tvm.ir.Call) and isinstance(b.value, tvm.ir.Call)):
-            continue
-        old_args, new_args = args_of(old), args_of(b.value)
-        if len(old_args) != len(new_args):
-            continue
-        for o, n in zip(old_args, new_args):
-            if isinstance(o, relax.Var) and isinstance(n, tvm.ir.GenericConst):
-                out[key(o)] = n
+        if key(b.var) in before:
+            match(before[key(b.var)], b.value)
     return out
 
 
