@@ -181,7 +181,7 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     import tvm
     from tvm import relax
 
-    from tvmpipe.compiler import graphjson, opmap, scanops
+    from tvmpipe.compiler import graphjson, lowfold, opmap, scanops
 
     prog = opmap.record_ops(mod["main"])
     mod = scanops.scans_to_reductions(mod)  # before DispatchSortScan, which would take them
@@ -190,7 +190,8 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     ])(mod)
     refolded = relax.transform.FoldConstant()(mod)
     names.track_fold(mod["main"], refolded["main"])
-    fusion = opmap.Fusion(refolded["main"], prog)
+    # anything this second fold still folds reads as its constant (a param), as in the first
+    fusion = opmap.Fusion(refolded["main"], prog, folded=lowfold.match_folded(mod["main"], refolded["main"]))
     mod = relax.transform.FuseOps()(refolded)
     groups = fusion.groups(mod)
     mod = tvm.transform.Sequential([

@@ -19,6 +19,7 @@ from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
 from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.models import build_builtin, get_builtin
+from tvmpipe.compiler.boolcmp import bool_compares_as_int8
 from tvmpipe.compiler.tecalls import te_calls_to_ops
 
 
@@ -179,7 +180,7 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
         const_names.add(const, var.name)
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
-    mod = te_calls_to_ops(mod)
+    mod = bool_compares_as_int8(te_calls_to_ops(mod))
     inputs = list(mod["main"].params)
     try:
         shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]

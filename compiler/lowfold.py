@@ -20,22 +20,30 @@ from tvmpipe.compiler.rewrite import rewrite_main
 
 
 def folded_values(mod: Any) -> dict[int, Any]:
-    """Binding var (of `mod["main"]`) -> the constant FoldConstant computes for it after LegalizeOps.
+    """Binding var (of `mod["main"]`) -> the constant FoldConstant computes for it after LegalizeOps
+    (scans lowered as the fuse step lowers them, so both folds agree)."""
+    from tvm import relax
+
+    from tvmpipe.compiler.scanops import scans_to_reductions
+
+    legal = relax.transform.LegalizeOps()(scans_to_reductions(mod))
+    return match_folded(legal["main"], relax.transform.FoldConstant()(legal)["main"])
+
+
+def match_folded(before: Any, after: Any) -> dict[int, Any]:
+    """Var of `before` -> its constant in `after`, for the bindings FoldConstant removed.
 
     LegalizeOps keeps binding vars and FoldConstant drops folded bindings, substituting their
-    values into the calls that read them: a call that survives both reads, at the same argument
-    position, either the same var or that var's folded constant.
+    values into the expressions that read them: walking each surviving binding's value in both
+    functions in step, a var where `after` has a constant was folded to that constant.
     """
     import tvm
     from tvm import relax
 
-    legal = relax.transform.LegalizeOps()(mod)
-    folded = relax.transform.FoldConstant()(legal)
-    before = {key(b.var): b.value for b in bindings(legal["main"])}
+    old_values = {key(b.var): b.value for b in bindings(before)}
     out: dict[int, Any] = {}
 
     def match(old: Any, new: Any) -> None:
-        """Walk both expressions in step; a var where the folded one has a constant was folded."""
         if isinstance(old, relax.Var) and isinstance(new, tvm.ir.GenericConst):
             out[key(old)] = new
         elif isinstance(old, tvm.ir.Call) and isinstance(new, tvm.ir.Call) and len(old.args) == len(new.args):
@@ -47,9 +55,9 @@ def folded_values(mod: Any) -> dict[int, Any]:
         elif isinstance(old, relax.TupleGetItem) and isinstance(new, relax.TupleGetItem):
             match(old.tuple_value, new.tuple_value)
 
-    for b in bindings(folded["main"]):
-        if key(b.var) in before:
-            match(before[key(b.var)], b.value)
+    for b in bindings(after):
+        if key(b.var) in old_values:
+            match(old_values[key(b.var)], b.value)
     return out
 
 

@@ -232,8 +232,9 @@ class Fusion:
     binding exactly.
     """
 
-    def __init__(self, legalized_main: Any, prog: Program):
+    def __init__(self, legalized_main: Any, prog: Program, folded: dict[int, Any] | None = None):
         self.prog = prog
+        self.folded = folded or {}  # var -> the constant FoldConstant replaced it with
         self.by_key: dict[tuple, Any] = {}
         self.canon: dict[int, Any] = {}
         for b in bindings(legalized_main):
@@ -247,7 +248,8 @@ class Fusion:
         self.owner = owners(legalized_main, prog)
 
     def canonical(self, expr: Any) -> Any:
-        return self.canon.get(key(expr), expr)
+        k = key(expr)
+        return self.folded[k] if k in self.folded else self.canon.get(k, expr)
 
     def groups(self, fused_mod: Any) -> list[Group]:
         """One Group per call in the fused main (of a Primitive function or of a lone call_tir)."""

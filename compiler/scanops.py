@@ -29,7 +29,12 @@ def scan_as_reduction(x: Any, axis: int | None, dtype: str, exclusive: bool, pro
         axis = 0
     axis = axis % len(x.shape)
     k = te.reduce_axis((0, x.shape[axis]), name="k")
-    if product:
+    if dtype == "bool":
+        # Relax types a bool tensor's scan as bool (TVM's importers pass no dtype), and LLVM has no
+        # bool add: a bool sum is any-so-far (or), a bool product all-so-far (and), as in NumPy.
+        reducer = te.comm_reducer((lambda a, b: tvm.tirx.And(a, b)) if product else (lambda a, b: tvm.tirx.Or(a, b)),
+                                  lambda t: tvm.tirx.const(bool(product), dtype=t), name="all" if product else "any")
+    elif product:
         reducer = te.comm_reducer(lambda a, b: a * b, lambda t: tvm.tirx.const(1, dtype=t), name="prod")
     else:
         reducer = te.sum
@@ -39,7 +44,7 @@ def scan_as_reduction(x: Any, axis: int | None, dtype: str, exclusive: bool, pro
         src[axis] = k
         j = idx[axis]
         keep = (k < j) if exclusive else (k <= j)
-        neutral = tvm.tirx.const(1 if product else 0, dtype)
+        neutral = tvm.tirx.const(bool(product) if dtype == "bool" else (1 if product else 0), dtype)
         # a select, not te's `where=`: TVM 0.27 drops the reduction predicate when it lowers
         return reducer(tvm.tirx.if_then_else(keep, x(*src).astype(dtype), neutral), axis=k)
 
@@ -66,7 +71,7 @@ def scans_to_reductions(mod: Any) -> Any:
                 return call
             a = call.attrs
             axis = None if a.axis is None else int(a.axis)
-            dtype = str(a.dtype) if a.dtype is not None and str(a.dtype) else str(call.args[0].ty.dtype)
+            dtype = str(call.ty.dtype)  # the result's: a bool mask's cumsum counts in int64
             return self.builder_.call_te(scan_as_reduction, call.args[0], axis, dtype, bool(int(a.exclusive)),
                                          call.op.name == "relax.cumprod", primfunc_name_hint=call.op.name[6:])
 
