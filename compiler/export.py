@@ -94,7 +94,7 @@ def default_rules() -> list[Any]:
 
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
-           seed: int = 0, progress: Progress | None = None) -> Exported:
+           seed: int = 0, progress: Progress | None = None, name: str | None = None) -> Exported:
     """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`."""
     from tvmpipe.compiler import launches
 
@@ -110,6 +110,8 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
 
     with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed)
+    if name:
+        imp.model = name
     target = launches.cuda_target(arch)
     names = imp.const_names
     with _step(progress, "fold"), target:
@@ -298,13 +300,13 @@ def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
 
 def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
-                  progress: Progress | None = None) -> Path:
+                  progress: Progress | None = None, name: str | None = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CompileError(f"{out} already exists (pass --force to replace it)")
-    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress)
+    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name)
     with progress.step("write", str(out)):
         path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
     return path

@@ -85,11 +85,22 @@ def _from_pt2(path: Path, batch: int | None) -> Imported:
             ep = torch.export.load(str(path))
     except Exception as exc:  # torch raises many types for a bad archive
         raise SourceError(f"{path}: not a readable torch.export program (.pt2): {type(exc).__name__}: {exc}") from None
-    imp = _from_exported(ep, path.stem, {"kind": "torch", "name": path.name, "sha256": sha256_file(path)})
+    imp = _from_exported(ep, _class_name(ep) or path.stem, {"kind": "torch", "name": path.name,
+                                                             "sha256": sha256_file(path)})
     if batch is not None and imp.batch != batch:
         raise SourceError(f"{path}: the program was exported with batch {imp.batch}; --batch {batch} needs a "
                           "re-export (torch.export fixes static shapes)")
     return imp
+
+
+def _class_name(ep: Any) -> str | None:
+    """The exported module's class (`MyModel`), from the root entry torch.export records in every
+    node's `nn_module_stack`; a file named `model.pt2` should not make every bundle `model`."""
+    for node in ep.graph.nodes:
+        for fqn, cls in (node.meta.get("nn_module_stack") or {}).values():
+            if fqn == "" and isinstance(cls, str) and cls:
+                return cls.rsplit(".", 1)[-1]
+    return None
 
 
 def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:

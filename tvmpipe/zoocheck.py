@@ -109,7 +109,7 @@ def check_model(name: str, path_kind: str, work: Path | None = None, *, seed: in
         return result
     t = time.perf_counter()
     try:
-        exported = export(str(source), seed=seed, progress=Progress(stream=None))
+        exported = export(str(source), seed=seed, progress=Progress(stream=None), name=f"{name}-{path_kind}")
     except CompileError as exc:
         result.error = str(exc)
         return result

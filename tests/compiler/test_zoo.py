@@ -100,6 +100,7 @@ def test_constants_folded_after_legalization_are_params_not_ops(tmp_path):
     ops = {o["op"] for f in ex.ops["functions"].values() for o in f["ops"]}
     assert not ops & {"arange", "where", "take", "tril", "less_equal"}, ops
     assert "p_emb_take" in ex.params  # named after the weight it was computed from
+    assert ex.model == "PosAndMask"  # the bundle is named after the exported module's class, not "m"
     ref, cpu = reference_and_cpu(ex, tmp_path, [x.numpy()])
     want = PosAndMask()(x).detach().numpy()
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
