@@ -6,7 +6,8 @@ Every zoo model (compiler/zoo.py: torchvision CNNs, transformers from small conf
 weights, no downloads) is exported to .pt2 and to ONNX, compiled, and checked by
 `tvmpipe.zoocheck.check_model`. Prints the coverage table (the README's) and writes
 bench/results/zoo.json with the machine's load average: this 2-core machine is shared, and other
-work inflates compile and run times. Exits 1 if any model fails a check.
+work inflates compile and run times. Exits 1 if any model fails a check (a path torch itself
+cannot export is listed, not counted).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, os.getloadavg()[0]], "total_s": time.perf_counter() - t0,
         "results": rows,
     }, indent=1) + "\n")
-    return 0 if all(r["ok"] for r in rows) else 1
+    # a path torch's own exporter cannot produce is reported, not counted against tvmpipe
+    return 0 if all(r["ok"] or r.get("exporter_failed") for r in rows) else 1
 
 
 if __name__ == "__main__":

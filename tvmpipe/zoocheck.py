@@ -46,6 +46,7 @@ class ZooResult:
     torch_ms: float | None = None
     split_identical: dict[str, bool] = field(default_factory=dict)  # "K=2" -> bit-identical
     nvcc_ok: bool | None = None
+    exporter_failed: bool = False  # torch's exporter, not tvmpipe, could not produce the file
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +107,7 @@ def check_model(name: str, path_kind: str, work: Path | None = None, *, seed: in
         source, module, inputs = zoo.export_model(zoo.get_zoo_model(name), path_kind, work, seed)
     except Exception as exc:  # torch's exporters raise anything; the table records it
         result.error = f"torch cannot export it: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        result.exporter_failed = True
         return result
     t = time.perf_counter()
     try:
