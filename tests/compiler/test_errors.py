@@ -94,7 +94,7 @@ def test_onnx_cumsum_compiles_and_matches_onnx_reference(tmp_path):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.executor import GraphRunner
 
-    src = cmsources.write_unsupported_onnx(tmp_path / "cumsum.onnx", "CumSum")
+    src = model_files.write_unsupported_onnx(tmp_path / "cumsum.onnx", "CumSum")
     b = load_bundle(compile_quiet(src, tmp_path / "out"))
     assert "cumsum" in [o.op for nid in b.graph.op_nodes if b.ops_of(nid) for o in b.ops_of(nid).ops]
     x = np.random.default_rng(0).standard_normal(b.graph.entries[0].shape).astype(np.float32)
