@@ -49,7 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", nargs="+", default=list(EXPORT_PATHS), choices=list(EXPORT_PATHS))
     ap.add_argument("--no-nvcc", action="store_true", help="skip the nvcc sm_80/sm_90 check")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="combine result files of runs over disjoint --models into --out, print the table")
     args = ap.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(p.read_text()) for p in args.merge]
+        order = {n: i for i, n in enumerate(ZOO)}
+        rows = sorted((r for part in parts for r in part["results"]),
+                      key=lambda r: (order.get(r["model"], 99), EXPORT_PATHS.index(r["path"])))
+        merged = {**parts[0], "results": rows, "merged_from": len(parts),
+                  "total_s": max(p["total_s"] for p in parts)}
+        args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        print(table(rows))
+        return 0 if all(r["ok"] or r.get("exporter_failed") for r in rows) else 1
 
     from tvmpipe.zoocheck import check_model
 

@@ -196,7 +196,7 @@ def _entries() -> dict[str, ZooModel]:
         tv("efficientnet_b0", "efficientnet", "efficientnet_b0", 64, "torchvision EfficientNet-B0 (SiLU, SE), 64x64"),
         tv("convnext_tiny", "convnext", "convnext_tiny", 64, "torchvision ConvNeXt-T (LayerNorm2d, GELU), 64x64"),
         tv("shufflenet_v2", "shufflenetv2", "shufflenet_v2_x0_5", 64, "torchvision ShuffleNetV2 x0.5, 64x64"),
-        tv("swin_t", "swin_transformer", "swin_t", 224, "torchvision Swin-T (shifted windows), 224x224"),
+        tv("swin_t", "swin_transformer", "swin_t", 64, "torchvision Swin-T (shifted windows, padded to 7x7), 64x64"),
         tv("vit_small", "vision_transformer", "VisionTransformer", 32,
            "torchvision ViT: 32x32, patch 8, 2 layers, 4 heads, hidden 64",
            image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128),
