@@ -16,12 +16,19 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "zoo.json"
+
+
+def _short(error: str | None, limit: int = 150) -> str:
+    """An error for a table cell: without the temporary file's path, `|` escaped, cut at `limit`."""
+    text = re.sub(r"^\S+\.(onnx|pt2): ", "", error or "").replace("|", "\\|")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def table(rows: list[dict]) -> str:
@@ -31,13 +38,13 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         if r["compile_s"] is None:
-            lines.append(f"| {r['model']} | {r['path']} | — | — | — | — | — | fails: {r['error']} |")
+            lines.append(f"| {r['model']} | {r['path']} | — | — | — | — | — | fails: {_short(r['error'])} |")
             continue
         same = ", ".join("yes" if r["split_identical"].get(k) else "NO" for k in ("K=2", "K=3"))
         lines.append(
             f"| {r['model']} | {r['path']} | {r['compile_s']:.1f} | {r['nodes']} / {r['kernels']} | "
             f"{r['ref_error']:.1e} | {r['ref_ms']:.1f} / {r['torch_ms']:.1f} | {same} | "
-            f"{'ok' if r['ok'] else r['error']} |")
+            f"{'ok' if r['ok'] else _short(r['error'])} |")
     return "\n".join(lines)
 
 
