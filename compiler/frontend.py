@@ -160,7 +160,8 @@ def _from_onnx(path: Path, batch: int | None) -> Imported:
         with onnxprep.locate_failure() as where:
             mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
     except Exception as exc:
-        node = f" at node '{where.name}' ({where.op_type})" if where.op_type else ""
+        node = "" if not where.op_type else f" at node '{where.name}' ({where.op_type})" if where.name \
+            else f" at an unnamed {where.op_type} node"
         raise SourceError(f"{path}: TVM's ONNX importer fails{node}: {type(exc).__name__}: {one_line(exc)}; "
                           "re-export the model without that construct or simplify that node") from None
     imp = _bind(mod, path.stem, {"kind": "onnx", "name": path.name, "sha256": sha256_file(path)})
