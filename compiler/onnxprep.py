@@ -62,16 +62,27 @@ def fold_constants(model: Any, shapes: dict[str, list[int]]) -> Any:
         for name, arr in zip(node.output, value):
             known[name] = arr
             added.append(numpy_helper.from_array(np.asarray(arr), name))
-    if not added:
-        return model
     used = {i for n in kept for i in n.input} | outputs
-    new_inits = [i for i in graph.initializer if i.name in used] + [a for a in added if a.name in used]
+    # Integer values (shapes, indices, masks) go in as Constant nodes: with keep_params_in_input
+    # TVM's importer makes every initializer a parameter, and an `Expand` whose shape is a parameter
+    # gets symbolic dims (`vm.builtin.tensor_to_shape`), which the next `Reshape` cannot infer from.
+    values = [i for i in graph.initializer if i.name in used] + [a for a in added if a.name in used]
+    consts = [v for v in values if not _is_float(v)]
+    if not added and not consts:
+        return model
+    const_nodes = [helper.make_node("Constant", [], [v.name], name=f"folded:{v.name}", value=v) for v in consts]
     del graph.node[:]
-    graph.node.extend(kept)
+    graph.node.extend(const_nodes + kept)
     del graph.initializer[:]
-    graph.initializer.extend(new_inits)
+    graph.initializer.extend(v for v in values if _is_float(v))
     del graph.value_info[:]  # stale for folded values; TVM infers its own
     return helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+
+
+def _is_float(tensor: Any) -> bool:
+    from onnx import TensorProto
+
+    return tensor.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 
 
 def _fold_node(node: Any, known: dict[str, np.ndarray], static: dict[str, list[int]],
