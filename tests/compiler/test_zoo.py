@@ -168,6 +168,27 @@ def test_onnx_clip_and_scalar_constant_of_shape_compile(tmp_path):
     np.testing.assert_array_equal(cpu, np.clip(x, 0, 6) * 2)
 
 
+def test_onnx_expand_to_an_initializer_shape_keeps_static_shapes(tmp_path):
+    """transformers' ONNX attention: `Expand` to a shape held in an int64 initializer, then `Reshape`
+    with a -1. TVM's importer turned the initializer into a parameter, the Expand's dims went
+    symbolic and the Reshape failed (`Reshape expects the input tensor to have known shape`);
+    integer initializers are now Constant nodes."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.array([2, 3], np.int64), "to_shape"),
+             numpy_helper.from_array(np.array([-1], np.int64), "flat")]
+    nodes = [helper.make_node("Expand", ["x", "to_shape"], ["e"], name="expand"),
+             helper.make_node("Reshape", ["e", "flat"], ["y"], name="flatten")]
+    path = _onnx(tmp_path / "expand.onnx", nodes, inits,
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6])])
+    ex = quiet_export(path)
+    x = np.arange(3, dtype=np.float32).reshape(1, 3)
+    ref, cpu = reference_and_cpu(ex, tmp_path, [x])
+    np.testing.assert_array_equal(ref, np.broadcast_to(x, (2, 3)).reshape(-1))
+    np.testing.assert_array_equal(cpu, ref)
+
+
 def test_onnx_importer_failure_names_the_node_in_one_line(tmp_path, capfd):
     """A node TVM's importer rejects is named (name and op type); TVM's stdout dump is swallowed."""
     from onnx import TensorProto, helper
