@@ -55,7 +55,12 @@ def rewrite_main(mod: Any, *, map_param: Callable[[Any], Any] = lambda p: p,
                     elif isinstance(v, (relax.Var, relax.Tuple, tvm.ir.GenericConst)):
                         new_value = conv(v)
                     else:
-                        raise CompileError(f"cannot rewrite binding '{b.var.name}' ({type(v).__name__})")
+                        from tvmpipe.compiler.graphjson import describe
+
+                        raise CompileError(f"model op '{describe(v)}' at binding '{b.var.name}' is not supported: TVM's "
+                                           "importer computes a value at run time there (e.g. a shape from a tensor: "
+                                           "an ONNX Expand or Reshape whose shape input is not a constant); export "
+                                           "the model with static shapes")
                     if isinstance(new_value, tvm.ir.GenericConst) and isinstance(b.var, relax.DataflowVar):
                         vmap[b.var.__chandle__()] = new_value  # folded: uses read the constant
                         continue

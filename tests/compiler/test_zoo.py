@@ -189,6 +189,24 @@ def test_onnx_expand_to_an_initializer_shape_keeps_static_shapes(tmp_path):
     np.testing.assert_array_equal(cpu, ref)
 
 
+def test_shape_computed_at_run_time_names_the_builtin(tmp_path):
+    """I: an Expand to a shape that is a graph input becomes `vm.builtin.tensor_to_shape` (was:
+    `cannot rewrite binding 'lv35' (Call)`); the error names it and says what to change."""
+    from onnx import TensorProto, helper
+
+    from tvmpipe.compiler.errors import CompileError
+
+    path = _onnx(tmp_path / "dyn.onnx", [helper.make_node("Expand", ["x", "s"], ["y"], name="expand")], [],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3]),
+                  helper.make_tensor_value_info("s", TensorProto.INT64, [2])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    with pytest.raises(CompileError) as info:
+        quiet_export(path)
+    assert "\n" not in str(info.value)
+    assert re.search(r"model op 'vm\.builtin\.tensor_to_shape' at binding '\w+' is not supported.*static shapes",
+                     str(info.value)), str(info.value)
+
+
 def test_onnx_importer_failure_names_the_node_in_one_line(tmp_path, capfd):
     """A node TVM's importer rejects is named (name and op type); TVM's stdout dump is swallowed."""
     from onnx import TensorProto, helper
