@@ -4,7 +4,7 @@
 
 Every zoo model (compiler/zoo.py: torchvision CNNs, transformers from small configs, random seeded
 weights, no downloads) is exported to .pt2 and to ONNX, compiled, and checked by
-`tvmpipe.zoocheck.check_model`. Prints the coverage table (the README's) and writes
+`tvmpipe.app.zoocheck.check_model`. Prints the coverage table (the README's) and writes
 bench/results/zoo.json with the machine's load average: this 2-core machine is shared, and other
 work inflates compile and run times. Exits 1 if any model fails a check (a path torch itself
 cannot export is listed, not counted).
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
         return 0 if all(r["ok"] or r.get("exporter_failed") for r in rows) else 1
 
-    from tvmpipe.zoocheck import check_model
+    from tvmpipe.app.zoocheck import check_model
 
     load_before = os.getloadavg()[0]
     rows = []

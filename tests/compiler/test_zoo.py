@@ -1,6 +1,6 @@
 """Published architectures (compiler/zoo.py) through both export paths, and the compiler fixes they needed.
 
-The zoo subset runs `tvmpipe.zoocheck.check_model`: reference backend within 1e-4 x max|torch| of
+The zoo subset runs `tvmpipe.app.zoocheck.check_model`: reference backend within 1e-4 x max|torch| of
 torch eager, TVM's CPU build of the same functions too, K = 2 and 3 equal-op splits bit-identical
 to the single-process run. The whole zoo (and nvcc for sm_80/sm_90 on every kernels.cu) is
 bench/zoo.py. Each fix below has a tiny model that failed before it.
@@ -60,7 +60,7 @@ SUBSET = [("mobilenet_v2", "onnx"), ("bert_mask", "pt2"), ("bert_mask", "onnx"),
 @pytest.mark.slow
 @pytest.mark.parametrize("name, path", SUBSET, ids=[f"{n}-{p}" for n, p in SUBSET])
 def test_zoo_model_matches_torch_and_splits_bit_identical(name, path, tmp_path):
-    from tvmpipe.zoocheck import TOLERANCE, check_model
+    from tvmpipe.app.zoocheck import TOLERANCE, check_model
 
     r = check_model(name, path, tmp_path, nvcc=False, repeat=1)
     assert r.error is None, r.error

@@ -8,7 +8,7 @@ Checks, in order, for a zoo model (compiler/zoo.py) and an export path (.pt2 or 
   pipeline feeds them, give the single-process run's bytes exactly;
 - nvcc accepts kernels.cu for sm_80 and sm_90 (skipped, `None`, where nvcc is not installed).
 
-It sits above compiler, executor and partition, so it lives in the application layer; bench/zoo.py
+It sits above compiler, executor and partition, so it lives in the application layer (app/); bench/zoo.py
 and the tests call it.
 """
 
