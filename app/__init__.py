@@ -12,7 +12,9 @@ parse their command lines and print or write; what they do is here:
 - run.py: `PipelineRun` (connect, start, stream, keep what completed) and `run_checked` (compare
   with the single-process oracle, write outputs and timeline atomically);
 - oracle.py: the single-process oracle and the comparison with it;
-- sweep.py: the sweep's measurements (the plans and predictions are partition/'s).
+- sweep.py: the sweep's measurements (the plans and predictions are partition/'s);
+- zoocheck.py: one model-zoo entry (compiler/zoo.py) exported, compiled and checked against torch,
+  the TVM CPU build and K = 2, 3 splits (bench/zoo.py and tests/compiler/test_zoo.py).
 
 Nothing heavy is imported here: `tvmpipe --help` loads args.py.
 """

@@ -24,7 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="batch size (built-in models: default 1; files: must match a static batch, "
                         "or sets a symbolic leading ONNX dimension)")
     p.add_argument("--dtype", choices=["float32", "float16"], default=None,
-                   help="compute dtype (built-in models: default float32; files: must match the model)")
+                   help="compute dtype (default: the model's own, float32 for built-ins); float16 converts a "
+                        "float32 model's inputs, weights and compute, files included")
+    p.add_argument("--name", default=None,
+                   help="the bundle's model name (default: the built-in's name, the .pt2 program's module "
+                        "class, or the .onnx file's stem)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in models' weights (default 0)")
     p.add_argument("--omit-params", action="store_true",
                    help="leave the weights out; the bundle says they are generated from --seed on load "
@@ -36,10 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tvmpipe.compiler.export import compile_model
-    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.compiler.progress import Progress, native_stderr_silenced
 
     progress = Progress(stream=None if args.quiet else sys.stderr)
-    path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
-                         seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress)
+    with native_stderr_silenced(args.quiet):  # TVM's C++ warnings bypass sys.stderr
+        path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
+                             seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
+                             name=args.name)
     print(path)
     return 0

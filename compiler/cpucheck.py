@@ -55,7 +55,7 @@ class CpuRunner:
 
         def place(eid: int, arr: np.ndarray) -> None:
             e = g.entries[eid]
-            arr = np.ascontiguousarray(arr, dtype=dtypes.np_dtype(e.dtype)).reshape(e.shape)
+            arr = np.asarray(arr, dtype=dtypes.np_dtype(e.dtype), order="C").reshape(e.shape)
             if use_storage_plan:
                 view = storage[e.storage_id][: e.nbytes].view(arr.dtype).reshape(e.shape)
                 view[...] = arr
@@ -80,7 +80,7 @@ class CpuRunner:
             func = self.functions.get(node.func_name)
             if func is None:
                 raise CompileError(f"{node.label()} calls '{node.func_name}', which the CPU build does not have")
-            args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in in_arrays]
+            args = [tvm.runtime.tensor(np.asarray(a, order="C")) for a in in_arrays]  # 0-d stays 0-d
             outs = [tvm.runtime.empty(g.entries[eid].shape, g.entries[eid].dtype) for eid in out_ids]
             func(*args, *outs)
             for eid, out in zip(out_ids, outs):

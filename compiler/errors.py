@@ -35,3 +35,11 @@ class TvmMissingError(CompileError):
             f"`tvmpipe compile` needs the '{module}' package, which is not installed; "
             "install the compile extra with `pip install -e '.[compile]'`"
         )
+
+
+def one_line(exc: BaseException) -> str:
+    """TVM's multi-line errors (C++ traces, TIR dumps) as their one line that says what failed."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    msg = next((ln for ln in lines if "Check failed" in ln or ln.startswith(("ValueError", "TypeError"))),
+               lines[-1] if lines else type(exc).__name__)
+    return msg[:400]

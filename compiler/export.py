@@ -8,14 +8,15 @@ here, inside functions: `import tvmpipe.compiler` works without it.
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
-from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError
+from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError, one_line
 from tvmpipe.compiler.progress import Progress
 
 DEFAULT_ARCH = "sm_90"
@@ -73,6 +74,19 @@ class Exported:
         )
 
 
+@contextmanager
+def _step(progress: Progress, name: str, detail: str = "") -> Iterator[None]:
+    """A timed step whose unexpected TVM failure becomes one line naming the step, not a traceback."""
+    with progress.step(name, detail):
+        try:
+            yield
+        except CompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TVM raises TVMError, TypeError, ValueError, ...
+            raise CompileError(f"TVM fails in the {name} step ({type(exc).__name__}: {one_line(exc)}); the model "
+                               "uses a construct tvmpipe cannot compile yet: please report it with the model") from None
+
+
 def default_rules() -> list[Any]:
     import tvm.s_tir.dlight as dl
 
@@ -80,7 +94,7 @@ def default_rules() -> list[Any]:
 
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
-           seed: int = 0, progress: Progress | None = None) -> Exported:
+           seed: int = 0, progress: Progress | None = None, name: str | None = None) -> Exported:
     """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`."""
     from tvmpipe.compiler import launches
 
@@ -94,23 +108,25 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
 
     from tvmpipe.compiler import frontend
 
-    with progress.step("import", source):
+    with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed)
+    if name:
+        imp.model = name
     target = launches.cuda_target(arch)
     names = imp.const_names
-    with progress.step("fold"), target:
+    with _step(progress, "fold"), target:
         mod = _fold(imp.mod, names)
         if dtype is not None and dtype != imp.dtype:
             mod = _convert(mod, imp, dtype, names)
-    with progress.step("fuse"), target:
+    with _step(progress, "fuse"), target:
         fused = _fuse(mod, names)
     prims = {name: fused.mod[name] for name in fused.calls}
-    with progress.step("schedule", f"{len(prims)} functions"):
+    with _step(progress, "schedule", f"{len(prims)} functions"):
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
         fp16 = any(d == "float16" for n in fused.graph.nodes for _, d in n.outputs)
         with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
-            scheduled = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
-    with progress.step("codegen", f"CUDA {arch}"):
+            scheduled = _schedule(fused, prims)
+    with _step(progress, "codegen", f"CUDA {arch}"):
         kernels, ops, src = _codegen(fused, scheduled, prims, target)
     return Exported(
         model=imp.model, source=imp.source, target={"kind": "cuda", "arch": arch}, batch=imp.batch,
@@ -128,7 +144,7 @@ def _fold(mod: Any, names: Any) -> Any:
     import tvm
     from tvm import relax
 
-    from tvmpipe.compiler import npfold
+    from tvmpipe.compiler import lowfold, npfold
 
     mod = tvm.transform.Sequential([
         relax.transform.FoldBatchnormToConv2D(), relax.transform.DecomposeOpsForInference(),
@@ -137,7 +153,7 @@ def _fold(mod: Any, names: Any) -> Any:
     mod = npfold.fold_constants(mod, names)
     folded = relax.transform.FoldConstant()(mod)
     names.track_fold(mod["main"], folded["main"])
-    return relax.transform.DeadCodeElimination()(folded)
+    return lowfold.fold_after_legalize(relax.transform.DeadCodeElimination()(folded), names)
 
 
 def _convert(mod: Any, imp: Any, dtype: str, names: Any) -> Any:
@@ -167,15 +183,17 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     import tvm
     from tvm import relax
 
-    from tvmpipe.compiler import graphjson, opmap
+    from tvmpipe.compiler import graphjson, lowfold, opmap, scanops
 
     prog = opmap.record_ops(mod["main"])
+    mod = scanops.scans_to_reductions(mod)  # before DispatchSortScan, which would take them
     mod = tvm.transform.Sequential([
         relax.backend.DispatchSortScan(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
     ])(mod)
     refolded = relax.transform.FoldConstant()(mod)
     names.track_fold(mod["main"], refolded["main"])
-    fusion = opmap.Fusion(refolded["main"], prog)
+    # anything this second fold still folds reads as its constant (a param), as in the first
+    fusion = opmap.Fusion(refolded["main"], prog, folded=lowfold.match_folded(mod["main"], refolded["main"]))
     mod = relax.transform.FuseOps()(refolded)
     groups = fusion.groups(mod)
     mod = tvm.transform.Sequential([
@@ -197,6 +215,43 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     return _Fused(mod, built, fusion, prog, _calls_by_function(built, group_of))
 
 
+def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
+    """dlight schedules for every function; one whose rules crash gets the Fallback rule alone.
+
+    dlight's reduction rules raise on some fused shapes (a layer_norm fused with the padding of
+    Swin's windows at 64 px); Fallback schedules any function as plain thread blocks. A function
+    that even Fallback cannot schedule is reported with its model ops and graph node.
+    """
+    import tvm
+    import tvm.s_tir.dlight as dl
+
+    try:
+        return dl.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
+    except Exception:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; retried per function below
+        pass
+    out = {}
+    for name, func in prims.items():
+        one = tvm.IRModule({name: func})
+        try:
+            out[name] = dl.ApplyDefaultSchedule(*default_rules())(one)[name]
+            continue
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            out[name] = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({name: func}))[name]
+        except Exception as exc:  # noqa: BLE001
+            node, group = fused.calls[name]
+            raise UnsupportedOpError(_model_ops(fused, group, name), node, "TVM's dlight GPU scheduler fails on it "
+                                     f"({type(exc).__name__}: {one_line(exc)})") from None
+    return tvm.IRModule(out)
+
+
+def _model_ops(fused: _Fused, group: Any, name: str) -> str:
+    from tvmpipe.compiler import opmap
+
+    return ", ".join(fused.prog.ops[opmap.key(v)].op for v in group.op_vars + group.split_ops) or name
+
+
 def _codegen(fused: _Fused, scheduled: Any, prims: dict[str, Any],
              target: Any) -> tuple[dict[str, KernelFunction], dict[str, FusedFunction], str]:
     """Launch lists, op programs and the CUDA source; rejects functions a launch list cannot run."""
@@ -206,7 +261,7 @@ def _codegen(fused: _Fused, scheduled: Any, prims: dict[str, Any],
     ops: dict[str, FusedFunction] = {}
     device: dict[str, Any] = {}
     for name, (node_name, group) in fused.calls.items():
-        model_ops = ", ".join(fused.prog.ops[opmap.key(v)].op for v in group.op_vars + group.split_ops) or name
+        model_ops = _model_ops(fused, group, name)
         try:
             lowered = launches.lower_function(name, scheduled[name], target)
         except launches.HostCodeError as exc:
@@ -245,13 +300,13 @@ def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
 
 def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
-                  progress: Progress | None = None) -> Path:
+                  progress: Progress | None = None, name: str | None = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CompileError(f"{out} already exists (pass --force to replace it)")
-    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress)
+    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name)
     with progress.step("write", str(out)):
         path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
     return path

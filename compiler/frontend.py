@@ -17,8 +17,10 @@ import numpy as np
 
 from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
-from tvmpipe.compiler.errors import SourceError
+from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.models import build_builtin, get_builtin
+from tvmpipe.compiler.boolcmp import bool_compares_as_int8
+from tvmpipe.compiler.tecalls import te_calls_to_ops
 
 
 @dataclass
@@ -83,11 +85,22 @@ def _from_pt2(path: Path, batch: int | None) -> Imported:
             ep = torch.export.load(str(path))
     except Exception as exc:  # torch raises many types for a bad archive
         raise SourceError(f"{path}: not a readable torch.export program (.pt2): {type(exc).__name__}: {exc}") from None
-    imp = _from_exported(ep, path.stem, {"kind": "torch", "name": path.name, "sha256": sha256_file(path)})
+    imp = _from_exported(ep, _class_name(ep) or path.stem, {"kind": "torch", "name": path.name,
+                                                             "sha256": sha256_file(path)})
     if batch is not None and imp.batch != batch:
         raise SourceError(f"{path}: the program was exported with batch {imp.batch}; --batch {batch} needs a "
                           "re-export (torch.export fixes static shapes)")
     return imp
+
+
+def _class_name(ep: Any) -> str | None:
+    """The exported module's class (`MyModel`), from the root entry torch.export records in every
+    node's `nn_module_stack`; a file named `model.pt2` should not make every bundle `model`."""
+    for node in ep.graph.nodes:
+        for fqn, cls in (node.meta.get("nn_module_stack") or {}).values():
+            if fqn == "" and isinstance(cls, str) and cls:
+                return cls.rsplit(".", 1)[-1]
+    return None
 
 
 def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
@@ -140,10 +153,17 @@ def _from_onnx(path: Path, batch: int | None) -> Imported:
         shape_dict[vi.name] = dims
     from tvm.relax.frontend.onnx import from_onnx
 
+    from tvmpipe.compiler import onnxprep
+
+    model = onnxprep.fold_constants(model, shape_dict)
     try:
-        mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
+        with onnxprep.locate_failure() as where:
+            mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
     except Exception as exc:
-        raise SourceError(f"{path}: TVM cannot import this ONNX model: {type(exc).__name__}: {exc}") from None
+        node = "" if not where.op_type else f" at node '{where.name}' ({where.op_type})" if where.name \
+            else f" at an unnamed {where.op_type} node"
+        raise SourceError(f"{path}: TVM's ONNX importer fails{node}: {type(exc).__name__}: {one_line(exc)}; "
+                          "re-export the model without that construct or simplify that node") from None
     imp = _bind(mod, path.stem, {"kind": "onnx", "name": path.name, "sha256": sha256_file(path)})
     if batch is not None and imp.batch != batch:
         raise SourceError(f"{path}: the model has a static batch of {imp.batch}; --batch {batch} needs a "
@@ -172,6 +192,7 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
         const_names.add(const, var.name)
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
+    mod = bool_compares_as_int8(te_calls_to_ops(mod))
     inputs = list(mod["main"].params)
     try:
         shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]

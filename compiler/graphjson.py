@@ -117,7 +117,7 @@ def build_graph(main: Any, const_name: Any, op_of_var: Any) -> BuiltGraph:
                 entry_of[key(b.var)] = entry_of[key(v)]
                 continue
             else:
-                raise UnsupportedOpError(op_of_var(b.var) or _describe(v), b.var.name, _why(v))
+                raise UnsupportedOpError(op_of_var(b.var) or describe(v), b.var.name, _why(v))
             nid = len(nodes) - 1
             n_out = len(nodes[nid].outputs)
             is_tuple = isinstance(b.var.ty, relax.TupleType)
@@ -132,10 +132,12 @@ def build_graph(main: Any, const_name: Any, op_of_var: Any) -> BuiltGraph:
     return BuiltGraph(_to_json(nodes, heads), nodes, params, inputs)
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     import tvm
     from tvm import relax
 
+    if isinstance(value, tvm.ir.Call) and isinstance(value.op, relax.ExternFunc):
+        return str(value.op.global_symbol)  # e.g. vm.builtin.tensor_to_shape
     if isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op):
         name = value.op.name
         if value.args and isinstance(value.args[0], relax.ExternFunc):
@@ -148,7 +150,7 @@ def _why(value: Any) -> str:
     """Why a binding of the fused main is not a kernel call, in the user's terms."""
     import tvm
 
-    callee = _describe(value)
+    callee = describe(value)
     if isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op) and callee.startswith("relax.call"):
         return f"TVM lowers it to `{callee}`, not to GPU kernels a launch list can run"
     return f"TVM has no GPU kernel lowering for `{callee}`"

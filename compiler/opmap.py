@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tvmpipe.bundle.manifests import FusedFunction, OpRecord, Ref
-from tvmpipe.compiler.errors import CompileError
+from tvmpipe.compiler.errors import CompileError, UnsupportedOpError
 
 # Constants at most this many elements are written inline into ops.json; larger ones must be
 # function arguments (graph params), or the op program would duplicate weights.
 MAX_INLINE_CONST = 64
+# Argument names of ops whose registration lists fewer arguments than their calls pass (the Relax
+# Python API's parameter names); without them the attrs would be `arg1`, `arg2`, ...
+ARG_NAMES = {"relax.strided_slice": ["x", "axes", "begin", "end", "strides"]}
 
 
 def key(obj: Any) -> int:
@@ -133,9 +136,17 @@ def record_ops(main: Any) -> Program:
         if not (isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op)):
             continue
         name = value.op.name
+        if name == "relax.call_tir":
+            from tvmpipe.compiler.tecalls import TE_AS_RELAX, te_name
+
+            raise UnsupportedOpError(
+                te_name(value.args[0]), b.var.name,
+                f"TVM's importer built it as a generated TIR function ('{value.args[0].name_hint}') instead of a "
+                f"Relax op, so ops.json cannot describe it (tvmpipe maps only {', '.join(TE_AS_RELAX)} back to "
+                "Relax ops); replace that op in the model")
         attrs = attrs_to_json(value.attrs)
         inputs = []
-        arg_names = [a.name for a in value.op.arguments]
+        arg_names = ARG_NAMES.get(name) or [a.name for a in value.op.arguments]
         for k, arg in enumerate(value.args):
             if is_tensor(arg):
                 inputs.append(arg)
@@ -221,8 +232,9 @@ class Fusion:
     binding exactly.
     """
 
-    def __init__(self, legalized_main: Any, prog: Program):
+    def __init__(self, legalized_main: Any, prog: Program, folded: dict[int, Any] | None = None):
         self.prog = prog
+        self.folded = folded or {}  # var -> the constant FoldConstant replaced it with
         self.by_key: dict[tuple, Any] = {}
         self.canon: dict[int, Any] = {}
         for b in bindings(legalized_main):
@@ -236,7 +248,8 @@ class Fusion:
         self.owner = owners(legalized_main, prog)
 
     def canonical(self, expr: Any) -> Any:
-        return self.canon.get(key(expr), expr)
+        k = key(expr)
+        return self.folded[k] if k in self.folded else self.canon.get(k, expr)
 
     def groups(self, fused_mod: Any) -> list[Group]:
         """One Group per call in the fused main (of a Primitive function or of a lone call_tir)."""

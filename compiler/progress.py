@@ -43,3 +43,37 @@ class Progress:
     def note(self, message: str) -> None:
         if self.stream is not None:
             print(f"{self._elapsed()} {message}", file=self.stream, flush=True)
+
+
+@contextmanager
+def native_stderr_silenced(enabled: bool = True) -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: TVM's C++ logger writes warnings there directly
+    (`Warning: Fast mode segfaults ...`), past Python's sys.stderr, so `--quiet` must close the fd.
+
+    On an error, the original exception chained to ours keeps TVM objects alive whose destructors
+    warn (`BlockBuilder destroyed with remaining blocks`); the chain is dropped and collected while
+    fd 2 is still silenced, so the one error line the CLI prints afterwards is all that shows.
+    """
+    import gc
+    import os
+    import sys
+
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    except BaseException as exc:
+        exc.__context__ = None
+        exc.__cause__ = None
+        gc.collect()
+        raise
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from tvmpipe.compiler.errors import CompileError
+from tvmpipe.compiler.errors import CompileError, one_line
 
 # (binding, op, mapped args) -> the new value: a Call to emit, or a constant that replaces the var.
 CallRewrite = Callable[[Any, Any, list[Any]], Any]
@@ -55,11 +55,26 @@ def rewrite_main(mod: Any, *, map_param: Callable[[Any], Any] = lambda p: p,
                     elif isinstance(v, (relax.Var, relax.Tuple, tvm.ir.GenericConst)):
                         new_value = conv(v)
                     else:
-                        raise CompileError(f"cannot rewrite binding '{b.var.name}' ({type(v).__name__})")
+                        from tvmpipe.compiler.graphjson import describe
+
+                        raise CompileError(f"model op '{describe(v)}' at binding '{b.var.name}' is not supported: TVM's "
+                                           "importer computes a value at run time there (e.g. a shape from a tensor: "
+                                           "an ONNX Expand or Reshape whose shape input is not a constant); export "
+                                           "the model with static shapes")
                     if isinstance(new_value, tvm.ir.GenericConst) and isinstance(b.var, relax.DataflowVar):
                         vmap[b.var.__chandle__()] = new_value  # folded: uses read the constant
                         continue
                     emit = bb.emit if isinstance(b.var, relax.DataflowVar) else bb.emit_output
-                    vmap[b.var.__chandle__()] = emit(new_value, name_hint=b.var.name)
+                    try:
+                        vmap[b.var.__chandle__()] = emit(new_value, name_hint=b.var.name)
+                    except Exception as exc:  # noqa: BLE001 - Relax re-infers types: name the binding
+                        op = v.op.name if isinstance(v, tvm.ir.Call) and isinstance(v.op, tvm.ir.Op) else type(v).__name__
+                        raise CompileError(f"model op '{op}' at binding '{b.var.name}' does not type-check once "
+                                           f"rebuilt ({type(exc).__name__}: {one_line(exc)}); the importer mixed "
+                                           "dtypes there (e.g. int32 and int64 shape values)") from None
         bb.emit_func_output(conv(main.body.body))
-    return tvm.IRModule({"main": bb.get()["main"]})
+    # other functions (PrimFuncs an importer generated with emit_te) are kept under their GlobalVars
+    others = {gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"}
+    out = tvm.IRModule(others)
+    out["main"] = bb.get()["main"]
+    return out

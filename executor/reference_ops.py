@@ -555,6 +555,12 @@ def _strided_slice(x, a, r):
     return v[tuple(sl)]
 
 
+@op("index_tensor")
+def _index_tensor(x, a, r):
+    """NumPy advanced indexing: the index tensors (broadcast together) select along the leading axes."""
+    return x[0][tuple(i.astype(np.int64) for i in x[1:])]
+
+
 @op("take")
 def _take(x, a, r):
     mode = a.get("mode", "fast")

@@ -58,7 +58,8 @@ def write_onnx_model(path: Path, seed: int = 0) -> Path:
 
 
 def write_unsupported_onnx(path: Path, op: str) -> Path:
-    """A model whose middle node is TopK or CumSum: sort/scan ops a flat launch list cannot express."""
+    """A model whose middle node is TopK (a sort a flat launch list cannot express: rejected) or
+    CumSum (a scan: compiled as one reduction, compiler/scanops.py)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
