@@ -446,11 +446,13 @@ class Pipeline:
                 raise PipelineError(f"pipeline stalled: {signal.message}; worker status: {self.status()}",
                                     None, signal.message)
             for stage, why in failed.items():
-                self.errors.append(f"stage {stage}: {why}")
+                # The host matters on a multi-node cluster: a dead node or a cut link is what to look at.
+                host = self._addresses[stage][0] if stage < len(self._addresses) else "?"
+                self.errors.append(f"stage {stage} (host {host}): {why}")
                 self.restarts[stage] += 1
                 if self.restarts[stage] > self.max_restarts:
-                    raise PipelineError(f"stage {stage} failed {self.restarts[stage]} times "
-                                        f"(max_restarts={self.max_restarts}); last error: {why}", stage, why)
+                    raise PipelineError(f"stage {stage} failed {self.restarts[stage]} times (host {host}, "
+                                        f"max_restarts={self.max_restarts}); last error: {why}", stage, why)
             try:
                 self._rewire(sorted(failed))
                 return
