@@ -2,8 +2,8 @@
 
 Starting 4 Ray nodes costs ~20-40 s and ~2 GB on the 2-core machines, so every multi-host test
 shares ONE bed (`raybed`), torn down at session end; the teardown asserts that no process,
-namespace or interface of the bed is left. Tests that break a node restore it themselves
-(`RayBed.revive`), so the next test finds the full cluster.
+namespace or interface of the bed is left. Tests take it through `bed`, which first brings back
+whatever an earlier test broke (`RayBed.revive`: a few seconds when nothing is broken).
 
 These tests need root (network namespaces); they are skipped without it.
 """
@@ -53,3 +53,10 @@ def raybed(netbed_ok):
         finally:
             bed.down()
     assert net.leftovers() == []
+
+
+@pytest.fixture
+def bed(raybed: RayBed) -> RayBed:
+    """The session's bed with every host in the cluster."""
+    raybed.revive()
+    return raybed

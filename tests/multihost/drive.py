@@ -6,7 +6,7 @@ the test (outside the namespaces) can act at the right moment and measure:
 
   {"event": "ready", "addresses": [[host, port], ...]}   every stage's listener, then the driver's
   {"event": "output", "seq": i, "t": wall time}           micro-batch i's outputs arrived
-  {"event": "end", "restarts": [...], "errors": [...], "error": null | {...}}
+  {"event": "end", "restarts": [...], "errors": [...], "error": null | {...}, "addresses": [...]}
 
 With "hold" it waits for a line on stdin after "ready" (the test inspects sockets meanwhile).
 "pace_s" spaces submissions so a fault lands mid-run. Outputs go to "out" (npz: output<k> stacked).
@@ -64,10 +64,10 @@ def main(cfg: dict) -> None:
         except PipelineError as exc:
             outputs += exc.completed
             error = {"message": str(exc), "stage": exc.stage, "last_error": exc.last_error}
-        restarts, errors = list(pipe.restarts), list(pipe.errors)
+        restarts, errors, addresses = list(pipe.restarts), list(pipe.errors), [list(a) for a in pipe.addresses]
     if outputs:
         np.savez(cfg["out"], **{f"output{k}": np.stack([o[k] for o in outputs]) for k in range(len(outputs[0]))})
-    say(event="end", completed=len(outputs), restarts=restarts, errors=errors, error=error)
+    say(event="end", completed=len(outputs), restarts=restarts, errors=errors, error=error, addresses=addresses)
 
 
 if __name__ == "__main__":

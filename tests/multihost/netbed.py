@@ -94,14 +94,18 @@ class Host:
         """Plug or unplug the host's cable (its veth; the peer on the switch follows)."""
         ip("-n", self.name, "link", "set", self.interface, "up" if up else "down")
 
-    def kill_all(self, sig: int = signal.SIGKILL) -> list[int]:
-        """Signal every process on the host (a host crash); return the pids signalled."""
+    def kill_all(self, sig: int = signal.SIGKILL, wait: float = 0.0) -> list[int]:
+        """Signal every process on the host (a host crash), waiting up to `wait` s for them to be
+        gone; return the pids signalled."""
         pids = self.pids()
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        deadline = time.time() + wait
+        while self.pids() and time.time() < deadline:
+            time.sleep(0.1)
         return pids
 
 

@@ -109,7 +109,7 @@ class RayBed:
         """Addresses of the nodes the head's GCS counts as alive."""
         code = "import ray; ray.init(log_to_driver=False); print(' '.join(sorted(n['NodeManagerAddress'] " \
                "for n in ray.nodes() if n['Alive'])))"
-        done = self.head.run(sys.executable, "-c", code, env=self.env, timeout=120)
+        done = self.head.run(sys.executable, "-c", code, env=self.env, timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"cannot list the bed's Ray nodes:\n{(done.stdout + done.stderr)[-2000:]}")
         return done.stdout.split()
@@ -132,6 +132,33 @@ class RayBed:
     def popen(self, *argv: str, host: Host | None = None, **kw) -> subprocess.Popen:
         return subprocess.Popen((host or self.head).command(sys.executable, *argv), env=self.env,
                                 stdout=subprocess.PIPE, text=True, **kw)
+
+    def running(self, host: Host, program: str) -> bool:
+        """Whether a process named `program` (its comm) runs on the host."""
+        for pid in host.pids():
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == program:
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def revive(self, timeout: float = 120) -> None:
+        """Bring the cluster back to every host alive, after a test broke part of it: without its GCS
+        everything starts again; a worker host the GCS does not count as alive is wiped and rejoins."""
+        for h in self.net.hosts:
+            h.link(True)
+        if not self.running(self.head, "gcs_server"):
+            for h in self.net.hosts:
+                h.kill_all(wait=10)
+            self.up(timeout)
+            return
+        alive = set(self.alive_nodes())
+        for h in self.workers:
+            if h.address not in alive or not self.running(h, "raylet"):
+                h.kill_all(wait=10)
+                self.start_worker(h)
+        self.wait_nodes(len(self.net.hosts), timeout)
 
     def down(self) -> None:
         """Processes and namespaces go with the NetBed; here only Ray's files."""

@@ -54,9 +54,9 @@ def _check_sockets(bed: RayBed, addresses: list[tuple[str, int]], edges) -> dict
 
 
 @pytest.mark.parametrize("k,gpus", [(2, 1.0), (4, 0.0)])
-def test_stages_one_per_host(raybed: RayBed, tmp_path: Path, k: int, gpus: float):
+def test_stages_one_per_host(bed: RayBed, tmp_path: Path, k: int, gpus: float):
     """K=2: GPU stages on two worker hosts; K=4: CPU stages on all four hosts, the head included."""
-    bundle_dir = raybed.head_only / "mlp"
+    bundle_dir = bed.head_only / "mlp"
     out = tmp_path / "out.npz"
     topo = build_topology(load_bundle(bundle_dir), plan_equal_ops(load_bundle(bundle_dir).graph, k))
     driver = k  # index of the driver's address in the "ready" event's list
@@ -70,11 +70,11 @@ def test_stages_one_per_host(raybed: RayBed, tmp_path: Path, k: int, gpus: float
             stage_hosts = [a[0] for a in addrs[:k]]
             assert len(set(stage_hosts)) == k, f"STRICT_SPREAD put two stages on one host: {stage_hosts}"
             if gpus:
-                assert raybed.head.address not in stage_hosts, "a GPU stage landed on the head (0 GPUs)"
-            assert addrs[driver][0] == raybed.head.address, "the driver's listener is not on the head's address"
-            checked.update(_check_sockets(raybed, addrs, edges))
+                assert bed.head.address not in stage_hosts, "a GPU stage landed on the head (0 GPUs)"
+            assert addrs[driver][0] == bed.head.address, "the driver's listener is not on the head's address"
+            checked.update(_check_sockets(bed, addrs, edges))
 
-    events, err = drive(raybed, {"bundle": str(bundle_dir), "stages": k, "gpus": gpus, "n": N, "seed": 5,
+    events, err = drive(bed, {"bundle": str(bundle_dir), "stages": k, "gpus": gpus, "n": N, "seed": 5,
                                  "out": str(out), "hold": True}, on_event)
     end = events[-1] if events else {}
     assert end.get("event") == "end" and end["error"] is None, f"{events[-3:]}\n{err[-3000:]}"
@@ -84,25 +84,25 @@ def test_stages_one_per_host(raybed: RayBed, tmp_path: Path, k: int, gpus: float
     np.testing.assert_array_equal(got["output0"], np.stack([w[0] for w in want]))  # bit-identical
 
 
-def test_bundle_not_shipped_is_missing_on_workers(raybed: RayBed, tmp_path: Path):
+def test_bundle_not_shipped_is_missing_on_workers(bed: RayBed, tmp_path: Path):
     """The control for the test above: without shipping, the worker hosts cannot read the bundle,
     and the run fails at start with an error naming the stage, not a hang."""
-    events, err = drive(raybed, {"bundle": str(raybed.head_only / "mlp"), "stages": 2, "n": 2, "ship": False,
+    events, err = drive(bed, {"bundle": str(bed.head_only / "mlp"), "stages": 2, "n": 2, "ship": False,
                                  "out": str(tmp_path / "o.npz"), "timeouts": {"start": 60}})
     assert not events or events[-1]["event"] != "end"
     assert "stage 0" in err and "mlp" in err, err[-3000:]
 
 
-def test_job_ships_the_bundle_by_itself(raybed: RayBed, tmp_path: Path):
+def test_job_ships_the_bundle_by_itself(bed: RayBed, tmp_path: Path):
     """`python -m tvmpipe.job` on the head, --ship-bundle auto (the default): it sees 4 nodes and
     ships; 3 GPU stages STRICT_SPREAD over the three worker hosts."""
     run = tmp_path / "run"
-    done = raybed.python("-m", "tvmpipe.job", str(raybed.head_only / "mlp"), "--stages", "3", "--placement",
+    done = bed.python("-m", "tvmpipe.job", str(bed.head_only / "mlp"), "--stages", "3", "--placement",
                          "STRICT_SPREAD", "--backend", "reference", "--gpus-per-stage", "1", "-n", "6",
                          "--seed", "2", "--run-dir", str(run))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["cluster"]["nodes"] == 4, metrics["cluster"]
     assert not (run / "error.json").exists()
-    want = reference_outputs(raybed.head_only / "mlp", random_micro_batches(load_bundle(raybed.head_only / "mlp"), 6, 2))
+    want = reference_outputs(bed.head_only / "mlp", random_micro_batches(load_bundle(bed.head_only / "mlp"), 6, 2))
     np.testing.assert_array_equal(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]))
