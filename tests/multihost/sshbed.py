@@ -26,6 +26,9 @@ from netbed import Host
 
 SSHD = "/usr/sbin/sshd"
 VENV = Path(sys.executable).parent.parent
+_REAL = Path(os.path.realpath(sys.executable))
+# Top-level entries of /root the interpreter needs (e.g. .pyenv), kept visible on every machine.
+SHARED_HOME = [_REAL.relative_to("/root").parts[0]] if _REAL.is_relative_to("/root") else []
 
 
 def missing() -> str | None:
@@ -60,8 +63,10 @@ class Machine:
             os.chmod(self.home / ".ssh" / "authorized_keys", 0o600)
 
     def wrap(self, *argv: str) -> list[str]:
-        """argv run on this machine: its network, its own PIDs, /root and /tmp."""
-        script = 'mount --bind "$0/home" /root && mount --bind "$0/tmp" /tmp && exec "$@"'
+        """argv run on this machine: its network, its own PIDs, /root and /tmp. What the venv's
+        interpreter lives in under /root (pyenv) is mounted into the private /root again."""
+        keep = "".join(f'mkdir -p "$0/home/{d}" && mount --bind "/root/{d}" "$0/home/{d}" && ' for d in SHARED_HOME)
+        script = keep + 'mount --rbind "$0/home" /root && mount --bind "$0/tmp" /tmp && exec "$@"'
         return self.host.command("unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private",
                                  "sh", "-c", script, str(self.root), *argv)
 
