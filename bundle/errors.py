@@ -1,14 +1,12 @@
-"""Error types shared by every layer. They live in the bundle layer because it imports nothing else."""
+"""Errors about input files: one `Problem` per thing wrong, collected into one error per file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvmpipe.core.errors import TvmpipeError
+
 MAX_MESSAGE = 300
-
-
-class TvmpipeError(Exception):
-    """Base of every error tvmpipe raises on purpose; the CLI prints these without a traceback."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +23,32 @@ class Problem:
         # Messages quote offending values; a corrupt file can make one megabytes long.
         msg = self.message if len(self.message) <= MAX_MESSAGE else self.message[:MAX_MESSAGE] + " ..."
         return f"{self.file}: {loc}: {msg}" if loc else f"{self.file}: {msg}"
+
+
+class ProblemCollector:
+    """Gathers the problems of one input file, so its reader reports them all at once.
+
+    The one collector of the bundle layer: graph.json, kernels.json and ops.json readers share it,
+    so a problem reads the same whichever file it is in. `problems` may be a list shared by several
+    collectors (a bundle loader gathers every file's problems into one error).
+    """
+
+    def __init__(self, file: str, problems: list[Problem] | None = None):
+        self.file = file
+        self.problems: list[Problem] = [] if problems is None else problems
+
+    def bad(self, where: str, fld: str, msg: str) -> None:
+        self.problems.append(Problem(self.file, where, fld, msg))
+
+    def unknown_keys(self, obj: dict, allowed: set[str], where: str, prefix: str = "", what: str = "key") -> None:
+        """Every key of `obj` outside `allowed`: a silently ignored field is how wrong values get used."""
+        for k in obj:
+            if k not in allowed:
+                self.bad(where, prefix + k, f"unknown {what} (expected one of {sorted(allowed)})")
+
+    def raise_if_any(self, error: type[ProblemsError]) -> None:
+        if self.problems:
+            raise error(self.problems)
 
 
 class ProblemsError(TvmpipeError):

@@ -18,7 +18,7 @@ from tvmpipe.partition.cost import (UNIFORM_OP_US, OpCosts, analytic_costs, meas
 from tvmpipe.partition.cuts import GraphFlow
 from tvmpipe.partition.devices import DeviceSpec, Link, get_device
 from tvmpipe.partition.errors import PartitionError
-from tvmpipe.partition.tables import RangeTables
+from tvmpipe.partition.range_tables import RangeTables
 
 COST_MODELS = ("auto", "measured", "analytic", "uniform")
 
@@ -44,7 +44,7 @@ class PipelineModel:
             raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
         spec = get_device(device) if isinstance(device, str) else device
         flow = GraphFlow.from_bundle(bundle, inputs)
-        unknown = [n for n in flow.inputs if n not in bundle.graph.node_index or bundle.graph.nodes[bundle.graph.node_index[n]].is_op]
+        unknown = [n for n in flow.inputs if not bundle.graph.is_null_node(n)]
         if unknown:
             raise PartitionError(f"input(s) {unknown} are not null nodes of the graph")
         if cost == "auto":
