@@ -24,6 +24,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from tests.support.local_ray_head import terminate
+
 SUBNET = "10.213.77"  # /24, private (RFC 1918); only ever inside the bed's own namespaces
 PREFIX = "tvmp"  # every namespace this module creates starts with it (leak checks look for it)
 
@@ -148,13 +150,8 @@ class NetBed:
     def down(self, grace: float = 3.0) -> list[str]:
         """Stop every process on every host (SIGTERM, then SIGKILL), delete the namespaces (and with
         them every interface). Returns what could not be removed (empty when clean)."""
-        mine = [h for h in self.hosts]
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            for h in mine:
-                h.kill_all(sig)
-            deadline = time.time() + wait
-            while any(h.pids() for h in mine) and time.time() < deadline:
-                time.sleep(0.1)
+        mine = list(self.hosts)
+        terminate(lambda: [p for h in mine for p in h.pids()], grace)
         left = [f"process {p} on {h.name}" for h in mine for p in h.pids()]
         existing = set(namespaces())
         for name in self.names():

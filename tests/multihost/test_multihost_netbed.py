@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.support.pipeline_harness import alive
 from netbed import PREFIX, NetBed, ip, namespaces, sweep_orphans
 
 LISTEN = "import socket,time; s=socket.create_server(('{}',7000)); print('up',flush=True); time.sleep(300)"
@@ -20,14 +21,6 @@ def _root_view() -> tuple[str, str]:
     links = "\n".join(sorted(line.split(":", 2)[1] for line in links.splitlines()))
     socks = subprocess.run(["ss", "-Htanl"], capture_output=True, text=True).stdout
     return links, "\n".join(sorted(line.split()[3] for line in socks.splitlines() if ":7000" in line))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_failing_test_leaves_nothing_behind(netbed_ok):
@@ -46,10 +39,10 @@ def test_failing_test_leaves_nothing_behind(netbed_ok):
             assert [r.split()[0] for r in routes if r.strip()] == ["10.213.77.0/24"]  # no way out: no default route
             assert _root_view() == before  # nothing of the bed in the machine's own namespace
             pids = [pid for h in net.hosts for pid in h.pids()]
-            assert server.pid in pids or any(_alive(p) for p in pids)
+            assert server.pid in pids or any(alive(p) for p in pids)
             1 / 0  # the test fails while everything is up
     server.wait(timeout=10)
-    assert all(not _alive(p) for p in pids)
+    assert all(not alive(p) for p in pids)
     assert not [n for n in namespaces() if n.startswith(net.tag)]
     assert _root_view() == before
 
