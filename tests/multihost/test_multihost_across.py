@@ -18,7 +18,7 @@ import pytest
 from raybed import RayBed, drive
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.reference import reference_outputs
+from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.cluster.topology import build_topology
 from tvmpipe.executor.inputs import random_micro_batches
 from tvmpipe.partition import plan_equal_ops

@@ -27,7 +27,7 @@ import pytest
 
 from raybed import RayBed, drive
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster.reference import reference_outputs
+from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.executor.inputs import random_micro_batches
 
 N = 200

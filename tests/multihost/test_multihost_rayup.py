@@ -28,7 +28,7 @@ import yaml
 from netbed import NetBed
 from sshbed import Machine, client_key, missing
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster.reference import reference_outputs
+from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.executor.inputs import random_micro_batches
 
 ROOT = Path(__file__).resolve().parents[2]
