@@ -14,6 +14,7 @@ import ray
 
 from tvmpipe.cluster.control import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe
 from tvmpipe.cluster.environment import thread_env
+from tvmpipe.cluster.headwatch import HeadWatch
 from tvmpipe.cluster.placement import Placement, create_placement_group
 from tvmpipe.cluster.transport import Address
 from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
@@ -70,6 +71,18 @@ class RayLauncher:
         self._actors: list[Any] = []
         self._bundle_ref = None
         self._remote = ray.remote(StageActor)
+        gcs = _gcs_address()
+        self._head = HeadWatch(gcs) if gcs else None
+
+    def watch_control(self, on_lost) -> None:
+        """Call `on_lost(why)` (from another thread) if the cluster's head goes away (headwatch.py)."""
+        if self._head is not None:
+            self._head.on_lost = on_lost
+
+    @property
+    def control_lost(self) -> str | None:
+        """Why the head is gone, or None. Once it is, no Ray call is made: some would block."""
+        return self._head.lost if self._head else None
 
     def _create(self, spec: StageSpec) -> Any:
         opts = self.placement.actor_options(self._pg, spec.index)
@@ -88,6 +101,8 @@ class RayLauncher:
 
     def start(self, specs: list[StageSpec]) -> list[Address]:
         self._specs = list(specs)
+        if self._head is not None:
+            self._head.start()
         self._pg = create_placement_group(self.placement, len(specs), self.timeouts.start)
         if self.ship_bundle:
             self._bundle_ref = ray.put(read_bundle_files(specs[0].bundle_path))
@@ -99,11 +114,15 @@ class RayLauncher:
             raise
 
     def restart(self, stage: int) -> Address:
+        if self.control_lost:
+            raise WorkerLost(stage, self.control_lost)
         self.kill(stage)
         self._actors[stage] = self._create(self._specs[stage])
         return self._addresses([stage])[0]
 
     def call(self, stage: int, method: str, *args: Any) -> Any:
+        if self.control_lost:
+            raise WorkerLost(stage, self.control_lost)
         try:
             return ray.get(self._actors[stage].call.remote(method, *args), timeout=self.timeouts.call)
         except Exception as exc:  # any Ray failure becomes WorkerError/WorkerLost
@@ -111,6 +130,8 @@ class RayLauncher:
 
     def call_all(self, method: str, args: list[tuple] | None = None) -> list[Any]:
         args = args or [()] * len(self._actors)
+        if self.control_lost:
+            return [WorkerLost(i, self.control_lost) for i in range(len(self._actors))]
         refs = [a.call.remote(method, *x) for a, x in zip(self._actors, args)]
         out = []
         for i, ref in enumerate(refs):
@@ -125,12 +146,19 @@ class RayLauncher:
         return self._actors[stage]
 
     def kill(self, stage: int) -> None:
+        if self.control_lost:  # ray.kill would block; the stage's node goes down with the head
+            return
         ray.kill(self._actors[stage], no_restart=True)
 
     def shutdown(self) -> None:
         """Close each worker (sockets, stage) gracefully, then kill the actors and free the group."""
         from ray.util.placement_group import remove_placement_group
 
+        if self._head is not None:
+            self._head.stop()
+        if self.control_lost:  # Ray calls would block; every node's raylet ends its workers
+            self._actors, self._pg = [], None
+            return
         refs = [a.close.remote() for a in self._actors]
         try:
             ray.get(refs, timeout=self.timeouts.shutdown)
@@ -142,3 +170,12 @@ class RayLauncher:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _gcs_address() -> tuple[str, int] | None:
+    """(host, port) of the connected cluster's GCS; None where unknown (not connected, Ray Client)."""
+    try:
+        host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+        return host, int(port)
+    except Exception:  # noqa: BLE001 - no address, no watch: Ray's own failure handling remains
+        return None

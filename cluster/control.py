@@ -55,6 +55,12 @@ class WorkerError(TvmpipeError):
         self.message = message
         super().__init__(f"stage {stage}: {message}")
 
+    def __reduce__(self):
+        """Ray pickles an actor's exception to the caller; the default (type, args) would call
+        __init__ with the one formatted string and fail, and the caller got "actor died:
+        UnserializableException" instead of the reason a stage failed to start."""
+        return type(self), (self.stage, self.message)
+
 
 class WorkerLost(WorkerError):
     """A stage worker is dead or unresponsive."""

@@ -151,6 +151,8 @@ class Pipeline:
             raise
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="tvmpipe-supervisor")
         self._supervisor.start()
+        if hasattr(self.launcher, "watch_control"):  # the Ray launcher: a lost head ends the run
+            self.launcher.watch_control(self._control_lost)
 
     # ---- public API ------------------------------------------------------------------------------
     def check_inputs(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
@@ -268,7 +270,9 @@ class Pipeline:
             self._closing = True
             self._notify()
         self._signals.put(None)
-        self._supervisor.join(timeout=self.timeouts.call + self.timeouts.start)
+        # Without a control plane the supervisor may hang in a Ray call: it is a daemon, leave it.
+        lost = getattr(self.launcher, "control_lost", None)
+        self._supervisor.join(timeout=0.1 if lost else self.timeouts.call + self.timeouts.start)
         with self._wire_lock:
             self._close_links()
         self.launcher.shutdown()
@@ -474,11 +478,13 @@ class Pipeline:
             if not failed:  # progress resumed, or a second look is due
                 return
             for stage, why in failed.items():
-                self.errors.append(f"stage {stage}: {why}")
+                # The host matters on a multi-node cluster: a dead node or a cut link is what to look at.
+                host = self._addresses[stage][0] if stage < len(self._addresses) else "?"
+                self.errors.append(f"stage {stage} (host {host}): {why}")
                 self.restarts[stage] += 1
                 if self.restarts[stage] > self.max_restarts:
-                    raise PipelineError(f"stage {stage} failed {self.restarts[stage]} times "
-                                        f"(max_restarts={self.max_restarts}); last error: {why}", stage, why)
+                    raise PipelineError(f"stage {stage} failed {self.restarts[stage]} times (host {host}, "
+                                        f"max_restarts={self.max_restarts}); last error: {why}", stage, why)
             try:
                 self._rewire(sorted(failed))
                 return
@@ -503,6 +509,15 @@ class Pipeline:
             with self._cond:
                 self._last_progress = time.time()
             self._pump()
+
+    def _control_lost(self, why: str) -> None:
+        """The cluster's head is gone (launcher's watch thread): nothing can be restarted, and Ray
+        will end this process soon; end the run now, so the caller can still save what completed."""
+        with self._cond:
+            self.errors.append(why)
+            if self._fatal is None:
+                self._fatal = PipelineError(f"the cluster's control plane is gone: {why}", None, why)
+            self._notify()
 
     def _fatal_with_results(self) -> PipelineError:
         """The fatal error, handing over every completed, undelivered output (_cond held): each

@@ -20,6 +20,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from tvmpipe.cluster.local import ray_daemon_home
@@ -79,16 +80,22 @@ class LocalHead:
 
     def stop(self, grace: float = 4.0) -> list[int]:
         """SIGTERM every tagged process, SIGKILL what is left after `grace`; return survivors."""
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            for pid in self.processes():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + wait
-            while self.processes() and time.time() < deadline:
-                time.sleep(0.2)
-        return self.processes()
+        return terminate(self.processes, grace)
+
+
+def terminate(processes: Callable[[], list[int]], grace: float = 4.0) -> list[int]:
+    """SIGTERM every process `processes()` lists, SIGKILL what is left after `grace`; return the
+    survivors. `processes` says which are ours (a tag, a network namespace), so nothing else is hit."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for pid in processes():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait
+        while processes() and time.time() < deadline:
+            time.sleep(0.2)
+    return processes()
 
 
 def non_loopback_sockets(pids: list[int]) -> list[str]:

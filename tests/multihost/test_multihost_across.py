@@ -1,0 +1,108 @@
+"""Pipelines across hosts: K stages, one per host (STRICT_SPREAD), on the 4-host bed.
+
+The bundle exists only on the head (worker nodes see an empty directory at its path), so the
+stages get it only because it is shipped through Ray. Each stage's data listener must sit on its
+own host's bridge address (never 0.0.0.0), frames must cross the bridge between the hosts'
+addresses (checked with `ss` inside each host while the pipeline is wired), and the outputs must
+equal the single-process run bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raybed import RayBed, drive
+from tvmpipe.bundle import load_bundle
+from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.app.oracle import reference_outputs
+from tvmpipe.cluster.topology import build_topology
+from tvmpipe.executor.inputs import random_micro_batches
+from tvmpipe.partition import plan_equal_ops
+
+N = 12
+
+
+def _port(addr: str) -> tuple[str, int]:
+    host, port = addr.rsplit(":", 1)
+    return host.removeprefix("[::ffff:").rstrip("]"), int(port)
+
+
+def _check_sockets(bed: RayBed, addresses: list[tuple[str, int]], edges) -> dict:
+    """Every stage listens on its host's address only; every edge is an ESTABLISHED connection
+    from the producer's address to the consumer's listener. Returns what `ss` showed, per host."""
+    by_addr = {h.address: h for h in bed.net.hosts}
+    seen = {}
+    for i, (addr, port) in enumerate(addresses):
+        host = by_addr[addr]  # KeyError: a stage bound something that is not a bed address
+        listening = [_port(c[3]) for c in host.sockets("-tl")]
+        assert (addr, port) in listening, f"stage {i} does not listen on {addr}:{port}: {listening}"
+        wild = [a for a in listening if a[1] == port and a[0] != addr]
+        assert not wild, f"stage {i}'s data port {port} is also bound on {wild} (only {addr} allowed)"
+    for src, dst in edges:
+        (src_addr, _), (dst_addr, dst_port) = addresses[src], addresses[dst]
+        host = by_addr[dst_addr]
+        estab = [(_port(c[3]), _port(c[4])) for c in host.sockets("-t") if c[0] == "ESTAB"]
+        peers = [peer for local, peer in estab if local == (dst_addr, dst_port)]
+        assert any(p[0] == src_addr for p in peers), \
+            f"no connection {src_addr} -> {dst_addr}:{dst_port} (edge {src}->{dst}); peers: {peers}"
+        seen[f"{src}->{dst}"] = f"{src_addr} -> {dst_addr}:{dst_port}"
+    return seen
+
+
+@pytest.mark.parametrize("k,gpus", [(2, 1.0), (4, 0.0)])
+def test_stages_one_per_host(bed: RayBed, tmp_path: Path, k: int, gpus: float):
+    """K=2: GPU stages on two worker hosts; K=4: CPU stages on all four hosts, the head included."""
+    bundle_dir = bed.head_only / "mlp"
+    out = tmp_path / "out.npz"
+    topo = build_topology(load_bundle(bundle_dir), plan_equal_ops(load_bundle(bundle_dir).graph, k))
+    driver = k  # index of the driver's address in the "ready" event's list
+    edges = [(driver if e.src == DRIVER else e.src, driver if e.dst == DRIVER else e.dst)
+             for e in topo.edges if e.carries_data or e.dst == DRIVER]
+    checked = {}
+
+    def on_event(ev: dict) -> None:
+        if ev["event"] == "ready":
+            addrs = [tuple(a) for a in ev["addresses"]]
+            stage_hosts = [a[0] for a in addrs[:k]]
+            assert len(set(stage_hosts)) == k, f"STRICT_SPREAD put two stages on one host: {stage_hosts}"
+            if gpus:
+                assert bed.head.address not in stage_hosts, "a GPU stage landed on the head (0 GPUs)"
+            assert addrs[driver][0] == bed.head.address, "the driver's listener is not on the head's address"
+            checked.update(_check_sockets(bed, addrs, edges))
+
+    events, err = drive(bed, {"bundle": str(bundle_dir), "stages": k, "gpus": gpus, "n": N, "seed": 5,
+                                 "out": str(out), "hold": True}, on_event)
+    end = events[-1] if events else {}
+    assert end.get("event") == "end" and end["error"] is None, f"{events[-3:]}\n{err[-3000:]}"
+    assert len(checked) == len(edges)
+    want = reference_outputs(bundle_dir, random_micro_batches(load_bundle(bundle_dir), N, 5))
+    got = np.load(out)
+    np.testing.assert_array_equal(got["output0"], np.stack([w[0] for w in want]))  # bit-identical
+
+
+def test_bundle_not_shipped_is_missing_on_workers(bed: RayBed, tmp_path: Path):
+    """The control for the test above: without shipping, the worker hosts cannot read the bundle,
+    and the run fails at start with an error naming the stage, not a hang."""
+    events, err = drive(bed, {"bundle": str(bed.head_only / "mlp"), "stages": 2, "n": 2, "ship": False,
+                                 "out": str(tmp_path / "o.npz"), "timeouts": {"start": 60}})
+    assert not events or events[-1]["event"] != "end"
+    assert "stage 0" in err and "mlp" in err, err[-3000:]
+
+
+def test_job_ships_the_bundle_by_itself(bed: RayBed, tmp_path: Path):
+    """`python -m tvmpipe.job` on the head, --ship-bundle auto (the default): it sees 4 nodes and
+    ships; 3 GPU stages STRICT_SPREAD over the three worker hosts."""
+    run = tmp_path / "run"
+    done = bed.python("-m", "tvmpipe.job", str(bed.head_only / "mlp"), "--stages", "3", "--placement",
+                         "STRICT_SPREAD", "--backend", "reference", "--gpus-per-stage", "1", "-n", "6",
+                         "--seed", "2", "--run-dir", str(run))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["cluster"]["nodes"] == 4, metrics["cluster"]
+    assert not (run / "error.json").exists()
+    want = reference_outputs(bed.head_only / "mlp", random_micro_batches(load_bundle(bed.head_only / "mlp"), 6, 2))
+    np.testing.assert_array_equal(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]))
