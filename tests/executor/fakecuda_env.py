@@ -3,10 +3,11 @@ starts: the environment variables a worker needs, and the in-process import path
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 FAKE_ROOT = Path(__file__).resolve().parents[1] / "fakecuda"
 
@@ -37,3 +38,14 @@ def activate(monkeypatch, cache: Path, bundles: Iterable[Path]) -> dict[str, str
     monkeypatch.setattr(drv, "violations", [])
     yield_ = env
     return yield_
+
+
+@contextlib.contextmanager
+def spawn_path() -> Iterator[None]:
+    """multiprocessing's spawn gives a child the parent's sys.path (PYTHONPATH is not consulted), so
+    the fake is put on this process's path while children start, and taken off after."""
+    sys.path.insert(0, str(FAKE_ROOT))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(FAKE_ROOT))
