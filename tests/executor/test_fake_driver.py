@@ -157,7 +157,8 @@ def test_shared_memory_limits_and_opt_in(fake, ctx, tmp_path):
     with pytest.raises(fake.LogicError, match="cuLaunchKernel failed: invalid argument - 40960 bytes of dynamic"):
         f._launch_kernel((1, 1, 1), (128, 1, 1), args, 40960, s)
     f.set_attribute(fake.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, 40960)
-    f._launch_kernel((1, 1, 1), (128, 1, 1), args, 40960, s)
+    with pytest.raises(fake.RuleViolation, match="no registered bundle"):  # launched: no bundle computes k
+        f._launch_kernel((1, 1, 1), (128, 1, 1), args, 40960, s)
     with pytest.raises(fake.LogicError, match="cuFuncSetAttribute failed: invalid argument"):
         f.set_attribute(fake.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, 227 * 1024)
 
@@ -235,3 +236,39 @@ def test_two_stages_one_process_two_threads(fake, bundles):
     assert all(got[h].tobytes() == want[h].tobytes() for h in b.graph.head_entries)
     s0.close()
     s1.close()
+
+
+def test_static_plus_dynamic_shared_memory_opts_in(fake, tmp_path):
+    """Defect 4: 16 KiB static + 40 KiB dynamic needs the opt-in although 40 KiB <= 48 KiB."""
+    import subprocess
+
+    from fakecuda_env import FAKE_ROOT
+    from tvmpipe.executor.backend_cuda import PyCudaDevice
+
+    (tmp_path / "k.cu").write_text(KERNEL)
+    subprocess.run([str(FAKE_ROOT / "bin" / "nvcc"), "--cubin", "-arch=sm_90", "-o", str(tmp_path / "k.cubin"),
+                    str(tmp_path / "k.cu")], check=True)
+    dev = PyCudaDevice()
+    with dev.current():
+        f = dev.load((tmp_path / "k.cubin").read_bytes(), {"k": 40960})["k"]
+        ptr = dev.alloc(64)
+        with pytest.raises(fake.RuleViolation, match="no registered bundle"):  # the launch checks passed
+            dev.launch(f, (1, 1, 1), (128, 1, 1), 40960, ptr.to_bytes(8, "little") + bytes(4))
+        with pytest.raises(DeviceError, match="16384 bytes of static and 217088 bytes of dynamic"):
+            dev.load((tmp_path / "k.cubin").read_bytes(), {"k": 212 * 1024})
+    dev.close()
+
+
+def test_visible_gpu_count_follows_cuda_visible_devices():
+    """Defect 8: the local cluster's GPU count is what CUDA_VISIBLE_DEVICES leaves visible."""
+    from tvmpipe.cluster.local import visible_count
+
+    gpus = [f"GPU {i}: NVIDIA X (UUID: GPU-{i}aaa-bbbb)" for i in range(4)]
+    assert visible_count(gpus, None) == 4
+    assert visible_count(gpus, "") == 0
+    assert visible_count(gpus, "2") == 1
+    assert visible_count(gpus, "3,1") == 2
+    assert visible_count(gpus, "0,7,1") == 1  # CUDA stops at the first invalid entry
+    assert visible_count(gpus, "1,1") == 1
+    assert visible_count(gpus, "GPU-2aaa,0") == 2
+    assert visible_count(gpus, "-1") == 0

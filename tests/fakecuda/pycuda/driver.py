@@ -554,6 +554,8 @@ class Function:
             _fail("cuLaunchKernel", 1, f"parameter buffer of {len(argbuf)} bytes, kernel {info.name} takes "
                                        f"{info.argbytes}")
         emu = self.module.info.emulation
+        if emu is None or info.name not in emu.by_kernel:  # every check above passed
+            raise RuleViolation(f"kernel {info.name}: no registered bundle computes it (FAKE_PYCUDA_BUNDLES)")
         s._enqueue(lambda: _run_kernel(s, info, emu, argbuf))
 
 
@@ -562,8 +564,6 @@ def _run_kernel(s: Stream, info, emu, argbuf: bytes) -> None:
     ptrs = [int.from_bytes(argbuf[o:o + 8], "little") for o, size, p in info.params if p]
     for p in ptrs:
         s.prim.memory(p, 1, f"kernel {info.name}")  # an illegal address faults the context
-    if emu is None or info.name not in emu.by_kernel:
-        raise RuleViolation(f"kernel {info.name}: no registered bundle computes it (FAKE_PYCUDA_BUNDLES)")
     fe, i = emu.by_kernel[info.name]
     launch = fe.launches[i]
     got = s._emu_args.setdefault(fe.name, {})
