@@ -157,11 +157,8 @@ s_pycuda() {
   libdir=${GPU_CHECK_CUDADRV_LIB_DIR:-}  # an override, e.g. a directory with a stub libcuda.so
   [ -n "$libdir" ] || libdir=$(find_libcuda) || { echo "libcuda.so / libcuda.so.1 not found"; return 1; }
   echo "linking against libcuda in $libdir"
-  if [ -e "$CUDA_ROOT/lib64/libcurand.so" ] || [ -e "$CUDA_ROOT/lib/libcurand.so" ]; then
-    [ -f "$CUDA_INC/curand.h" ] || curand=(--no-cuda-enable-curand)
-  else
-    curand=(--no-cuda-enable-curand)
-  fi
+  # tvmpipe never uses curand, and a curand build makes _driver.so need libcurand on the loader path
+  curand=(--no-cuda-enable-curand)
   inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
   if [ ! -f "$inc/Python.h" ]; then  # no python3.12-dev: the headers gpu_prep.sh carried
     [ -f .gpu/py312-include.tar.gz ] || { echo "no Python.h in $inc and no carried headers"; return 1; }
