@@ -46,22 +46,20 @@ def env(model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(model_dirs, env):
-    """model -> (batches, outputs of the single-process run on the fake cuda backend; that the fake
-    computes the reference backend's numbers is test_fake_driver.py's)."""
-    import os
+    """model -> (batches, outputs of the single-process run on the fake cuda backend), all models
+    in one worker-like child (reference.py's, spawned once); that the fake computes the reference
+    backend's numbers is test_fake_driver.py's."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        out = {}
-        for m, d in model_dirs.items():
-            with spawn_path():
-                batches = [random_inputs(load_bundle(d), seed=10 + i) for i in range(3)]
-                out[m] = (batches, reference_outputs(d, batches, backend="cuda"))
-        return out
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    from tvmpipe.cluster import reference
+    from tvmpipe.cluster.launch import scoped_environ, worker_environment
+
+    batches = {m: [random_inputs(load_bundle(d), seed=10 + i) for i in range(3)] for m, d in model_dirs.items()}
+    with scoped_environ(env), spawn_path(), worker_environment(), \
+            ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        futures = {m: pool.submit(reference._run, str(d), "cuda", {}, batches[m]) for m, d in model_dirs.items()}
+        return {m: (batches[m], f.result()) for m, f in futures.items()}
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -272,3 +272,35 @@ def test_visible_gpu_count_follows_cuda_visible_devices():
     assert visible_count(gpus, "1,1") == 1
     assert visible_count(gpus, "GPU-2aaa,0") == 2
     assert visible_count(gpus, "-1") == 0
+
+
+def test_use_after_close_and_foreign_pop(fake, bundles):
+    """A closed stage refuses work with a DeviceError; a context left pushed inside a tvmpipe call
+    is detected instead of popping someone else's."""
+    b = bundles["examples/mlp"]
+    feeds = feeds_by_entry(b, random_inputs(b, seed=1))
+    stage = Stage(b, 0, len(b.graph.nodes), backend="cuda")
+    stage.close()
+    with pytest.raises(DeviceError, match="the CUDA device is closed"):
+        stage.run(feeds)
+    dev = Stage(b, 0, len(b.graph.nodes), backend="cuda").backend.dev
+    other = fake.Context(fake._Primary(7))
+    with pytest.raises(DeviceError, match="context stack was changed"):
+        with dev.current():
+            other.push()
+    fake.Context.pop()  # the foreign context, then the device's own, left under it
+    fake.Context.pop()
+    dev.close()
+    assert fake.Context.get_current() is None
+
+
+def test_thread_exiting_with_a_context_is_caught(fake, ctx):
+    import gc
+
+    t = threading.Thread(target=lambda: ctx.push(), name="leaky")
+    t.start()
+    t.join()
+    del t
+    gc.collect()
+    assert any("thread leaky exited with 1 context" in v for v in fake.violations)
+    fake.violations.clear()
