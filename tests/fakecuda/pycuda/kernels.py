@@ -91,12 +91,11 @@ class Emulation:
         key = hashlib.sha256(source.encode()).hexdigest()
         if key not in cls._cache:
             cls._cache[key] = None
-            for d in filter(None, os.environ.get("FAKE_PYCUDA_BUNDLES", "").split(":")):
-                from tvmpipe.bundle import load_bundle
+            from tvmpipe.bundle import load_bundle
 
-                b = load_bundle(d)
-                if hashlib.sha256(b.cuda_source.encode()).hexdigest() == key:
-                    cls._cache[key] = cls.of(b)
+            for d in bundle_dirs():
+                if hashlib.sha256((d / "kernels.cu").read_bytes()).hexdigest() == key:
+                    cls._cache[key] = cls.of(load_bundle(d))
                     break
         return cls._cache[key]
 
@@ -117,6 +116,19 @@ class Emulation:
             for i, l in enumerate(fe.launches):
                 em.by_kernel.setdefault(l.kernel, (fe, i))
         return em
+
+
+def bundle_dirs():
+    """$FAKE_PYCUDA_BUNDLES: bundle directories, or directories searched for them (for bundles a
+    test writes later, e.g. a pytest --basetemp)."""
+    from pathlib import Path
+
+    for d in filter(None, os.environ.get("FAKE_PYCUDA_BUNDLES", "").split(os.pathsep)):
+        d = Path(d)
+        if (d / "bundle.json").is_file():
+            yield d
+        elif d.is_dir():
+            yield from (p.parent for p in sorted(d.rglob("bundle.json")) if (p.parent / "kernels.cu").is_file())
 
 
 FMT = {"int32": "i", "int64": "q", "uint32": "I", "uint64": "Q", "float32": "f", "float64": "d"}
