@@ -19,6 +19,21 @@ sys.path.insert(0, str(ROOT / "tests" / "executor"))
 from fakecuda_env import fake_env  # noqa: E402
 
 
+def image_python(where: Path) -> Path:
+    """A Python like the GPU image's: this environment's packages, but tvmpipe not installed (the
+    editable install's finder comes from a .pth that a plain path entry does not run)."""
+    import site
+    import venv
+
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(where)
+    py = where / "bin" / "python"
+    inner_site = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    Path(inner_site, "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    assert subprocess.run([str(py), "-c", "import tvmpipe.executor"], cwd=where, capture_output=True).returncode != 0
+    return py
+
+
 def test_gpu_check_steps_on_fake_cuda(tmp_path):
     if shutil.which("git") is None:
         pytest.skip("needs git to list the tree")
@@ -30,14 +45,14 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
             (tree / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, tree / f)
     inner = tmp_path / "inner"
+    python = image_python(tmp_path / "image")
     env = {**os.environ, **fake_env(tmp_path / "cache", [tree / "examples" / "mlp", tree / "examples" / "cnn", inner])}
-    env.update(PYTHON=sys.executable, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
+    env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
                GPU_CHECK_STEPS="tvmpipe,pytest,pipeline", GPU_CHECK_FORCE_SHIM="1",
                PYTEST_ADDOPTS=f"--basetemp={inner}",
                GPU_CHECK_PIPELINE_ARGS="--stages 1,2 --graphs both --micro-batches 4 --distinct 2 "
                                        "--runner-repeat 3 --plan equal")
-    env["PYTHONPATH"] = env["PYTHONPATH"]  # the fake first; the shim is put before it by the script
     r = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh")], cwd=tree, env=env, capture_output=True,
                        text=True, timeout=500)
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
