@@ -9,19 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from fakecuda_env import activate
 from tvmpipe.executor import DeviceError, GraphRunner, Stage, feeds_by_entry, random_inputs
 
 
 @pytest.fixture
-def fake(monkeypatch, tmp_path, bundle_dirs):
-    activate(monkeypatch, tmp_path / "cache", bundle_dirs.values())
-    import pycuda.driver as drv
-
-    yield drv
-    sys.modules.pop("pycuda.driver", None)
-    sys.modules.pop("pycuda.kernels", None)
-    sys.modules.pop("pycuda", None)
+def fake(fake_cuda):
+    return fake_cuda
 
 
 def outputs(r):
