@@ -371,30 +371,30 @@ def _stream_of(routine: str, stream) -> "Stream":
     return stream
 
 
-def memcpy_htod_async(dest: int, src, stream=None) -> None:
-    s = _stream_of("cuMemcpyHtoDAsync", stream)
-    dest = int(dest)
-    data = _raw(src)
-    s.prim.memory(dest, data.size, "cuMemcpyHtoDAsync")
-    block = getattr(src, "_block", None)
+def _host_copy_async(routine: str, stream, host, ptr: int, to_device: bool) -> None:
+    """Enqueue a copy between page-locked `host` and device `ptr`; it runs at the synchronize."""
+    s = _stream_of(routine, stream)
+    ptr, raw = int(ptr), _raw(host)
+    s.prim.memory(ptr, raw.size, routine)
+    block = getattr(host, "_block", None)
 
     def run():
-        s.prim.memory(dest, data.size, "cuMemcpyHtoDAsync")[...] = data
-    s._enqueue(run, pins=[(block, "in")] if block else [])
+        dev = s.prim.memory(ptr, raw.size, routine)
+        if to_device:
+            dev[...] = raw
+        else:
+            raw[...] = dev
+    if block is not None and not to_device and s._capture is None:
+        raw[...] = 0xFF  # poison: whoever reads before the synchronize sees NaNs
+    s._enqueue(run, pins=[(block, "in" if to_device else "out")] if block else [])
+
+
+def memcpy_htod_async(dest: int, src, stream=None) -> None:
+    _host_copy_async("cuMemcpyHtoDAsync", stream, src, dest, to_device=True)
 
 
 def memcpy_dtoh_async(dest, src: int, stream=None) -> None:
-    s = _stream_of("cuMemcpyDtoHAsync", stream)
-    src = int(src)
-    out = _raw(dest)
-    s.prim.memory(src, out.size, "cuMemcpyDtoHAsync")
-    block = getattr(dest, "_block", None)
-
-    def run():
-        out[...] = s.prim.memory(src, out.size, "cuMemcpyDtoHAsync")
-    if block is not None and s._capture is None:
-        out[...] = 0xFF  # poison: whoever reads before the synchronize sees NaNs
-    s._enqueue(run, pins=[(block, "out")] if block else [])
+    _host_copy_async("cuMemcpyDtoHAsync", stream, dest, src, to_device=False)
 
 
 def memcpy_dtod_async(dest: int, src: int, size: int, stream=None) -> None:
