@@ -86,6 +86,8 @@ class CudaBackend:
         if host is not None:
             np.copyto(host, value)
             return
+        if getattr(self.dev, "ctx", True) is None:
+            raise DeviceError("the CUDA device is closed")
         name = self.params.get(entry)
         if name is None:
             raise ExecutorError(f"entry {entry} is neither fed to nor a param of nodes "
@@ -139,6 +141,12 @@ class CudaBackend:
         return self.host_out[entry].copy()
 
     def close(self) -> None:
+        """Drop the page-locked buffers and kernels with the context current (PyCUDA frees them when
+        collected, and on another thread without the context it could only warn and leak), then
+        close the device."""
+        if getattr(self.dev, "ctx", None) is not None:
+            with self.dev.current():
+                self.host_in, self.host_out, self.funcs = {}, {}, {}
         self.dev.close()
 
 
