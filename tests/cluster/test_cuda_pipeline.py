@@ -16,7 +16,6 @@ from tvmpipe.cluster.actor import RayLauncher
 from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.cluster.launch import ProcessLauncher
 from tvmpipe.cluster.placement import Placement
-from tvmpipe.cluster.reference import reference_outputs
 from tvmpipe.executor import random_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "executor"))

@@ -7,7 +7,6 @@ recomputed from the graph.
 
 from __future__ import annotations
 
-import contextlib
 import struct
 
 import numpy as np

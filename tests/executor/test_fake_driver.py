@@ -3,7 +3,6 @@ each CUDA rule it enforces catches its violation."""
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
