@@ -17,7 +17,7 @@ from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.planners import make_plan, plan_optimal
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "graphs"
+FIXTURES = REPO / "tests" / "data" / "graphs"
 RESULTS = REPO / "bench" / "results" / "planner.json"
 TARGET_S = 1.0
 

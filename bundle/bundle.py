@@ -19,8 +19,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tvmpipe.bundle.errors import BundleError, GraphError, Problem
-from tvmpipe.bundle.graph import Graph, read_graph
+from tvmpipe.bundle.errors import BundleError, GraphError, Problem, ProblemCollector
+from tvmpipe.bundle.graph import Graph
+from tvmpipe.bundle.graph_reader import read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
 from tvmpipe.bundle.params import check_params, generate_params, load_params_file, save_npz
 
@@ -76,7 +77,9 @@ class Manifest:
 
 @dataclass
 class Bundle:
-    """A loaded bundle. A bare graph.json loads as a Bundle with `manifest=None` and no kernels/ops."""
+    """A loaded bundle. A bare graph.json loads as a Bundle with `manifest=None` and no kernels/ops;
+    loaded with its params file (a legacy deployment's graph.json + .params), `params_path` is set
+    and the params tell its graph inputs from its weights."""
 
     path: Path
     graph: Graph
@@ -85,10 +88,16 @@ class Bundle:
     ops: dict[str, FusedFunction] = field(default_factory=dict)
     cuda_source: str = ""
     params: dict[str, np.ndarray] = field(default_factory=dict)
+    params_path: Path | None = None  # the params file a bare graph.json was loaded with
 
     @property
     def is_bare(self) -> bool:
         return self.manifest is None
+
+    @property
+    def knows_params(self) -> bool:
+        """Whether this bundle says which null nodes are params (weights) and which are graph inputs."""
+        return self.manifest is not None or self.params_path is not None
 
     @property
     def name(self) -> str:
@@ -96,16 +105,19 @@ class Bundle:
 
     @property
     def input_names(self) -> list[str]:
-        """Null nodes fed per run. Unknown for a bare graph.json: then every arg node is listed."""
+        """Null nodes fed per run. Unknown for a bare graph.json without params: then every arg node is listed."""
         if self.manifest is None:
-            return [self.graph.nodes[i].name for i in self.graph.null_nodes]
+            return [n for n in self._null_names() if n not in self.params]
         return list(self.manifest.inputs)
 
     @property
     def param_names(self) -> list[str]:
         if self.manifest is None:
-            return []
+            return [n for n in self._null_names() if n in self.params]
         return _param_names(self.graph, self.manifest)
+
+    def _null_names(self) -> list[str]:
+        return [self.graph.nodes[i].name for i in self.graph.null_nodes]
 
     def input_nodes(self) -> list[int]:
         return [self.graph.node_index[n] for n in self.input_names]
@@ -127,19 +139,27 @@ def _param_names(graph: Graph, m: Manifest) -> list[str]:
 
 # ---- loading -------------------------------------------------------------------------------------
 
-def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
+def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | Path | None = None) -> Bundle:
     """Load a bundle directory, or a bare graph.json file, cross-checking everything.
 
     Every file that can be read is parsed even when another is broken, so one BundleError lists
     all the problems; only the cross-checks that need a file wait for it to be readable.
+    `params` is a bare graph.json's params file (.params as TVM <= 0.19 wrote it, or .npz): its
+    names are the weights, the other null nodes the graph inputs. A bundle names its own.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".json" and path.name != "bundle.json":
-        return Bundle(path=path, graph=read_graph(path))
+        graph = read_graph(path)
+        if params is None:
+            return Bundle(path=path, graph=graph)
+        return Bundle(path=path, graph=graph, params=load_graph_params(graph, Path(params)), params_path=Path(params))
     if path.is_file() and path.name == "bundle.json":
         path = path.parent
     if not path.is_dir():
         raise BundleError([Problem(str(path), "", "", "no such bundle directory or graph.json file")])
+    if params is not None:
+        raise BundleError([Problem(str(params), "", "", f"a params file goes with a bare graph.json; the bundle "
+                                                        f"{path} names its own params in bundle.json")])
     problems: list[Problem] = []
     manifest = _read_manifest(path / "bundle.json", problems)
     if manifest is None:
@@ -163,6 +183,16 @@ def load_bundle(path: str | Path, verify_checksums: bool = True) -> Bundle:
         raise BundleError(problems)
     return Bundle(path=path, graph=graph, manifest=manifest, kernels=kernels, ops=ops,
                   cuda_source=cuda_source, params=params)
+
+
+def load_graph_params(graph: Graph, file: Path) -> dict[str, np.ndarray]:
+    """A bare graph.json's params file, read and checked against the graph: every array names a
+    null node and has its shape and dtype. Null nodes it leaves out are the graph inputs."""
+    params = load_params_file(file)
+    problems = check_params(graph, params, [n for n in params if graph.is_null_node(n)], str(file))
+    if problems:
+        raise BundleError(problems)
+    return params
 
 
 def _check_files(path: Path, m: Manifest, verify_checksums: bool, problems: list[Problem]) -> None:
@@ -211,9 +241,8 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         problems.append(Problem(f, "", "", "top level must be a JSON object"))
         return None
     # Unknown keys and a wrong format/version are reported, but the other files are still checked.
-    for k in obj:
-        if k not in MANIFEST_KEYS:
-            problems.append(Problem(f, "", k, f"unknown key (expected one of {sorted(MANIFEST_KEYS)})"))
+    collector = ProblemCollector(f, problems)
+    collector.unknown_keys(obj, MANIFEST_KEYS, "")
     if obj.get("format") != FORMAT:
         problems.append(Problem(f, "", "format", f"must be {FORMAT!r}, got {obj.get('format')!r}"))
     if obj.get("version") != FORMAT_VERSION:
@@ -233,9 +262,7 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         else:
             problems.append(Problem(f, "", f"files.{name}", "must map a file name inside the bundle to its sha256 hex digest"))
     p = obj["params"]
-    for k in p:
-        if k not in PARAMS_KEYS:
-            problems.append(Problem(f, "", f"params.{k}", f"unknown key (expected one of {sorted(PARAMS_KEYS)})"))
+    collector.unknown_keys(p, PARAMS_KEYS, "", prefix="params.")
     before = len(problems)
     if not all(isinstance(n, str) for n in obj["inputs"]):
         problems.append(Problem(f, "", "inputs", f"must be a list of node names, got {obj['inputs']!r}"))
@@ -267,7 +294,7 @@ def _plain_file_name(name: Any) -> bool:
 
 def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem]) -> dict[str, np.ndarray]:
     mfile = str(path / "bundle.json")
-    unknown = [n for n in m.inputs + (m.param_names or []) if n not in graph.node_index or graph.nodes[graph.node_index[n]].is_op]
+    unknown = [n for n in m.inputs + (m.param_names or []) if not graph.is_null_node(n)]
     for n in unknown:
         problems.append(Problem(mfile, "", "inputs/params.names", f"'{n}' is not a null node of graph.json"))
     if unknown:
@@ -281,7 +308,7 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
             problems.append(Problem(mfile, "", "inputs/params.names",
                                     f"{graph.nodes[i].label()} is neither a graph input nor a param: nothing would feed it"))
     if m.params_file is None:
-        need = sum(graph.entries[graph.entry_id(graph.node_index[n])].nbytes for n in names)
+        need = sum(graph.entry_of(n).nbytes for n in names)
         if need > MAX_GENERATED_PARAM_BYTES:
             problems.append(Problem(mfile, "", "params.generated",
                                     f"generating weights would allocate {need} bytes, over the "

@@ -17,13 +17,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "per graph node with its inputs, outputs, storage id, the kernels it launches "
                     "(grid x block, shared memory) and the model ops fused into its function.")
     p.add_argument("path", help="bundle directory, its bundle.json, or a bare graph.json")
+    p.add_argument("--params", metavar="FILE",
+                   help="a bare graph.json's params file (.params as TVM <= 0.19 saved it, or .npz): "
+                        "tells graph inputs from weights and shows the weight bytes of each node")
     p.add_argument("--json", action="store_true", help=f"print the report as JSON (schema {SCHEMA})")
     p.add_argument("--wide", action="store_true", help="do not shorten names to fit 100 columns")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report(load_bundle(args.path))
+    report = build_report(load_bundle(args.path, params=args.params))
     text = json.dumps(report, indent=2) + "\n" if args.json else render_text(report, wide=args.wide)
     sys.stdout.write(text)
     return 0

@@ -27,6 +27,32 @@ class Problem:
         return f"{self.file}: {loc}: {msg}" if loc else f"{self.file}: {msg}"
 
 
+class ProblemCollector:
+    """Gathers the problems of one input file, so its reader reports them all at once.
+
+    The one collector of the bundle layer: graph.json, kernels.json and ops.json readers share it,
+    so a problem reads the same whichever file it is in. `problems` may be a list shared by several
+    collectors (a bundle loader gathers every file's problems into one error).
+    """
+
+    def __init__(self, file: str, problems: list[Problem] | None = None):
+        self.file = file
+        self.problems: list[Problem] = [] if problems is None else problems
+
+    def bad(self, where: str, fld: str, msg: str) -> None:
+        self.problems.append(Problem(self.file, where, fld, msg))
+
+    def unknown_keys(self, obj: dict, allowed: set[str], where: str, prefix: str = "", what: str = "key") -> None:
+        """Every key of `obj` outside `allowed`: a silently ignored field is how wrong values get used."""
+        for k in obj:
+            if k not in allowed:
+                self.bad(where, prefix + k, f"unknown {what} (expected one of {sorted(allowed)})")
+
+    def raise_if_any(self, error: type[ProblemsError]) -> None:
+        if self.problems:
+            raise error(self.problems)
+
+
 class ProblemsError(TvmpipeError):
     """Carries every problem found, so users fix a file in one pass instead of one error at a time."""
 

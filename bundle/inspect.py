@@ -7,7 +7,9 @@ output (schema SCHEMA: add keys, never rename them); `render_text` draws the sum
 table from that dict, so both views always say the same thing.
 
 A bare graph.json knows nothing of kernels, fused ops, or which null nodes are inputs rather than
-params: the report says `null` for those, and the text says "unknown", instead of guessing.
+params: the report says `null` for those, and the text says "unknown", instead of guessing. Given
+its params file (`--params`, a legacy deployment's .params), it knows inputs from weights and
+shows the weight bytes each node reads.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from tvmpipe.bundle.bundle import Bundle
-from tvmpipe.bundle.graph import DEVICE_TYPES, Entry, Graph, Node
+from tvmpipe.bundle.graph import DEVICE_TYPES, Graph, Node
 from tvmpipe.bundle.units import format_bytes
 
 SCHEMA = "tvmpipe-inspect/1"
@@ -30,9 +32,10 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
     g = bundle.graph
     m = bundle.manifest
     no_reuse, with_reuse = g.activation_bytes()
-    null_entries = [_entry(g, i) for i in g.null_nodes]
-    param_names = None if m is None else bundle.param_names
-    nodes = [_node_report(bundle, n) for n in g.nodes]
+    null_entries = [g.entry_of(i) for i in g.null_nodes]
+    param_names = bundle.param_names if bundle.knows_params else None
+    params_file = m.params_file if m is not None else None if bundle.params_path is None else str(bundle.params_path)
+    nodes = [_node_report(bundle, n, None if param_names is None else set(param_names)) for n in g.nodes]
     launches = None if m is None else sum(len(n["launches"]) for n in nodes)
     return {
         "schema": SCHEMA,
@@ -46,10 +49,10 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
         "tvm_version": None if m is None else m.tvm_version,
         "created_by": None if m is None else m.created_by,
         "params": {
-            "file": None if m is None else m.params_file,
+            "file": params_file,
             "generated": None if m is None or m.params_seed is None else {"seed": m.params_seed},
             "count": None if param_names is None else len(param_names),
-            "bytes": None if param_names is None else sum(_entry(g, g.node_index[n]).nbytes for n in param_names),
+            "bytes": None if param_names is None else sum(g.entry_of(n).nbytes for n in param_names),
         },
         "counts": {
             "nodes": len(g.nodes),
@@ -63,7 +66,7 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
             "kernel_launches": launches,
         },
         "activation_bytes": {"no_reuse": no_reuse, "with_reuse": with_reuse},
-        "inputs": None if m is None else [_tensor(g, g.node_index[n]) for n in bundle.input_names],
+        "inputs": None if param_names is None else [_tensor(g, g.node_index[n]) for n in bundle.input_names],
         "outputs": [
             {"node": h.node, "name": g.nodes[h.node].name, "index": h.index, "entry": g.ref_entry(h),
              "shape": list(g.entries[g.ref_entry(h)].shape), "dtype": g.entries[g.ref_entry(h)].dtype}
@@ -73,24 +76,28 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
     }
 
 
-def _entry(g: Graph, nid: int) -> Entry:
-    return g.entries[g.entry_id(nid)]
-
-
 def _tensor(g: Graph, nid: int) -> dict[str, Any]:
-    e = _entry(g, nid)
+    e = g.entry_of(nid)
     return {"node": nid, "name": g.nodes[nid].name, "shape": list(e.shape), "dtype": e.dtype}
 
 
-def _kind(bundle: Bundle, n: Node) -> str:
+def _kind(n: Node, params: set[str] | None) -> str:
     if n.is_op:
         return "nop" if n.is_nop else "copy" if n.is_copy else "op"
-    if bundle.manifest is None:
+    if params is None:
         return "null"  # input or param: a bare graph.json does not say
-    return "input" if n.name in bundle.manifest.inputs else "param"
+    return "param" if n.name in params else "input"
 
 
-def _node_report(bundle: Bundle, n: Node) -> dict[str, Any]:
+def _weight_bytes(g: Graph, n: Node, params: set[str] | None) -> int | None:
+    """Bytes of the params (weights) a node holds or reads, each once; None where unknown."""
+    if params is None:
+        return None
+    names = {n.name} if not n.is_op else {g.nodes[r.node].name for r in n.inputs}
+    return sum(g.entry_of(name).nbytes for name in names & params)
+
+
+def _node_report(bundle: Bundle, n: Node, params: set[str] | None) -> dict[str, Any]:
     g = bundle.graph
     bare = bundle.manifest is None
     launches: list | None = []
@@ -108,7 +115,7 @@ def _node_report(bundle: Bundle, n: Node) -> dict[str, Any]:
         "index": n.index,
         "name": n.name,
         "op": n.op,
-        "kind": _kind(bundle, n),
+        "kind": _kind(n, params),
         "func_name": n.func_name,
         "inputs": [{"node": r.node, "index": r.index, "entry": g.ref_entry(r)} for r in n.inputs],
         "outputs": [
@@ -119,6 +126,7 @@ def _node_report(bundle: Bundle, n: Node) -> dict[str, Any]:
         "launches": launches,
         "workspaces": workspaces,
         "ops": ops,
+        "weight_bytes": _weight_bytes(g, n, params),
     }
 
 
@@ -138,15 +146,12 @@ def _tensor_type(dtype: str, shape: list[int]) -> str:
 def _summary(r: dict[str, Any]) -> list[str]:
     c, p = r["counts"], r["params"]
     bare = r["kind"] == "graph"
+    known = r["inputs"] is not None  # a bundle, or a bare graph.json given its params file
     kinds = [n["kind"] for n in r["nodes"]]
     special = ", ".join(f"{kinds.count(k)} {f}" for k, f in (("nop", "__nop"), ("copy", "__copy")) if k in kinds)
     rows = [("nodes", f"{c['nodes']}: {c['op_nodes']} op{f' ({special})' if special else ''}, {c['null_nodes']} null"),
             ("entries", f"{c['entries']} in {c['storage_ids']} storage ids; {c['heads']} head(s)")]
-    if bare:
-        rows += [("inputs", f"{BARE}: {c['null_nodes']} null nodes, {format_bytes(c['null_bytes'])}, "
-                            "are inputs and params together"),
-                 ("params", BARE)]
-    else:
+    if not bare:
         src, tgt = r["source"], r["target"]
         rows = [("source", " ".join(str(src.get(k)) for k in ("kind", "name") if src.get(k) is not None)
                  + (f" sha256 {str(src['sha256'])[:12]}" if src.get("sha256") else "")),
@@ -154,11 +159,16 @@ def _summary(r: dict[str, Any]) -> list[str]:
                                     + [f"{k}={v}" for k, v in tgt.items() if k not in ("kind", "arch")])
                  + f"; batch {r['batch']}, dtype {r['dtype']}"),
                 ("built by", f"{r['created_by'] or 'unknown'}, TVM {r['tvm_version'] or 'unknown'}")] + rows
+    if known:
         rows.append(("inputs", f"{len(r['inputs'])}: " + ", ".join(
             f"{i['name']} {_tensor_type(i['dtype'], i['shape'])}" for i in r["inputs"])))
         where = (f"generated on load from seed {p['generated']['seed']} (not stored in the bundle)"
                  if p["file"] is None else f"in {p['file']}")
         rows.append(("params", f"{p['count']}, {format_bytes(p['bytes'])}, {where}"))
+    else:
+        rows += [("inputs", f"{BARE}: {c['null_nodes']} null nodes, {format_bytes(c['null_bytes'])}, "
+                            "are inputs and params together"),
+                 ("params", BARE)]
     rows.append(("outputs", f"{len(r['outputs'])}: " + ", ".join(
         f"node {o['node']}" + (f":{o['index']}" if o["index"] else "") + f" '{o['name']}' "
         + _tensor_type(o["dtype"], o["shape"]) for o in r["outputs"])))
@@ -229,13 +239,16 @@ def _storage(o: dict[str, Any], mixed_devices: bool) -> str:
 
 
 def _details(n: dict[str, Any], bare: bool, wide: bool) -> list[str]:
-    """The lines under a node row: its kernel launches, workspaces and fused model ops."""
+    """The lines under a node row: its kernel launches, workspaces, fused model ops and the weights it reads."""
     if n["kind"] == "nop":
         return ["no launch: __nop output aliases its input's storage"]
     if n["kind"] == "copy":
         return ["no kernel: __copy copies across devices"]
-    if n["kind"] != "op" or bare:
-        return []  # null nodes; for a bare graph.json the summary says kernels/ops are unknown
+    if n["kind"] != "op":
+        return []  # null nodes
+    weights = [f"weights {format_bytes(n['weight_bytes'])}"] if n["weight_bytes"] else []
+    if bare:
+        return weights  # the summary says kernels and fused ops are unknown
     dims = [f"  grid {'x'.join(map(str, l['grid']))}  block {'x'.join(map(str, l['block']))}  smem {l['shared_mem']}"
             for l in n["launches"]]
     name_w = max(len(l["kernel"]) for l in n["launches"])
@@ -245,4 +258,4 @@ def _details(n: dict[str, Any], bare: bool, wide: bool) -> list[str]:
     if n["workspaces"]:
         out.append("workspaces " + ", ".join(format_bytes(w["nbytes"]) for w in n["workspaces"]))
     out.append("ops    " + ", ".join(o["op"] for o in n["ops"]))
-    return out
+    return out + weights

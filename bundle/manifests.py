@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.bundle import dtypes
-from tvmpipe.bundle.errors import Problem
+from tvmpipe.bundle.errors import Problem, ProblemCollector
 
 SCALAR_DTYPES = ("int32", "int64", "uint32", "uint64", "float32", "float64")
 # CUDA's launch limits on every architecture since sm_30; a launch past them fails only at run time.
@@ -132,25 +132,11 @@ class FusedFunction:
 
 # ---- parsing -------------------------------------------------------------------------------------
 
-class _Collector:
-    def __init__(self, file: str, problems: list[Problem]):
-        self.file = file
-        self.problems = problems
-
-    def bad(self, where: str, fld: str, msg: str) -> None:
-        self.problems.append(Problem(self.file, where, fld, msg))
-
-    def keys(self, obj: dict, allowed: set[str], where: str, prefix: str = "") -> None:
-        for k in obj:
-            if k not in allowed:
-                self.bad(where, prefix + k, f"unknown key (expected one of {sorted(allowed)})")
-
-
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _list(obj: dict, key: str, c: _Collector, where: str, prefix: str = "") -> list:
+def _list(obj: dict, key: str, c: ProblemCollector, where: str, prefix: str = "") -> list:
     """An optional list field; anything else is reported (iterating it would crash or mislead)."""
     v = obj.get(key, [])
     if isinstance(v, list):
@@ -163,11 +149,11 @@ def _shapes_ok(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(sh, list) and all(_int(d) and d >= 0 for d in sh) for sh in v)
 
 
-def _top_functions(obj: Any, c: _Collector) -> dict[str, Any]:
+def _top_functions(obj: Any, c: ProblemCollector) -> dict[str, Any]:
     if not isinstance(obj, dict):
         c.bad("", "", "top level must be a JSON object")
         return {}
-    c.keys(obj, {"version", "functions"}, "")
+    c.unknown_keys(obj, {"version", "functions"}, "")
     if obj.get("version") != 1:
         c.bad("", "version", f"unsupported version {obj.get('version')!r} (this tvmpipe reads version 1)")
     funcs = obj.get("functions")
@@ -178,14 +164,14 @@ def _top_functions(obj: Any, c: _Collector) -> dict[str, Any]:
 
 
 def parse_kernels(obj: Any, problems: list[Problem], file: str = "kernels.json") -> dict[str, KernelFunction]:
-    c = _Collector(file, problems)
+    c = ProblemCollector(file, problems)
     out: dict[str, KernelFunction] = {}
     for name, f in _top_functions(obj, c).items():
         where = f"function '{name}'"
         if not isinstance(f, dict):
             c.bad(where, "", "must be an object")
             continue
-        c.keys(f, {"launches", "workspaces"}, where)
+        c.unknown_keys(f, {"launches", "workspaces"}, where)
         workspaces = []
         raw_workspaces = _list(f, "workspaces", c, where)
         for j, w in enumerate(raw_workspaces):
@@ -193,7 +179,7 @@ def parse_kernels(obj: Any, problems: list[Problem], file: str = "kernels.json")
             if not isinstance(w, dict):
                 c.bad(where, fld, "must be an object")
                 continue
-            c.keys(w, {"nbytes", "dtype", "shape"}, where, fld + ".")
+            c.unknown_keys(w, {"nbytes", "dtype", "shape"}, where, fld + ".")
             nb, dt, sh = w.get("nbytes"), w.get("dtype", "uint8"), w.get("shape", [])
             if not _int(nb) or nb < 0:
                 c.bad(where, fld + ".nbytes", f"must be a non-negative integer, got {nb!r}")
@@ -217,11 +203,11 @@ def parse_kernels(obj: Any, problems: list[Problem], file: str = "kernels.json")
     return out
 
 
-def _parse_launch(l: Any, c: _Collector, where: str, fld: str, n_ws: int) -> Launch | None:
+def _parse_launch(l: Any, c: ProblemCollector, where: str, fld: str, n_ws: int) -> Launch | None:
     if not isinstance(l, dict):
         c.bad(where, fld, "must be an object")
         return None
-    c.keys(l, {"kernel", "grid", "block", "shared_mem", "args"}, where, fld + ".")
+    c.unknown_keys(l, {"kernel", "grid", "block", "shared_mem", "args"}, where, fld + ".")
     ok = True
     kernel = l.get("kernel")
     if not isinstance(kernel, str) or not kernel:
@@ -287,7 +273,7 @@ def _scalar_ok(v: Any, dtype: Any) -> bool:
     return _int(v) and info.min <= v <= info.max
 
 
-def _parse_ref(r: Any, c: _Collector, where: str, fld: str, n_args: int, n_ops: int) -> Ref | None:
+def _parse_ref(r: Any, c: ProblemCollector, where: str, fld: str, n_args: int, n_ops: int) -> Ref | None:
     if isinstance(r, dict) and set(r) == {"arg"} and _int(r["arg"]):
         if not 0 <= r["arg"] < n_args:
             c.bad(where, fld, f"argument {r['arg']} is out of range (function has {n_args} inputs)")
@@ -310,7 +296,7 @@ def _parse_ref(r: Any, c: _Collector, where: str, fld: str, n_args: int, n_ops: 
     return None
 
 
-def _check_signature(o: dict, n_inputs: int, c: _Collector, where: str, fld: str) -> None:
+def _check_signature(o: dict, n_inputs: int, c: ProblemCollector, where: str, fld: str) -> None:
     """input/output shapes and dtypes: the reference backend allocates and checks by them."""
     for side in ("input", "output"):
         shapes, dts = o.get(f"{side}_shapes", []), o.get(f"{side}_dtypes", [])
@@ -325,14 +311,14 @@ def _check_signature(o: dict, n_inputs: int, c: _Collector, where: str, fld: str
 
 
 def parse_ops(obj: Any, problems: list[Problem], file: str = "ops.json") -> dict[str, FusedFunction]:
-    c = _Collector(file, problems)
+    c = ProblemCollector(file, problems)
     out: dict[str, FusedFunction] = {}
     for name, f in _top_functions(obj, c).items():
         where = f"function '{name}'"
         if not isinstance(f, dict):
             c.bad(where, "", "must be an object")
             continue
-        c.keys(f, {"num_inputs", "num_outputs", "ops", "outputs"}, where)
+        c.unknown_keys(f, {"num_inputs", "num_outputs", "ops", "outputs"}, where)
         n_in, n_out = f.get("num_inputs"), f.get("num_outputs")
         if not _int(n_in) or n_in < 0 or not _int(n_out) or n_out < 1:
             c.bad(where, "num_inputs/num_outputs", f"must be integers (>= 0, >= 1), got {n_in!r}, {n_out!r}")
@@ -347,7 +333,7 @@ def parse_ops(obj: Any, problems: list[Problem], file: str = "ops.json") -> dict
             if not isinstance(o, dict):
                 c.bad(where, fld, "must be an object")
                 continue
-            c.keys(o, {"op", "attrs", "inputs", "input_shapes", "input_dtypes", "output_shapes", "output_dtypes"},
+            c.unknown_keys(o, {"op", "attrs", "inputs", "input_shapes", "input_dtypes", "output_shapes", "output_dtypes"},
                    where, fld + ".")
             raw_refs = _list(o, "inputs", c, where, fld + ".")
             refs = [_parse_ref(r, c, where, f"{fld}.inputs[{k}]", n_in, i) for k, r in enumerate(raw_refs)]

@@ -168,7 +168,7 @@ def generate_params(graph: Graph, names: list[str], seed: int) -> dict[str, np.n
     """
     out = {}
     for name in names:
-        e = graph.entries[graph.entry_id(graph.node_index[name])]
+        e = graph.entry_of(name)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         dt = dtypes.np_dtype(e.dtype)
         if dt.kind == "f":
@@ -189,7 +189,7 @@ def check_params(graph: Graph, params: dict[str, np.ndarray], names: list[str], 
             problems.append(Problem(file, f"param '{name}'", "", "missing (graph.json has a null node for it)"))
             continue
         nid = graph.node_index[name]
-        e = graph.entries[graph.entry_id(nid)]
+        e = graph.entry_of(nid)
         arr = params[name]
         if tuple(arr.shape) != e.shape or arr.dtype != dtypes.np_dtype(e.dtype):
             problems.append(Problem(file, f"param '{name}'", "",

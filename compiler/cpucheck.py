@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.bundle import dtypes
-from tvmpipe.bundle.graph import Graph, parse_graph
+from tvmpipe.bundle.graph import Graph
+from tvmpipe.bundle.graph_reader import parse_graph
 from tvmpipe.compiler.errors import CompileError
 
 

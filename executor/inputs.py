@@ -24,7 +24,7 @@ def random_inputs(bundle: Bundle, seed: int = 0, int_high: int = 2) -> dict[str,
     g = bundle.graph
     out = {}
     for name in bundle.input_names:
-        e = g.entries[g.entry_id(g.node_index[name])]
+        e = g.entry_of(name)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         dt = np_dtype(e.dtype)
         if dt.kind == "f":
@@ -79,7 +79,7 @@ def npz_micro_batches(bundle: Bundle, path: str | Path, count: int | None = None
     g = bundle.graph
     specs = {}
     for name in bundle.input_names:
-        e = g.entries[g.entry_id(g.node_index[name])]
+        e = g.entry_of(name)
         specs[name] = (tuple(e.shape), np_dtype(e.dtype))
     unknown = sorted(set(arrays) - set(specs))
     missing = [n for n in specs if n not in arrays]

@@ -157,5 +157,5 @@ class GraphRunner:
 
 def _spec(bundle: Bundle, name: str) -> EntrySpec:
     g = bundle.graph
-    e = g.entries[g.entry_id(g.node_index[name])]
+    e = g.entry_of(name)
     return EntrySpec(e.shape, e.dtype)

@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cost", default="auto", choices=["auto", "measured", "analytic", "uniform"],
                    help="op cost model (auto: --profile, else analytic with ops.json, else uniform)")
     p.add_argument("--inputs", help="graph input names for a bare graph.json (default: a guess, see docs/partition.md)")
+    p.add_argument("--params", metavar="FILE",
+                   help="a bare graph.json's params file (.params as TVM <= 0.19 saved it, or .npz): its arrays "
+                        "are the weights each stage loads, the other null nodes the graph inputs")
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="optimal: accept plans this fraction above the best bottleneck that move fewer bytes")
     p.add_argument("--show-cuts", action="store_true", help="also list every candidate cut and the bytes crossing it")
@@ -67,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from tvmpipe.partition.planners import make_plan
     from tvmpipe.partition.predict import predict
 
-    bundle = load_bundle(args.path)
+    if args.params and args.inputs:
+        raise PartitionError("--inputs and --params both say which null nodes are graph inputs: give one")
+    bundle = load_bundle(args.path, params=args.params)
     device = get_device(args.device)
     cuts = _ints(args.cuts, "--cuts") if args.cuts is not None else None
     strategy = args.strategy or ("manual" if cuts is not None else "optimal")
@@ -107,8 +112,12 @@ def format_table(model: PipelineModel, prediction: Prediction, args: argparse.Na
     costs = model.costs.source + (f" ({UNIFORM_OP_US:g} us per op node)" if model.costs.source == "uniform" else "")
     lines = [f"{model.bundle.name}: {len(prediction.stages)} stage(s), strategy {prediction.strategy}, "
              f"cost model {costs}, device {model.device.name}, link {args.link_bandwidth}"
-             + (f" + {args.link_latency}/frame" if model.link.latency_us else ""),
-             ""]
+             + (f" + {args.link_latency}/frame" if model.link.latency_us else "")]
+    b = model.bundle
+    if b.is_bare and b.knows_params:
+        lines.append(f"weights: {len(b.param_names)} params, {format_bytes(sum(a.nbytes for a in b.params.values()))} "
+                     f"from {b.params_path}; graph inputs: {', '.join(b.input_names) or 'none'}")
+    lines.append("")
     head = f"{'stage':>5} {'nodes':>13} {'ops':>11} {'#ops':>5} {'params':>10} {'memory':>11} " \
            f"{'time us':>10} {'compute':>10} {'xfer':>8} {'in':>10} {'out':>10}"
     lines.append(head)

@@ -82,14 +82,15 @@ _INPUT_NAME = re.compile(r"^(data|input|inputs|x|images?|input_ids)(_?\d+)?$", r
 
 
 def default_inputs(bundle: Bundle) -> list[str]:
-    """Graph inputs: from bundle.json; for a bare graph.json, a guess.
+    """Graph inputs: from bundle.json, or from a bare graph.json's params file; else a guess.
 
-    A bare graph.json does not say which null nodes are fed per run. The guess: null nodes with a
+    A bare graph.json alone does not say which null nodes are fed per run. The guess: null nodes with a
     conventional input name (data, input, x, ... with an optional number), else null nodes read as
     the first argument of an op (where activations go in TVM's fused functions). Pass `--inputs` to
-    override; the guess only changes transfer bytes (inputs) versus loaded bytes (params).
+    override, or `--params` to read the answer from the deployment's params file; the guess only
+    changes transfer bytes (inputs) versus loaded bytes (params).
     """
-    if not bundle.is_bare:
+    if bundle.knows_params:
         return list(bundle.input_names)
     g = bundle.graph
     nulls = [g.nodes[i] for i in g.null_nodes]

@@ -44,7 +44,7 @@ class PipelineModel:
             raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
         spec = get_device(device) if isinstance(device, str) else device
         flow = GraphFlow.from_bundle(bundle, inputs)
-        unknown = [n for n in flow.inputs if n not in bundle.graph.node_index or bundle.graph.nodes[bundle.graph.node_index[n]].is_op]
+        unknown = [n for n in flow.inputs if not bundle.graph.is_null_node(n)]
         if unknown:
             raise PartitionError(f"input(s) {unknown} are not null nodes of the graph")
         if cost == "auto":

@@ -1,4 +1,4 @@
-"""Fixtures shared by every layer's tests. Keep it small: layer-specific helpers live beside their tests."""
+"""Fixtures shared by every layer's tests. Keep it small: helpers live in tests/support/."""
 
 from __future__ import annotations
 
@@ -8,16 +8,13 @@ from typing import Any, Callable
 
 import pytest
 
-# CI clones the repository with the read-only shared/ folder beside it.
-GRAPH_FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "graphs"
+from tests.support.paths import GRAPH_FIXTURES
 
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """The real graph.json files from public TVM deployments (see their SOURCES.md)."""
-    if not GRAPH_FIXTURES.is_dir():
-        pytest.skip(f"graph fixtures not found at {GRAPH_FIXTURES.resolve()}: clone shared/ beside the repository")
-    return GRAPH_FIXTURES.resolve()
+    """The real graph.json files from public TVM deployments (tests/data/graphs/SOURCES.md)."""
+    return GRAPH_FIXTURES
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +25,7 @@ def graph_json(fixtures_dir: Path) -> Callable[[str], dict[str, Any]]:
 
 @pytest.fixture
 def tiny_bundle(tmp_path: Path) -> Path:
-    """A valid tiny bundle with real CUDA kernels (tests/handmade.py), in a fresh directory."""
-    from handmade import write_tiny
+    """A valid tiny bundle with real CUDA kernels (tests/support/tiny_bundle.py), in a fresh directory."""
+    from tests.support.tiny_bundle import write_tiny
 
     return write_tiny(tmp_path / "tiny")

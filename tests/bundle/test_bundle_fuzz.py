@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handmade import write_tiny
-from json_mutations import paths, structural, textual
+from tests.support.tiny_bundle import write_tiny
+from tests.support.json_mutations import paths, structural, textual
 from tvmpipe.bundle import BundleError, GraphError, load_bundle
 from tvmpipe.bundle.inspect import build_report, render_text
 

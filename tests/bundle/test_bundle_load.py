@@ -10,8 +10,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from bundle_edits import edit_json, rewrite
-from handmade import TINY_CU, tiny_kernels, tiny_params, write_tiny
+from tests.support.bundle_edits import edit_json, rewrite
+from tests.support.tiny_bundle import TINY_CU, tiny_kernels, tiny_params, write_tiny
 from tvmpipe.bundle import BundleError, load_bundle
 from tvmpipe.bundle.params import save_npz
 
@@ -276,7 +276,7 @@ def test_write_with_generated_params(tmp_path):
 
 def test_generated_params_over_the_size_limit_are_refused(tmp_path):
     """A graph that asks for terabytes of generated weights must fail on load, not allocate."""
-    from handmade import tiny_graph
+    from tests.support.tiny_bundle import tiny_graph
 
     g = tiny_graph()
     g["attrs"]["shape"][1][1] = [1 << 16, 1 << 16]  # param 'w': 16 GiB of float32

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from bundle_edits import edit_json, rewrite
-from handmade import tiny_params
+from tests.support.bundle_edits import edit_json, rewrite
+from tests.support.tiny_bundle import tiny_params
 from tvmpipe.bundle import BundleError, load_bundle, read_graph
 from tvmpipe.bundle.params import (NDARRAY_MAGIC, PARAM_LIST_MAGIC, generate_params, load_npz, load_params_file,
                                    load_tvm_params, save_tvm_params)
@@ -143,7 +143,7 @@ def test_generated_params_are_deterministic(fixtures_dir):
     a, b = generate_params(g, names, seed=3), generate_params(g, names, seed=3)
     assert list(a) == names
     for n in names:
-        e = g.entries[g.entry_id(g.node_index[n])]
+        e = g.entry_of(n)
         assert a[n].shape == e.shape and a[n].dtype == np.float32
         np.testing.assert_array_equal(a[n], b[n])
     other = generate_params(g, names, seed=4)

@@ -1,4 +1,4 @@
-"""The graph reader on real graph.json files that NNVM-era TVM wrote (shared/fixtures/graphs)."""
+"""The graph reader on real graph.json files that NNVM-era TVM wrote (tests/data/graphs)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_storage_reuse(fixtures_dir, stem):
     no_reuse, with_reuse, op_sids, null_bytes = STORAGE[stem]
     assert g.activation_bytes() == (no_reuse, with_reuse)
     assert len({g.entries[e].storage_id for i in g.op_nodes for e in g.node_entry_ids(i)}) == op_sids
-    assert sum(g.entries[g.entry_id(i)].nbytes for i in g.null_nodes) == null_bytes
+    assert sum(g.entry_of(i).nbytes for i in g.null_nodes) == null_bytes
 
 
 def test_dlr_details(fixtures_dir):
@@ -64,7 +64,7 @@ def test_dlr_details(fixtures_dir):
 
 def test_wrn_rank6_shapes_and_nnvm_names(fixtures_dir):
     g = read_graph(fixtures_dir / "wrn_fc_nnvm.json")
-    weight = g.entries[g.entry_id(g.node_index["8_OIHW8i8o"])]
+    weight = g.entry_of("8_OIHW8i8o")
     assert weight.shape == (10, 10, 8, 8, 8, 8)
     assert weight.nbytes == 10 * 10 * 8 * 8 * 8 * 8 * 4
     assert g.nodes[3].func_name == "fuse_broadcast_mul_broadcast_add_relu___layout_transform__"

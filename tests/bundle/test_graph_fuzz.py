@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from json_mutations import paths, structural, textual
+from tests.support.json_mutations import paths, structural, textual
 from tvmpipe.bundle import Bundle, Graph, GraphError, parse_graph, parse_graph_text
 from tvmpipe.bundle.inspect import build_report, render_text
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from graph_edits import add_node, op_node, relay_style
+from tests.support.graph_edits import add_node, op_node, relay_style
 from tvmpipe.bundle import EntryRef, parse_graph, parse_graph_text
 
 
@@ -63,7 +63,7 @@ def test_nop_aliases_storage_and_copy_crosses_devices(dlr):
     assert g.nodes[nop].is_nop and not g.nodes[nop].launches_kernels
     assert g.nodes[add].launches_kernels
     assert [e.device_type for e in g.entries] == devices
-    assert g.entries[g.entry_id(nop)].storage_id == g.entries[g.entry_id(add)].storage_id == 7
+    assert g.entry_of(nop).storage_id == g.entry_of(add).storage_id == 7
     # the __nop output aliases its input: no bytes of its own in either figure
     assert g.activation_bytes() == (8 + 12 + 8 + 8, 8 + 12 + 8 + 8)
     assert g.to_json()["attrs"]["device_index"] == ["list_int", devices]

@@ -4,26 +4,23 @@ run as users run it (a subprocess: exit status, stdout, no traceback on errors).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bundle_edits import edit_json
-from graph_edits import add_node, op_node, relay_style
+from tests.support.bundle_edits import edit_json
+from tests.support.commands import run_tvmpipe as tvmpipe
+from tests.support.graph_edits import add_node, op_node, relay_style
+from tests.support.paths import EXAMPLES_DIR
 from tvmpipe.bundle import load_bundle, parse_graph
 from tvmpipe.bundle.bundle import Bundle
 from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text
 
-REPO = Path(__file__).resolve().parents[2]
 REPORT_KEYS = {"schema", "path", "kind", "model", "source", "target", "batch", "dtype", "tvm_version", "created_by",
                "params", "counts", "activation_bytes", "inputs", "outputs", "nodes"}
-NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops"}
+NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops",
+             "weight_bytes"}
 
-
-def tvmpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tvmpipe", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -64,7 +61,7 @@ def test_report_of_the_tiny_bundle(tiny_bundle):
 
 
 def test_generated_params_are_shown(tmp_path):
-    from handmade import write_tiny
+    from tests.support.tiny_bundle import write_tiny
 
     r = build_report(load_bundle(write_tiny(tmp_path / "gen", params=None, params_seed=11)))
     assert r["params"] == {"file": None, "generated": {"seed": 11}, "count": 2, "bytes": 60}
@@ -96,8 +93,9 @@ def test_text_rows_of_the_tiny_bundle(tiny_bundle):
     assert lines[i + 2].split() == ["launch", "dense_add_kernel_1", "grid", "1x1x1", "block", "32x1x1", "smem", "0"]
     assert lines[i + 3].strip() == "workspaces 12 B"
     assert lines[i + 4].strip() == "ops    matmul, add, nn.relu"
-    assert lines[i + 5].split()[:3] == ["4", "reshape", "__nop"]
-    assert lines[i + 6].strip() == "no launch: __nop output aliases its input's storage"
+    assert lines[i + 5].strip() == "weights 60 B"  # w and b
+    assert lines[i + 6].split()[:3] == ["4", "reshape", "__nop"]
+    assert lines[i + 7].strip() == "no launch: __nop output aliases its input's storage"
     assert lines[i - 3].split() == ["0", "x", "(input)", "float32[1,4]", "0"]
     assert max(map(len, lines)) <= 100
 
@@ -181,10 +179,9 @@ def test_cli_errors_are_one_paragraph_without_traceback(tiny_bundle, fixtures_di
         assert "\n\n" not in p.stderr.strip()
 
 
-@pytest.mark.skipif(not (REPO / "examples" / "mlp" / "bundle.json").is_file(), reason="examples/mlp is not built yet")
 def test_cli_on_examples_mlp(tmp_path):
-    p = tvmpipe("inspect", str(REPO / "examples" / "mlp"), cwd=tmp_path)
+    p = tvmpipe("inspect", str(EXAMPLES_DIR / "mlp"), cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "launch " in p.stdout and "ops    " in p.stdout
-    r = json.loads(tvmpipe("inspect", "--json", str(REPO / "examples" / "mlp"), cwd=tmp_path).stdout)
+    r = json.loads(tvmpipe("inspect", "--json", str(EXAMPLES_DIR / "mlp"), cwd=tmp_path).stdout)
     assert r["kind"] == "bundle" and r["counts"]["kernel_launches"] >= r["counts"]["functions"] >= 1

@@ -8,23 +8,17 @@ below this one, and none of the data-plane ports the workers listened on.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))  # clhelp.py
-sys.path.insert(0, str(HERE.parent))  # handmade.py
-sys.path.insert(0, str(HERE.parent / "executor"))  # exsynth.py: graphs with skip connections
+from tests.support.paths import EXAMPLES, EXAMPLES_DIR
+from tests.support.pipeline_harness import cmdline, descendants, listening_ports, opened_ports
+from tests.support.synthetic_bundles import write_convnet, write_skipnet
+from tests.support.tiny_bundle import write_tiny
 
-from clhelp import cmdline, descendants, listening_ports, opened_ports  # noqa: E402
-from exsynth import write_convnet, write_skipnet  # noqa: E402
-from handmade import write_tiny  # noqa: E402
 
 RAY_CPUS = 4  # logical: stage actors reserve 0.25 each (Placement(cpus=0.25))
 RAY_FAKE_GPUS = 2  # ray.init(num_gpus=2) on a CPU machine: tests fractional GPU placement
@@ -37,9 +31,8 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("bundles")
     out = {"tiny": write_tiny(d / "tiny"), "skipnet": write_skipnet(d / "skipnet"),
            "convnet": write_convnet(d / "convnet")}
-    for name in ("mlp", "cnn"):
-        if (ROOT / "examples" / name / "bundle.json").is_file():
-            out[name] = ROOT / "examples" / name
+    for name in EXAMPLES:
+        out[name] = EXAMPLES_DIR / name
     return out
 
 

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from clhelp import (FlakyWorker, ThreadLauncher, alive, assert_bit_identical, batches, case, listening_ports,
+from tests.support.pipeline_harness import (FlakyWorker, ThreadLauncher, alive, assert_bit_identical, batches, case, listening_ports,
                     record_ports)
 
 from tvmpipe.bundle import load_bundle

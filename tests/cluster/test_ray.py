@@ -6,7 +6,7 @@ import os
 import threading
 
 import pytest
-from clhelp import alive, assert_bit_identical, case, cmdline, descendants, listening_ports, record_ports, tcp_sockets
+from tests.support.pipeline_harness import alive, assert_bit_identical, case, cmdline, descendants, listening_ports, record_ports, tcp_sockets
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
@@ -26,8 +26,6 @@ def actor_states(ray) -> dict[str, str]:
 
 @pytest.mark.parametrize("model", ["mlp", "cnn", "skipnet"])
 def test_pipelined_equals_single_process_for_1_to_4_stages(ray_cluster, bundles, model):
-    if model not in bundles:
-        pytest.skip(f"examples/{model} is not built")
     inputs, want = case(bundles[model], 10)
     n_ops = len(load_bundle(bundles[model]).graph.op_nodes)
     for k in range(1, min(4, n_ops) + 1):

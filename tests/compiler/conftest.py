@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Callable
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # cmhelp.py, cmsources.py, cmnumpy.py
-
-from cmhelp import Compiled, compile_source  # noqa: E402
+from tests.support.compiled_models import Compiled, compile_source
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import cmsources
+from tests.support import model_files
 
 pytest.importorskip("tvm")
 pytestmark = pytest.mark.tvm
@@ -77,7 +77,7 @@ def test_unknown_file_type(tmp_path):
 def test_sort_and_scan_ops_are_rejected_naming_op_and_node(tmp_path, onnx_op, op, reason):
     from tvmpipe.compiler.errors import UnsupportedOpError
 
-    src = cmsources.write_unsupported_onnx(tmp_path / f"{op}.onnx", onnx_op)
+    src = model_files.write_unsupported_onnx(tmp_path / f"{op}.onnx", onnx_op)
     with pytest.raises(UnsupportedOpError) as info:
         compile_quiet(src, tmp_path / "out")
     err = info.value
@@ -95,7 +95,7 @@ def test_failed_compile_leaves_existing_bundle_untouched(tmp_path):
     (out / "keep.txt").write_text("old bundle")
     with pytest.raises(CompileError, match="already exists"):
         compile_quiet("mlp", out)
-    src = cmsources.write_unsupported_onnx(tmp_path / "topk.onnx", "TopK")
+    src = model_files.write_unsupported_onnx(tmp_path / "topk.onnx", "TopK")
     with pytest.raises(UnsupportedOpError):
         compile_quiet(src, out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "old bundle"
@@ -106,7 +106,7 @@ def test_pt2_batch_mismatch(tmp_path):
     from tvmpipe.compiler.errors import SourceError
 
     path = tmp_path / "small.pt2"
-    cmsources.write_pt2(path, batch=2)
+    model_files.write_pt2(path, batch=2)
     with pytest.raises(SourceError, match=r"exported with batch 2; --batch 4 needs a re-export"):
         compile_quiet(path, tmp_path / "out", batch=4)
 
@@ -127,7 +127,7 @@ def test_cli_compiles_a_bundle(tmp_path, capsys):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cli import main
 
-    onnx_path = cmsources.write_onnx_model(tmp_path / "m.onnx")
+    onnx_path = model_files.write_onnx_model(tmp_path / "m.onnx")
     rc = main(["compile", str(onnx_path), "-o", str(tmp_path / "b"), "--arch", "sm_80", "--batch", "2"])
     captured = capsys.readouterr()
     assert rc == 0 and captured.out.strip() == str((tmp_path / "b").resolve())

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cmhelp import BUILTINS, FILE_SOURCES
+from tests.support.compiled_models import BUILTINS, FILE_SOURCES
 
 pytest.importorskip("tvm")
 pytestmark = pytest.mark.tvm
@@ -190,7 +190,7 @@ def test_float16_bundle(tmp_path):
 def test_op_programs_compute_what_the_functions_compute(compiled, name):
     """ops.json, evaluated in NumPy from docs/ops.md semantics, matches every fused function's
     CPU build on the node's real inputs: the op records, their attrs and arg mapping are right."""
-    from cmnumpy import run_program
+    from tests.support.ops_interpreter import run_program
 
     from tvmpipe.bundle import load_bundle
     from tvmpipe.compiler.cpucheck import compare
@@ -214,8 +214,8 @@ def test_op_programs_compute_what_the_functions_compute(compiled, name):
 
 
 def test_tuple_producing_op_and_two_outputs(tmp_path):
-    import cmsources
-    from cmnumpy import run_program
+    from tests.support import model_files
+    from tests.support.ops_interpreter import run_program
 
     from tvmpipe.bundle import load_bundle
     from tvmpipe.compiler.cpucheck import CpuRunner, compare
@@ -223,7 +223,7 @@ def test_tuple_producing_op_and_two_outputs(tmp_path):
     from tvmpipe.compiler.models import example_input
     from tvmpipe.compiler.progress import Progress
 
-    path = cmsources.write_two_output_onnx(tmp_path / "two.onnx")
+    path = model_files.write_two_output_onnx(tmp_path / "two.onnx")
     ex = export(str(path), progress=Progress(stream=None))
     b = load_bundle(ex.write(tmp_path / "b"))
     assert len(b.graph.heads) == 2
@@ -233,7 +233,7 @@ def test_tuple_producing_op_and_two_outputs(tmp_path):
     x = example_input((2, 8), "float32", 3)
     record: dict[int, np.ndarray] = {}
     outs = CpuRunner.build(ex.unscheduled).run(b.graph, {"data": x}, b.params, keep=record)
-    for got, want in zip(outs, cmsources.onnx_reference(path, x)):
+    for got, want in zip(outs, model_files.onnx_reference(path, x)):
         compare(got, want, rtol=F32_RTOL, atol_scale=F32_ATOL_SCALE)
     nid = next(n for n in b.graph.op_nodes if b.graph.nodes[n].func_name == split_fn.name)
     got = run_program(split_fn.to_json(), [record[e] for e in b.graph.input_entry_ids(nid)])

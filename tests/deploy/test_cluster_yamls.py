@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-ray_util = pytest.importorskip("ray.autoscaler._private.util")
+from ray.autoscaler._private import util as ray_util
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 YAMLS = sorted(DEPLOY.glob("*.yaml"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poison import poison_inputs, write_poison
+from tests.support.failing_bundle import poison_inputs, write_poison
 from tvmpipe.bundle import load_bundle
 from tvmpipe.executor.inputs import npz_micro_batches as npz_batches
 from tvmpipe.deploy.job import main, parse_args, resolve_bundle

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localhead import LocalHead, non_loopback_sockets
+from tests.support.local_ray_head import LocalHead, non_loopback_sockets
 from tvmpipe.bundle import load_bundle
 from tvmpipe.deploy.job import resolve_bundle
 from tvmpipe.executor import GraphRunner, random_inputs
@@ -42,8 +42,7 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def head():
-    if not RAY.exists():
-        pytest.skip(f"no ray executable beside {sys.executable}")
+    assert RAY.exists(), f"no ray executable beside {sys.executable}: ray[default] installs it"
     h = LocalHead(str(RAY), *_free_ports(4))  # GCS, dashboard (job API), Ray Client server, job agent
     try:
         h.start()
@@ -102,7 +101,7 @@ def test_ray_job_submit_two_stages(head: LocalHead, tmp_path: Path):
 
 
 def test_failed_job_is_reported_failed_and_keeps_completed_outputs(head: LocalHead, tmp_path: Path):
-    from poison import poison_inputs, write_poison
+    from tests.support.failing_bundle import poison_inputs, write_poison
 
     workdir = tmp_path / "workdir"
     write_poison(workdir / "poison")

@@ -1,27 +1,20 @@
 """Bundles shared by the executor tests, built once per session.
 
-`tiny` (tests/handmade.py) has real CUDA kernels; `skipnet` and `convnet` (exsynth.py) have awkward
-graph shapes but empty kernel bodies; examples/mlp and examples/cnn are the compiler's real bundles
-and are used when present.
+`tiny` (tests/support/tiny_bundle.py) has real CUDA kernels; `skipnet` and `convnet`
+(tests/support/synthetic_bundles.py) have awkward graph shapes but empty kernel bodies;
+examples/mlp and examples/cnn are the compiler's real bundles, committed to the repository.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.paths import EXAMPLES, EXAMPLES_DIR
+from tests.support.synthetic_bundles import write_convnet, write_skipnet
+from tests.support.tiny_bundle import write_tiny
 from tvmpipe.bundle import Bundle, load_bundle
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))  # tests/handmade.py
-sys.path.insert(0, str(HERE))  # exhelp.py, exsynth.py
-
-from exhelp import EXAMPLES  # noqa: E402
-from exsynth import write_convnet, write_skipnet  # noqa: E402
-from handmade import write_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +23,7 @@ def bundle_dirs(tmp_path_factory) -> dict[str, Path]:
     dirs = {"tiny": write_tiny(root / "tiny"), "skipnet": write_skipnet(root / "skipnet"),
             "convnet": write_convnet(root / "convnet")}
     for name in EXAMPLES:
-        if (ROOT / "examples" / name / "bundle.json").is_file():
-            dirs[f"examples/{name}"] = ROOT / "examples" / name
+        dirs[f"examples/{name}"] = EXAMPLES_DIR / name
     return dirs
 
 

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from exfake import RecordingDevice, check_stage_launches, ranges
-from exhelp import CPU_MODELS, get_bundle
+from tests.support.recording_device import RecordingDevice, check_stage_launches, ranges
+from tests.support.executor_cases import CPU_MODELS, get_bundle
 from tvmpipe.executor import BackendUnavailable, Stage, feeds_by_entry, random_inputs
 from tvmpipe.executor.cubin import compile_cubin
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from exhelp import CPU_MODELS, get_bundle
+from tests.support.executor_cases import CPU_MODELS, get_bundle
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cli import main
 from tvmpipe.executor import ExecutorError, GraphRunner, Stage, boundary_input_name, extract_bundle, feeds_by_entry, random_inputs
@@ -52,7 +52,7 @@ def test_extracted_ranges_match(bundles, model, tmp_path):
 
 
 def test_extract_generated_params_stay_generated(tmp_path):
-    from handmade import write_tiny
+    from tests.support.tiny_bundle import write_tiny
 
     b = load_bundle(write_tiny(tmp_path / "gen", params=None, params_seed=11))
     sub = load_bundle(extract_bundle(b, 0, 4, tmp_path / "sub"))

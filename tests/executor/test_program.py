@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from exhelp import CPU_MODELS, check_storage, get_bundle
+from tests.support.executor_cases import CPU_MODELS, check_storage, get_bundle
 from tvmpipe.executor import ExecutorError, build_stage_program
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from handmade import tiny_expected, tiny_params
+from tests.support.tiny_bundle import tiny_expected, tiny_params
 from tvmpipe.bundle.params import save_tvm_params
 from tvmpipe.cli import main
 from tvmpipe.executor import ExecutorError, GraphRunner, InputError, Stage, UnsupportedOpError, random_inputs
@@ -139,7 +139,7 @@ def test_profile_forms(bundles):
 
 
 def test_unknown_op_is_a_load_error(tmp_path):
-    from handmade import tiny_ops, write_tiny
+    from tests.support.tiny_bundle import tiny_ops, write_tiny
 
     ops = tiny_ops()
     ops["functions"]["fused_multiply"]["ops"][0]["op"] = "nn.frobnicate"

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from exhelp import CPU_MODELS, get_bundle
+from tests.support.executor_cases import CPU_MODELS, get_bundle
 from tvmpipe.executor import Stage, feeds_by_entry, random_inputs
 
 
@@ -67,7 +67,7 @@ def test_splits_bit_identical(bundles, model):
 
 
 def test_tiny_matches_formula(bundles):
-    from handmade import tiny_expected
+    from tests.support.tiny_bundle import tiny_expected
 
     b = bundles["tiny"]
     x = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from exfake import check_stage_launches
+from tests.support.recording_device import check_stage_launches
 from tvmpipe.executor import GraphRunner, Stage, feeds_by_entry, random_inputs
 
 pytestmark = pytest.mark.tvm

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from handmade import write_tiny
+from tests.support.tiny_bundle import write_tiny
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle.manifests import OpRecord
 from tvmpipe.partition import PartitionError

@@ -1,5 +1,5 @@
 """The DP planner against brute force over every plan, on random small DAGs, with a naive
-stage-cost reference (graphgen.Reference) so the range tables are checked too."""
+stage-cost reference (tests/support/random_graphs.py: Reference) so the range tables are checked too."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from graphgen import Reference, brute_force, isclose, random_bundle, random_profile
+from tests.support.random_graphs import Reference, brute_force, isclose, random_bundle, random_profile
 from tvmpipe.partition import PartitionError, validate_plan
 from tvmpipe.partition.devices import Link
 from tvmpipe.partition.model import PipelineModel

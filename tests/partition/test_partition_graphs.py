@@ -3,21 +3,19 @@ valid, checked here independently of validate_plan; cut crossings on ResNet-18 i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from handmade import write_tiny
+from tests.support.paths import EXAMPLES, EXAMPLES_DIR
+from tests.support.tiny_bundle import write_tiny
 from tvmpipe.bundle import Bundle, load_bundle, parse_graph
+from tvmpipe.executor.program import build_stage_program
 from tvmpipe.partition.cuts import GraphFlow, cut_crossings, stage_io
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan
 from tvmpipe.partition.planners import make_plan
 from tvmpipe.partition.predict import predict
 
-REPO = Path(__file__).resolve().parents[2]
 FIXTURES = ["dlr_4in2out_nnvm", "resnet18_nnvm", "wrn_fc_nnvm"]
-EXAMPLES = sorted(p.parent.name for p in (REPO / "examples").glob("*/bundle.json"))
 
 
 def check_plan(graph, plan):
@@ -67,10 +65,9 @@ def test_fixture_plans_valid(fixtures_dir, stem):
             assert plan.predicted["bottleneck_us"] <= equal.predicted["bottleneck_us"] * 1.01 + 1e-9
 
 
-@pytest.mark.skipif(not EXAMPLES, reason="no example bundles under examples/ yet")
-@pytest.mark.parametrize("name", EXAMPLES or ["none"])
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_example_bundle_plans_valid(name):
-    bundle = load_bundle(REPO / "examples" / name)
+    bundle = load_bundle(EXAMPLES_DIR / name)
     n = len(bundle.graph.op_nodes)
     assert list(plan_all(bundle, range(1, min(n, 6) + 1)))
 
@@ -138,14 +135,13 @@ def test_shared_params_reported(tmp_path):
 @pytest.mark.parametrize("stem", FIXTURES)
 def test_stage_io_agrees_with_executor_programs(fixtures_dir, stem, tmp_path):
     """What the planner thinks a stage loads, receives and sends is what the executor builds."""
-    program = pytest.importorskip("tvmpipe.executor.program")
     bundle = load_bundle(fixtures_dir / f"{stem}.json")
     # the executor treats every null node of a bare graph.json as a graph input
     model = PipelineModel.build(bundle, inputs=bundle.input_names)
     for k in range(1, min(model.num_ops, 6) + 1):
         plan = make_plan(model, k, "optimal")
         for start, end in plan.stages:
-            prog = program.build_stage_program(bundle, start, end)
+            prog = build_stage_program(bundle, start, end)
             io = stage_io(model.flow, *model.flow.op_range(start, end))
             assert io.op_nodes == prog.op_nodes
             assert sorted(io.recv) == sorted(prog.recv_entries)

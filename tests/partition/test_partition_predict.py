@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from graphgen import random_bundle, random_profile
+from tests.support.random_graphs import random_bundle, random_profile
 from tvmpipe.bundle import load_bundle
 from tvmpipe.partition import Plan
 from tvmpipe.partition.devices import Link

@@ -1,7 +1,4 @@
-"""Helpers of the compiler tests: the models they compile and the result of compiling one.
-
-Named with a `cm` prefix because test helper modules of all layers share one import namespace.
-"""
+"""The models the compiler tests compile, and the result of compiling one (compiled once per session)."""
 
 from __future__ import annotations
 
@@ -42,23 +39,23 @@ class Compiled:
 
 
 def compile_source(name: str, tmp: Path) -> Compiled:
-    """Compile a built-in model, "onnx" or "pt2" (see cmsources.py) into a bundle under `tmp`."""
+    """Compile a built-in model, "onnx" or "pt2" (see model_files.py) into a bundle under `tmp`."""
     import torch
 
-    import cmsources
+    from tests.support import model_files
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.models import example_input
     from tvmpipe.compiler.progress import Progress
 
     quiet = Progress(stream=None)
     if name == "onnx":
-        path = cmsources.write_onnx_model(tmp / "small.onnx")
+        path = model_files.write_onnx_model(tmp / "small.onnx")
         exported = export(str(path), batch=3, progress=quiet)
         x = example_input(exported.input_shapes[0], "float32", 1)
-        reference = cmsources.onnx_reference(path, x)[0]
+        reference = model_files.onnx_reference(path, x)[0]
     elif name == "pt2":
         path = tmp / "small.pt2"
-        cmsources.write_pt2(path, batch=2)
+        model_files.write_pt2(path, batch=2)
         exported = export(str(path), progress=quiet)
         x = example_input(exported.input_shapes[0], "float32", 1)
         with torch.no_grad():
