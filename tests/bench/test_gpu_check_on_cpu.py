@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "executor"))
-from fakecuda_env import fake_env  # noqa: E402
+from tests.support.fake_cuda import fake_env
 
 
 def image_python(where: Path) -> Path:

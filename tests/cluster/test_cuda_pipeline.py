@@ -6,10 +6,8 @@ so the reference backend, whose ops the fake's kernels run)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-from clhelp import assert_bit_identical
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.actor import RayLauncher
@@ -18,8 +16,8 @@ from tvmpipe.cluster.launch import ProcessLauncher
 from tvmpipe.cluster.placement import Placement
 from tvmpipe.executor import random_inputs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "executor"))
-from fakecuda_env import fake_env, spawn_path  # noqa: E402
+from tests.support.fake_cuda import fake_env, spawn_path
+from tests.support.pipeline_harness import assert_bit_identical
 
 MODELS = ["mlp", "cnn", "resnet18", "transformer"]
 SHARED_GPU = Placement(cpus=0.25, gpus=0.5)  # two stage processes share each (fake) GPU
@@ -86,8 +84,8 @@ def test_worker_threads_on_fake_cuda(model_dirs, oracle, tmp_path, monkeypatch):
     """Defect 1: stages are built on the driver's thread (ThreadLauncher) and compute on their
     receiver / compute threads, where no context is current unless the backend makes it so. The
     two workers also share one process (two stages, one GPU, one primary context)."""
-    from clhelp import ThreadLauncher
-    from fakecuda_env import activate
+    from tests.support.fake_cuda import activate
+    from tests.support.pipeline_harness import ThreadLauncher
 
     activate(monkeypatch, tmp_path, model_dirs.values())
     import pycuda.driver as drv

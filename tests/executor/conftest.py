@@ -7,6 +7,7 @@ examples/mlp and examples/cnn are the compiler's real bundles, committed to the 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def bundles(bundle_dirs) -> dict[str, Bundle]:
 @pytest.fixture
 def fake_cuda(monkeypatch, tmp_path, bundle_dirs):
     """The strict fake pycuda (tests/fakecuda) in this test, computing the session's bundles."""
-    from fakecuda_env import activate
+    from tests.support.fake_cuda import activate
 
     activate(monkeypatch, tmp_path / "cubins", bundle_dirs.values())
     import pycuda.driver as drv

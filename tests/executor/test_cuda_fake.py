@@ -1,5 +1,5 @@
 """The cuda backend's launch path on CPU: the real PyCudaDevice over the strict fake pycuda,
-recorded (exfake.py)."""
+recorded (tests/support/recording_device.py)."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def test_allocation_sizes_double_free_use_after_free(fake, ctx):
 def fake_module(fake, src, tmp_path):
     import subprocess
 
-    from fakecuda_env import FAKE_ROOT
+    from tests.support.fake_cuda import FAKE_ROOT
 
     (tmp_path / "k.cu").write_text(src)
     subprocess.run([str(FAKE_ROOT / "bin" / "nvcc"), "--cubin", "-arch=sm_90", "-o", str(tmp_path / "k.cubin"),
@@ -234,7 +234,7 @@ def test_static_plus_dynamic_shared_memory_opts_in(fake, tmp_path):
     """Defect 4: 16 KiB static + 40 KiB dynamic needs the opt-in although 40 KiB <= 48 KiB."""
     import subprocess
 
-    from fakecuda_env import FAKE_ROOT
+    from tests.support.fake_cuda import FAKE_ROOT
     from tvmpipe.executor.backend_cuda import PyCudaDevice
 
     (tmp_path / "k.cu").write_text(KERNEL)

@@ -14,7 +14,7 @@ import struct
 
 import pytest
 
-from cubin_elf import compile_and_read
+from tests.support.cubin_elf import compile_and_read
 from tvmpipe.executor.launch_plan import PlannedLaunch, build_launch_plan
 from tvmpipe.executor.program import build_stage_program
 
