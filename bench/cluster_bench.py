@@ -101,7 +101,7 @@ def tvmpipe_chain_latency(pipe, x: dict, n: int) -> tuple[list[float], list[floa
     rec = pipe.record()
     seqs = range(first, first + n)
     e2e = [rec.done_times[s] - rec.submit_times[s] for s in seqs]
-    spans = [{seq: (a, b) for _, seq, a, b in st["events"]} for st in rec.worker_stats]
+    spans = [{seq: (a, b) for _, seq, a, b in st.events} for st in rec.worker_stats]
     hops = [spans[i + 1][s][0] - spans[i][s][1] for s in seqs for i in range(len(spans) - 1)]
     transport = [t - sum(sp[s][1] - sp[s][0] for sp in spans) for s, t in zip(seqs, e2e)]
     return e2e, transport, hops

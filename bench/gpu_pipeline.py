@@ -10,7 +10,7 @@ For each model and each K, a `Pipeline(..., launcher="process")`: K StageWorker 
 this machine (no Ray), all on GPU 0 with the cuda backend. For each it records
 
 - exactness: every micro-batch's outputs against a single GraphRunner run of the same inputs in a
-  worker-like process (cluster/reference.py), byte for byte. Any difference fails the run;
+  worker-like process (app/oracle.py), byte for byte. Any difference fails the run;
 - throughput (micro-batches/s over the timed run, and steady state between first and last
   completion), against the 1-stage pipeline and against the in-process GraphRunner loop;
 - per stage: busy, bubble (fill + drain) and idle fractions, mean compute time (cluster/metrics.py),
@@ -198,7 +198,7 @@ def run_pipeline(bundle, plan, backend: str, opts: dict, batches: list, n: int,
 def bench_model(path: Path, args, graphs_modes: list[bool], result: dict) -> bool:
     """Everything for one model; appends to result["models"] as it goes. False if anything failed."""
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.reference import reference_outputs
+    from tvmpipe.app.oracle import reference_outputs
 
     b = load_bundle(path)
     n_ops = len(b.graph.op_nodes)

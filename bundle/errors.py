@@ -1,14 +1,12 @@
-"""Error types shared by every layer. They live in the bundle layer because it imports nothing else."""
+"""Errors about input files: one `Problem` per thing wrong, collected into one error per file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvmpipe.core.errors import TvmpipeError
+
 MAX_MESSAGE = 300
-
-
-class TvmpipeError(Exception):
-    """Base of every error tvmpipe raises on purpose; the CLI prints these without a traceback."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Any
 
 from tvmpipe.bundle.bundle import Bundle
 from tvmpipe.bundle.graph import DEVICE_TYPES, Graph, Node
-from tvmpipe.bundle.units import format_bytes
+from tvmpipe.core.table import Column, render_table
+from tvmpipe.core.units import format_bytes
 
 SCHEMA = "tvmpipe-inspect/1"
 WIDTH = 100  # the terminal width the text table is laid out for, unless --wide
@@ -214,19 +215,10 @@ def _table(r: dict[str, Any], wide: bool) -> list[str]:
         items.append([str(n["index"]), n["name"], n["func_name"] or f"({n['kind']})", inputs, *first])
         items += [["", "", "", "", *cells] for cells in more]  # further outputs of a multi-output node
         items += _details(n, r["kind"] == "graph", wide)
-    rows = [i for i in items if isinstance(i, list)]
-    widths = [max([len(h)] + [len(row[k]) for row in rows]) if wide else w for k, (h, w, _) in enumerate(_COLUMNS)]
-    lines = [_join([h for h, _, _ in _COLUMNS], widths)]
-    for item in items:
-        if isinstance(item, list):
-            lines.append(_join([cut(c, w) for c, w, (_, _, cut) in zip(item, widths, _COLUMNS)], widths))
-        else:
-            lines.append(" " * _SUB_INDENT + (item if wide else _clip(item, WIDTH - _SUB_INDENT)))
-    return lines
-
-
-def _join(cells: list[str], widths: list[int]) -> str:
-    return " ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    columns = [Column(h, None if wide else w, cut=cut) for h, w, cut in _COLUMNS]
+    indent = " " * _SUB_INDENT
+    return render_table(columns, [i if isinstance(i, list) else indent + (i if wide else _clip(i, WIDTH - _SUB_INDENT))
+                                  for i in items], gap=1)
 
 
 def _storage(o: dict[str, Any], mixed_devices: bool) -> str:

@@ -12,7 +12,8 @@ from typing import Any
 
 import ray
 
-from tvmpipe.cluster.launch import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe, thread_env
+from tvmpipe.cluster.control import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe
+from tvmpipe.cluster.environment import thread_env
 from tvmpipe.cluster.placement import Placement, create_placement_group
 from tvmpipe.cluster.transport import Address
 from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
@@ -56,7 +57,7 @@ def _unwrap(stage: int, exc: Exception) -> WorkerError:
 
 
 class RayLauncher:
-    """Stage actors in one placement group (one bundle per stage). The bundle reaches the actors as
+    """Stage actors in one placement group (one slot per stage). The model bundle reaches the actors as
     a path (shared filesystem, local mode) or as its files' bytes through the object store."""
 
     def __init__(self, placement: Placement = Placement(), timeouts: Timeouts = Timeouts(),

@@ -29,15 +29,15 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
-from tvmpipe.bundle.dtypes import np_dtype
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous
-from tvmpipe.cluster.launch import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
+from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
+from tvmpipe.cluster.status import WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Topology, build_topology
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
 from tvmpipe.cluster.worker import Inbound, StageSpec, Wiring
-from tvmpipe.executor.errors import InputError
+from tvmpipe.executor.checks import check_inputs
 from tvmpipe.partition import Plan, plan_equal_ops
 
 Outputs = list[np.ndarray]
@@ -83,9 +83,11 @@ class Pipeline:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = plan_equal_ops(self.bundle.graph, plan) if isinstance(plan, int) else plan
         self.topology: Topology = build_topology(self.bundle, self.plan)
-        self.window = window or 2 * self.topology.num_stages
+        self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
+        if max_restarts < 0:
+            raise TvmpipeError(f"max_restarts must be >= 0, got {max_restarts}")
         self.timeouts = timeouts
         self.max_restarts = max_restarts
         self.run_id = uuid.uuid4().hex[:12]
@@ -98,6 +100,7 @@ class Pipeline:
         if missing or not self._head_stages:
             raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
         self._expect = {e.src: Inbound.of(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
+        self._input_specs = {name: self.topology.specs[eid] for name, eid in self.topology.inputs.items()}
         self._feeds = [(e.dst, e.entries, {x: self.topology.names[x] for x in e.entries})
                        for e in self.topology.outbound(DRIVER)]
 
@@ -145,27 +148,9 @@ class Pipeline:
     # ---- public API ------------------------------------------------------------------------------
     def check_inputs(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
         """Graph inputs by name -> by entry id, each of exactly the graph's shape and dtype; else
-        InputError listing what the graph takes (built only then). Nothing is sent before this passes."""
-        want = self.topology.inputs
-        expected = lambda: ", ".join(f"{n}: {self.topology.specs[e]}" for n, e in want.items()) or "none"  # noqa: E731
-        if not isinstance(inputs, Mapping):
-            raise InputError(f"a micro-batch is a dict of graph inputs by name ({expected()}), "
-                             f"got {type(inputs).__name__}")
-        unknown = [k for k in inputs if k not in want]
-        missing = [k for k in want if k not in inputs]
-        if unknown or missing:
-            parts = ([f"unknown input(s) {', '.join(map(repr, unknown))}"] if unknown else []) + (
-                [f"missing input(s) {', '.join(map(repr, missing))}"] if missing else [])
-            raise InputError(f"{'; '.join(parts)}; the graph takes: {expected()}")
-        out = {}
-        for name, eid in want.items():
-            value = inputs[name]
-            spec = self.topology.specs[eid]
-            if not isinstance(value, np.ndarray) or value.dtype != np_dtype(spec.dtype) or value.shape != spec.shape:
-                got = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
-                raise InputError(f"input '{name}': expected {spec}, got {got}")
-            out[eid] = contiguous(value)
-        return out
+        InputError listing what the graph takes. Nothing is sent before this passes."""
+        checked = check_inputs(inputs, self._input_specs)
+        return {eid: contiguous(checked[name]) for name, eid in self.topology.inputs.items()}
 
     def submit(self, inputs: Mapping[str, Any]) -> int:
         """Queue one micro-batch; blocks while `window` are in flight. Returns its sequence number."""
@@ -256,7 +241,7 @@ class Pipeline:
             stages=list(self.plan.stages), ops=self.plan.op_counts(g),
             batch=self.bundle.manifest.batch if self.bundle.manifest else 1,
             submit_times=submitted, done_times=done,
-            worker_stats=[s if isinstance(s, dict) else None for s in stats],
+            worker_stats=[s if isinstance(s, WorkerStats) else None for s in stats],
             edges=[(e.src, e.dst, self.topology.edge_bytes(e)) for e in self.topology.edges if e.carries_data],
             driver_bytes_out=bytes_out, driver_frames_out=frames_out,
             restarts=list(self.restarts), errors=list(self.errors))
@@ -264,9 +249,9 @@ class Pipeline:
     def metrics(self) -> PipelineMetrics:
         return compute_metrics(self.record())
 
-    def status(self) -> list[dict[str, Any] | str]:
+    def status(self) -> list[WorkerStatus | str]:
         """Each worker's status, or the error a status call got."""
-        return [s if isinstance(s, dict) else str(s) for s in self.launcher.call_all("status")]
+        return [s if isinstance(s, WorkerStatus) else str(s) for s in self.launcher.call_all("status")]
 
     def close(self) -> None:
         """Stop everything this pipeline started: links, workers (actors/processes), sockets."""
@@ -422,19 +407,19 @@ class Pipeline:
     def _diagnose(self, signal: _Signal) -> dict[int, str]:
         """Which stages must be restarted, and why: dead or unresponsive, failed, or stuck."""
         failed: dict[int, str] = {}
-        busy: dict[int, dict[str, Any]] = {}
+        busy: dict[int, WorkerStatus] = {}
         for i, st in enumerate(self.launcher.call_all("status")):
             if isinstance(st, WorkerError):
                 failed[i] = st.message
-            elif st["error"]:
-                failed[i] = st["error"]
-            elif st["busy_seq"] is not None:
+            elif st.error:
+                failed[i] = st.error
+            elif st.busy_seq is not None:
                 busy[i] = st
         if not failed and signal.stage >= 0:
             failed[signal.stage] = signal.message  # it reported a fault it did not survive cleanly
         if not failed and busy:  # a stall: the stage that has been computing longest holds it up
-            i = max(busy, key=lambda j: busy[j]["busy_for_s"])
-            failed[i] = (f"micro-batch {busy[i]['busy_seq']} has run for {busy[i]['busy_for_s']:.1f} s "
+            i = max(busy, key=lambda j: busy[j].busy_for_s)
+            failed[i] = (f"micro-batch {busy[i].busy_seq} has run for {busy[i].busy_for_s:.1f} s "
                          f"({signal.message})")
         return failed
 

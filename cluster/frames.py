@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 
 from tvmpipe.bundle import dtypes
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 MAGIC = b"TVPF"
 FORMAT_VERSION = 1

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from tvmpipe.bundle.errors import TvmpipeError
-from tvmpipe.cluster.launch import scoped_environ
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.cluster.environment import scoped_environ
 from tvmpipe.executor.cubin import cache_root
 
 LOOPBACK = "127.0.0.1"

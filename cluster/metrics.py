@@ -21,6 +21,9 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.core.table import Column, render_table
+from tvmpipe.core.units import format_bytes
+from tvmpipe.cluster.status import WorkerStats
 
 TIMELINE_KEPT = 100_000  # micro-batches of timing kept (driver and each worker): bounded memory
 
@@ -32,7 +35,7 @@ class RunRecord:
     batch: int
     submit_times: dict[int, float]
     done_times: dict[int, float]
-    worker_stats: list[dict[str, Any] | None]  # StageWorker.stats(), None where unavailable
+    worker_stats: list[WorkerStats | None]  # StageWorker.stats(), None where unavailable
     edges: list[tuple[int, int, int]]  # (src, dst, planned bytes per micro-batch)
     driver_bytes_out: dict[int, int]
     driver_frames_out: dict[int, int]
@@ -98,6 +101,20 @@ class PipelineMetrics:
         d["bubble"] = self.bubble
         return d
 
+    def table(self) -> str:
+        """One row per stage: where it ran, how its time splits, what it sent."""
+        rows = [(str(s.stage), f"[{s.nodes[0]}, {s.nodes[1]})", str(s.ops), s.host or "-", _pct(s.busy),
+                 _pct(s.bubble), _pct(s.idle), "-" if s.compute_ms_mean is None else f"{s.compute_ms_mean:.3f}",
+                 "-" if s.bytes_out is None else format_bytes(s.bytes_out)) for s in self.stages]
+        return "\n".join(render_table([Column(t) for t in STAGE_COLUMNS], rows))
+
+
+STAGE_COLUMNS = ("stage", "nodes", "ops", "host", "busy %", "bubble %", "idle %", "ms/mb", "bytes out")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
 
 def compute_metrics(rec: RunRecord) -> PipelineMetrics:
     n = len(rec.done_times)
@@ -112,24 +129,24 @@ def compute_metrics(rec: RunRecord) -> PipelineMetrics:
         if st is None:
             stages.append(StageMetrics(i, (start, end), ops, None, 0, None, None, None, None, None, None))
             continue
-        spans = [(a, b) for _, _, a, b in st["events"] if b >= t0 and a <= t1]
+        spans = [(a, b) for _, _, a, b in st.events if b >= t0 and a <= t1]
         busy = sum(min(b, t1) - max(a, t0) for a, b in spans)
         if spans:
             fill_drain = max(0.0, min(a for a, _ in spans) - t0) + max(0.0, t1 - max(b for _, b in spans))
         else:
             fill_drain = wall
         stages.append(StageMetrics(
-            i, (start, end), ops, st["host"], len(spans),
+            i, (start, end), ops, st.host, len(spans),
             float(np.mean([b - a for a, b in spans]) * 1e3) if spans else None,
             busy / wall, fill_drain / wall, max(0.0, 1.0 - (busy + fill_drain) / wall),
-            sum(st["bytes_out"].values()), st["build_s"]))
+            sum(st.bytes_out.values()), st.build_s))
     edges = []
     for src, dst, planned in rec.edges:
         if src == DRIVER:
             sent, frames = rec.driver_bytes_out.get(dst, 0), rec.driver_frames_out.get(dst, 0)
         elif rec.worker_stats[src] is not None:
             st = rec.worker_stats[src]
-            sent, frames = st["bytes_out"].get(dst, 0), st["frames_out"].get(dst, 0)
+            sent, frames = st.bytes_out.get(dst, 0), st.frames_out.get(dst, 0)
         else:
             sent = frames = None
         edges.append(EdgeMetrics(src, dst, planned, sent, frames))

@@ -1,8 +1,11 @@
-"""Placement: one placement-group bundle per stage, so a pipeline is scheduled all-or-nothing.
+"""Placement: one placement-group slot per stage, so a pipeline is scheduled all-or-nothing.
+
+Ray calls a slot of a placement group a "bundle"; here "bundle" means only the model artifact,
+and a slot is the resource set (CPUs, GPUs, node pin) one stage actor is placed into.
 
 PACK puts stages on as few nodes as possible (fast NVLink/PCIe hops, shared host memory); SPREAD
 prefers distinct nodes; STRICT_SPREAD requires them. A stage can be pinned to a node by address:
-its bundle then asks for a sliver of Ray's built-in `node:<ip>` resource, which only that node has.
+its slot then asks for a sliver of Ray's built-in `node:<ip>` resource, which only that node has.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
-NODE_PIN = 0.001  # of `node:<ip>`: every node has 1.0, so a pinned bundle fits only there
+NODE_PIN = 0.001  # of `node:<ip>`: every node has 1.0, so a pinned slot fits only there
 
 
 class PlacementError(TvmpipeError):
@@ -38,7 +41,8 @@ class Placement:
         if self.gpus < 0 or self.cpus < 0:
             raise PlacementError("gpus and cpus per stage must be >= 0")
 
-    def bundles(self, num_stages: int) -> list[dict[str, float]]:
+    def slots(self, num_stages: int) -> list[dict[str, float]]:
+        """The resource set of each stage's slot (what Ray's placement_group() calls bundles)."""
         if self.nodes is not None and len(self.nodes) != num_stages:
             raise PlacementError(f"{len(self.nodes)} node pins for {num_stages} stages")
         out = []
@@ -59,20 +63,20 @@ class Placement:
 
 
 def create_placement_group(placement: Placement, num_stages: int, timeout_s: float) -> Any:
-    """Reserve the bundles, or raise PlacementError saying what the cluster lacks."""
+    """Reserve one slot per stage, or raise PlacementError saying what the cluster lacks."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundles = placement.bundles(num_stages)
+    slots = placement.slots(num_stages)
     # Unique per pipeline: several pipelines (jobs, sweeps) share one cluster, and Ray refuses a
     # second placement group with a name already in use.
-    pg = placement_group(bundles, strategy=placement.strategy,
+    pg = placement_group(slots, strategy=placement.strategy,
                          name=f"tvmpipe-{num_stages}stages-{uuid.uuid4().hex[:8]}")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except Exception as exc:  # GetTimeoutError: the reservation cannot be met (now)
         remove_placement_group(pg)
         raise PlacementError(f"cannot place {num_stages} stages with {placement.strategy} "
-                             f"(each needs {bundles[0]}); cluster resources: {ray.cluster_resources()} "
+                             f"(each needs {slots[0]}); cluster resources: {ray.cluster_resources()} "
                              f"[{type(exc).__name__}]") from None
     return pg

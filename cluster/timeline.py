@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tvmpipe.cluster.metrics import RunRecord
+from tvmpipe.core import files
 
 DRIVER_PID = 1000
 
@@ -23,7 +24,7 @@ def _events(rec: RunRecord) -> list[tuple[int, int, int, float, float]]:
     out = []
     for i, st in enumerate(rec.worker_stats):
         if st is not None:
-            out += [(i, epoch, seq, a - t0, b - t0) for epoch, seq, a, b in st["events"] if a >= t0]
+            out += [(i, epoch, seq, a - t0, b - t0) for epoch, seq, a, b in st.events if a >= t0]
     return out
 
 
@@ -31,7 +32,7 @@ def trace(rec: RunRecord) -> dict[str, Any]:
     t0 = rec.span[0]
     ev: list[dict[str, Any]] = []
     for i, (start, end) in enumerate(rec.stages):
-        host = rec.worker_stats[i]["host"] if rec.worker_stats[i] else "?"
+        host = rec.worker_stats[i].host if rec.worker_stats[i] else "?"
         name = f"stage {i} [{start},{end}) @ {host}"
         ev.append({"ph": "M", "name": "process_name", "pid": i, "args": {"name": name}})
         ev.append({"ph": "M", "name": "process_sort_index", "pid": i, "args": {"sort_index": i}})
@@ -50,9 +51,8 @@ def trace(rec: RunRecord) -> dict[str, Any]:
 
 
 def write_trace(rec: RunRecord, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(trace(rec)))
-    return path
+    """The trace JSON, written atomically (complete or absent)."""
+    return files.write_text(path, json.dumps(trace(rec)))
 
 
 def gantt_spans(rec: RunRecord) -> list[tuple[int, float, float, str]]:

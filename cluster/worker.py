@@ -34,9 +34,11 @@ from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle import dtypes
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
+from tvmpipe.cluster.status import Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
 from tvmpipe.cluster.topology import Edge
-from tvmpipe.executor import Stage, StageProgram
+from tvmpipe.executor import Stage
+from tvmpipe.executor.inputs import random_feed
 
 
 @dataclass
@@ -114,17 +116,6 @@ def _name(stage: int) -> str:
     return "the driver" if stage == DRIVER else f"stage {stage}"
 
 
-def warmup_feed(program: StageProgram, seed: int) -> dict[int, np.ndarray]:
-    """Seeded inputs for every fed entry: normal floats, zero integers (valid indices), False."""
-    rng = np.random.default_rng(seed)
-    feed = {}
-    for e in program.feed_entries:
-        spec = program.entry_specs[e]
-        dt = dtypes.np_dtype(spec.dtype)
-        feed[e] = rng.standard_normal(spec.shape).astype(dt) if dt.kind == "f" else np.zeros(spec.shape, dt)
-    return feed
-
-
 class StageWorker:
     def __init__(self, spec: StageSpec, bundle_files: dict[str, bytes] | None = None):
         t0 = time.time()
@@ -141,7 +132,7 @@ class StageWorker:
         self.program = self.stage.program
         self.build_s = time.time() - t0
         t1 = time.time()
-        feed = warmup_feed(self.program, spec.seed)
+        feed = random_feed(self.program, spec.seed)
         for _ in range(spec.warmup):
             self.stage.run(feed)
         self.warmup_s = time.time() - t1
@@ -234,15 +225,15 @@ class StageWorker:
         self._data_links = []
         self._listener.drop_connections()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> WorkerStatus:
         with self._cond:
             busy = self._busy
-            return {"stage": self.index, "pid": os.getpid(), "epoch": self._wiring.epoch if self._wiring else None,
-                    "next_seq": self._next_seq, "busy_seq": busy[0] if busy else None,
-                    "busy_for_s": time.time() - busy[1] if busy else 0.0,
-                    "error": self._error, "peer_errors": list(self._peer_errors)}
+            return WorkerStatus(stage=self.index, pid=os.getpid(), epoch=self._wiring.epoch if self._wiring else None,
+                                next_seq=self._next_seq, busy_seq=busy[0] if busy else None,
+                                busy_for_s=time.time() - busy[1] if busy else 0.0,
+                                error=self._error, peer_errors=list(self._peer_errors))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """Timeline and traffic since the worker started (links still open are counted too)."""
         bytes_out = dict(self.bytes_out)
         frames_out = dict(self.frames_out)
@@ -250,10 +241,10 @@ class StageWorker:
             bytes_out[edge.dst] = bytes_out.get(edge.dst, 0) + link.bytes_sent
             frames_out[edge.dst] = frames_out.get(edge.dst, 0) + link.frames_sent
         with self._cond:  # the computing thread appends
-            events = list(self.events)
-        return {"stage": self.index, "pid": os.getpid(), "host": self.address()[0],
-                "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "build_s": self.build_s,
-                "warmup_s": self.warmup_s, "events": events, "bytes_out": bytes_out, "frames_out": frames_out}
+            events = [Span(*e) for e in self.events]
+        return WorkerStats(stage=self.index, pid=os.getpid(), host=self.address()[0],
+                           devices=os.environ.get("CUDA_VISIBLE_DEVICES"), build_s=self.build_s,
+                           warmup_s=self.warmup_s, events=events, bytes_out=bytes_out, frames_out=frames_out)
 
     def close(self) -> None:
         self.stop()

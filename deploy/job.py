@@ -8,8 +8,9 @@ The same entry point serves every way a job reaches a cluster:
 - a laptop or CI: `--local` starts a private loopback Ray, `--processes` uses no Ray at all.
 
 The cluster options (--address/--local/--processes, --backend, --placement, --gpus-per-stage, ...)
-are `tvmpipe run`'s own, parsed and applied by tvmpipe.cluster.cli, so a job and an interactive
-run of the same command line place and run the stages the same way.
+are `tvmpipe run`'s own, and the run itself is the application layer's (tvmpipe.app.run), so a
+job and an interactive run of the same command line place and run the stages the same way. This
+module adds what only a job has: the run directory, its log, error.json and SIGTERM handling.
 
 The run directory (`--run-dir`, default runs/<timestamp>-<model>) receives plan.json, outputs.npz,
 metrics.json, trace.json, timeline.png and job.log, each written atomically. A failed job writes
@@ -35,11 +36,14 @@ from typing import Any
 
 import numpy as np
 
+from tvmpipe.app.args import COUNT, Parser, add_cluster_args, cluster_options
+from tvmpipe.app.options import ClusterOptions
+from tvmpipe.app.run import PipelineRun, write_outputs, write_timeline
+from tvmpipe.app.sources import BUILTIN_EXAMPLE, choose_plan, micro_batches, resolve_bundle
 from tvmpipe.bundle import Bundle, load_bundle
-from tvmpipe.bundle.errors import TvmpipeError
-from tvmpipe.cluster import cli as run_cli
-from tvmpipe.executor.inputs import Batch, npz_micro_batches, random_micro_batches
+from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir
+from tvmpipe.executor.inputs import Batch
 
 log = logging.getLogger("tvmpipe.job")
 
@@ -64,68 +68,49 @@ class JobConfig:
     micro_batches: int | None
     ship_bundle: str
     run_dir: str | None
-    cluster: argparse.Namespace
+    cluster: ClusterOptions
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cluster"}
-        return {**fields, **vars(self.cluster)}
+        return {**dataclasses.asdict(self.cluster), **fields}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m tvmpipe.job",
         description="Run a bundle as a pipeline, as a cluster job, and leave a run directory (plan.json, outputs.npz, "
                     "metrics.json, trace.json, timeline.png, job.log; error.json when it fails). Without --local, "
                     "--address or --processes it joins the running Ray cluster (--address auto). "
                     "See docs/cluster-jobs.md.")
-    p.add_argument("bundle", nargs="?", default=run_cli.BUILTIN_EXAMPLE,
+    p.add_argument("bundle", nargs="?", default=BUILTIN_EXAMPLE,
                    help=f"bundle directory (on shared storage or in the job's working dir), or the name of a "
-                        f"built-in example (default: {run_cli.BUILTIN_EXAMPLE})")
+                        f"built-in example (default: {BUILTIN_EXAMPLE})")
     plan = p.add_mutually_exclusive_group()
     plan.add_argument("--plan", metavar="PLAN.json", help="plan from `tvmpipe partition -o`")
-    plan.add_argument("--stages", "-k", type=int, default=2, help="number of stages when no --plan is given (default 2)")
+    plan.add_argument("--stages", "-k", type=COUNT, default=2, help="number of stages when no --plan is given (default 2)")
     p.add_argument("--strategy", choices=["equal", "optimal"], default="equal",
                    help="how --stages K are cut: equal op counts, or the cost model's optimum (default equal)")
     p.add_argument("--inputs", metavar="IN.npz", help="one array per graph input name, of its shape (the same in "
                    "every micro-batch) or [N, *shape] for N micro-batches (default: seeded random inputs)")
     p.add_argument("--seed", type=int, default=0, help="random inputs: micro-batch i uses seed + i (default 0)")
-    p.add_argument("--micro-batches", "-n", type=int,
+    p.add_argument("--micro-batches", "-n", type=COUNT,
                    help=f"number of micro-batches (default: the rows in --inputs, else {DEFAULT_MICRO_BATCHES})")
     p.add_argument("--ship-bundle", choices=["auto", "yes", "no"], default="auto",
                    help="send the bundle's files to the stage actors through Ray instead of having them read its "
                         "path; auto: when the cluster has more than one node (default auto)")
     p.add_argument("--run-dir", help="results directory, new or empty; use shared storage or an absolute path on the "
                                      "head node (default runs/<timestamp>-<model> under the current directory)")
-    run_cli.add_cluster_args(p)
+    add_cluster_args(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if ns.stages < 1:
-        parser.error(f"--stages must be >= 1, got {ns.stages}")
-    if ns.micro_batches is not None and ns.micro_batches < 1:
-        parser.error(f"--micro-batches must be >= 1, got {ns.micro_batches}")
-    if ns.max_restarts < 0:
-        parser.error(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    ns = build_parser().parse_args(argv)
     if not (ns.local or ns.processes or ns.address):
         ns.address = "auto"  # a job runs on a cluster: inside `ray job submit`, or on a node of it
     own = {f.name for f in dataclasses.fields(JobConfig)} - {"cluster"}
-    return JobConfig(**{k: getattr(ns, k) for k in own},
-                     cluster=argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own}))
-
-
-def resolve_bundle(name: str) -> Path:
-    """A path as given if it exists, else a built-in example of that name, else the path (which
-    then fails to load with the bundle loader's own message)."""
-    path = Path(name).expanduser()
-    if path.exists():
-        return path.resolve()
-    try:
-        return run_cli.builtin_example(name)
-    except TvmpipeError:
-        return path
+    ship = {"auto": None, "yes": True, "no": False}[ns.ship_bundle]
+    return JobConfig(**{k: getattr(ns, k) for k in own}, cluster=cluster_options(ns, ship_bundle=ship))
 
 
 class Job:
@@ -136,9 +121,16 @@ class Job:
         self.phase = "load"
         self.rundir: RunDir | None = None
         self.batches: list[Batch] = []
-        self.outputs: list[list[np.ndarray]] = []
-        self.record: Any = None  # the pipeline's RunRecord, once taken
+        self.run_: PipelineRun | None = None
         self.info: dict[str, Any] = {"config": cfg.to_json(), "host": socket.gethostname(), "started": time.time()}
+
+    @property
+    def outputs(self) -> list[list[np.ndarray]]:
+        return self.run_.outputs if self.run_ else []
+
+    @property
+    def record(self) -> Any:
+        return self.run_.record if self.run_ else None
 
     # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -180,91 +172,29 @@ class Job:
                 signal.signal(signal.SIGTERM, previous)
 
     def _run(self, bundle: Bundle) -> None:
-        from tvmpipe.cluster.driver import Pipeline
-
+        cfg = self.cfg
         self.phase = "plan"
-        plan = self._plan(bundle)
+        plan = choose_plan(bundle, cfg.plan, cfg.stages, cfg.strategy)
         self.rundir.write_json("plan.json", plan.to_json())
         log.info("plan (%s): %d stages %s", plan.strategy, plan.num_stages, plan.stages)
 
         self.phase = "inputs"
-        if self.cfg.inputs:
-            self.batches = npz_micro_batches(bundle, self.cfg.inputs, self.cfg.micro_batches)
-        else:
-            self.batches = random_micro_batches(bundle, self.cfg.micro_batches or DEFAULT_MICRO_BATCHES, self.cfg.seed)
+        self.batches = micro_batches(bundle, cfg.inputs, cfg.micro_batches, cfg.seed,
+                                     default_count=DEFAULT_MICRO_BATCHES, cycle=False)
         self.info["micro_batches"] = len(self.batches)
 
-        self.phase = "connect"
-        with run_cli.open_cluster(self.cfg.cluster, plan.num_stages) as cluster:
-            _trap_sigterm()
-            cluster = self._ship(cluster)
-            backend = run_cli.pick_backend(self.cfg.cluster.backend, cluster.gpus)
-            self.info.update(cluster=_describe(cluster), backend=backend)
-            self.phase = "start"
-            log.info("starting %d stages on %s, backend %s", plan.num_stages, cluster.description, backend)
-            kwargs = run_cli.pipeline_kwargs(self.cfg.cluster, cluster, backend, plan.num_stages)
-            with Pipeline(bundle, plan, **kwargs) as pipeline:
-                try:
-                    self.phase = "run"
-                    self._stream(pipeline)
-                finally:
-                    self._take_record(pipeline)  # while the workers are up: their spans live there
+        self.run_ = PipelineRun(bundle, plan, self.batches, cfg.cluster, on_phase=self._on_phase)
+        self.run_.execute()
         self.phase = "write"
-        self._write_results(title=f"{bundle.name}: {plan.num_stages} stages, {backend}")
+        self._write_results(title=f"{bundle.name}: {plan.num_stages} stages, {self.run_.backend}")
 
-    def _plan(self, bundle: Bundle):
-        from tvmpipe.partition import Plan, validate_plan
-
-        if self.cfg.plan:
-            plan = Plan.load(self.cfg.plan)
-            validate_plan(bundle.graph, plan)
-            return plan
-        from tvmpipe.partition.model import PipelineModel
-        from tvmpipe.partition.planners import make_plan
-
-        return make_plan(PipelineModel.build(bundle), self.cfg.stages, self.cfg.strategy)
-
-    def _ship(self, cluster: run_cli.Cluster) -> run_cli.Cluster:
-        if self.cfg.ship_bundle == "auto" or cluster.launcher != "ray":
-            return cluster
-        return dataclasses.replace(cluster, ship_bundle=self.cfg.ship_bundle == "yes")
-
-    def _stream(self, pipeline: Any) -> None:
-        """Submit every micro-batch and collect outputs as they complete, so that an interrupted
-        run still holds every output that was delivered (a PipelineError carries the rest)."""
-        from tvmpipe.cluster.driver import PipelineError
-
-        for batch in self.batches:  # every micro-batch is checked before the first is sent
-            pipeline.check_inputs(batch)
-        try:
-            for submitted, batch in enumerate(self.batches, 1):
-                pipeline.submit(batch)
-                self._drain(pipeline, submitted)
-            while len(self.outputs) < len(self.batches):
-                self._delivered(pipeline.get())
-        except PipelineError as exc:
-            self.outputs.extend(exc.completed)
-            raise
-
-    def _drain(self, pipeline: Any, submitted: int) -> None:
-        """Take the outputs that are ready, without waiting."""
-        while len(self.outputs) < submitted:
-            try:
-                out = pipeline.get(timeout=0)
-            except TimeoutError:
-                return
-            self._delivered(out)
-
-    def _delivered(self, out: list[np.ndarray]) -> None:
-        self.outputs.append(out)
-        log.info("micro-batch %d/%d done", len(self.outputs), len(self.batches))
-
-    def _take_record(self, pipeline: Any) -> None:
-        try:
-            self.record = pipeline.record()
-        except Exception as exc:  # noqa: BLE001 - a failed run may have no workers left to ask
-            log.warning("no run record (metrics, timeline): %s", exc)
-        self.info.update(restarts=list(pipeline.restarts), errors=list(pipeline.errors))
+    def _on_phase(self, phase: str) -> None:
+        run = self.run_
+        if phase == "start":  # connected: ray.init has installed its own SIGTERM handler
+            _trap_sigterm()
+            self.info.update(cluster=dataclasses.asdict(run.cluster), backend=run.backend)
+        if phase != "done":
+            self.phase = phase
 
     # ---- results ---------------------------------------------------------------------------------
     def _write_results(self, title: str, best_effort: bool = False) -> None:
@@ -284,23 +214,18 @@ class Job:
         if self.record is None or not self.record.done_times:
             return
         from tvmpipe.cluster.metrics import compute_metrics
-        from tvmpipe.cluster.timeline import trace, write_gantt
 
         self.info["pipeline"] = compute_metrics(self.record).to_json()
-        self.rundir.write_json("trace.json", trace(self.record))
-        with self.rundir.writing("timeline.png") as tmp:
-            write_gantt(self.record, tmp, title=title)
+        write_timeline(self.record, self.rundir.path / "trace.json", self.rundir.path / "timeline.png", title)
 
     def _write_outputs(self) -> None:
-        if not self.outputs:
-            return
-        arrays = {f"output{k}": np.stack([o[k] for o in self.outputs]) for k in range(len(self.outputs[0]))}
-        arrays["micro_batch"] = np.arange(len(self.outputs), dtype=np.int64)
-        self.rundir.write_npz("outputs.npz", arrays)
+        write_outputs(self.rundir.path / "outputs.npz", self.outputs)
 
     def _write_metrics(self) -> None:
         import tvmpipe
 
+        if self.run_ is not None:  # a failed run: what the supervisor handled until then
+            self.info.update(restarts=list(self.run_.restarts), errors=list(self.run_.errors))
         self.info.update(completed=len(self.outputs), finished=time.time(), tvmpipe_version=tvmpipe.__version__)
         self.info["wall_s"] = self.info["finished"] - self.info["started"]
         self.rundir.write_json("metrics.json", self.info)
@@ -313,17 +238,6 @@ class Job:
                    "traceback": "".join(traceback.format_exception(exc))}
         self._write_results(title=f"failed in phase {self.phase}", best_effort=True)
         self.rundir.write_json("error.json", summary)
-
-
-def _describe(cluster: run_cli.Cluster) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": cluster.description, "launcher": cluster.launcher, "gpus": cluster.gpus,
-                           "ship_bundle": cluster.ship_bundle, "nodes": 1}
-    if cluster.launcher == "ray":
-        import ray
-
-        out["nodes"] = sum(1 for n in ray.nodes() if n.get("Alive"))
-        out["ray_version"] = ray.__version__
-    return out
 
 
 @contextmanager

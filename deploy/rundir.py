@@ -1,26 +1,23 @@
 """A job's run directory, where every file is either complete or absent.
 
 Jobs run unattended on a cluster and are read by people and scripts that do not know whether the
-job is still running, was killed, or failed: so each file is written to a temporary name in the
-same directory and renamed into place (`os.replace` is atomic on POSIX). The only file that grows
-while the job runs is `job.log.partial`; it becomes `job.log` when the job ends, however it ends.
+job is still running, was killed, or failed: so each file is written atomically (tvmpipe.core.files).
+The only file that grows while the job runs is `job.log.partial`; it becomes `job.log` when the
+job ends, however it ends.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import numpy as np
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core import files
+from tvmpipe.core.errors import TvmpipeError
 
 PARTIAL_LOG = "job.log.partial"
 LOG = "job.log"
@@ -59,35 +56,18 @@ class RunDir:
                 return cls(cand)
         raise RunDirError(f"run directory {base} already holds files: pass another --run-dir")
 
-    @contextmanager
-    def writing(self, name: str) -> Iterator[Path]:
-        """Yield a temporary path in the run directory; rename it to `name` if the block succeeds.
-
-        The temporary name keeps the suffix so writers that infer a format from it (matplotlib's
-        savefig, np.savez) behave as they would with the final name.
-        """
-        final = self.path / name
-        tmp = self.path / f".{final.stem}.tmp-{uuid.uuid4().hex[:8]}{final.suffix}"
-        try:
-            yield tmp
-            with open(tmp, "rb") as f:  # the rename must not be visible before the data is durable
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
+    def writing(self, name: str) -> ContextManager[Path]:
+        """A temporary path in the run directory, renamed to `name` if the block succeeds."""
+        return files.atomic_path(self.path / name)
 
     def write_bytes(self, name: str, data: bytes) -> Path:
-        with self.writing(name) as tmp:
-            tmp.write_bytes(data)
-        return self.path / name
+        return files.write_bytes(self.path / name, data)
 
     def write_json(self, name: str, obj: Any) -> Path:
-        return self.write_bytes(name, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode())
+        return files.write_json(self.path / name, obj)
 
     def write_npz(self, name: str, arrays: dict[str, np.ndarray]) -> Path:
-        with self.writing(name) as tmp:
-            np.savez(tmp, **arrays)
-        return self.path / name
+        return files.write_npz(self.path / name, arrays)
 
     @property
     def partial_log(self) -> Path:
@@ -102,13 +82,3 @@ class RunDir:
         """Names of the published files (no temporaries)."""
         return sorted(p.name for p in self.path.iterdir() if not p.name.startswith("."))
 
-
-def _json_default(obj: Any) -> Any:
-    """numpy scalars and arrays turn up in metrics; JSON has no type for them."""
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")

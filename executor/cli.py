@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
+from tvmpipe.core import files
 from tvmpipe.executor.backend import BACKENDS
 from tvmpipe.executor.errors import ExecutorError
 
@@ -52,6 +52,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from tvmpipe.executor.inputs import load_inputs_npz, random_inputs
     from tvmpipe.executor.runner import GraphRunner
 
+    if args.trace:
+        files.check_writable(args.trace, "--trace")
     bundle = load_bundle(args.bundle)
     opts = {}
     if args.cost_profile:
@@ -63,7 +65,7 @@ def run_profile(args: argparse.Namespace) -> int:
         runner.set_input(**inputs)
         prof = runner.profile(repeat=args.repeat)
     if args.trace:
-        Path(args.trace).write_text(json.dumps(prof.chrome_trace()))
+        files.write_text(args.trace, json.dumps(prof.chrome_trace()))
     _write(json.dumps(prof.to_json(), indent=1) + "\n" if args.json else prof.table() + "\n")
     return 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 
 class ExecutorError(TvmpipeError):

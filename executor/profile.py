@@ -11,8 +11,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from tvmpipe.bundle import Bundle
+from tvmpipe.core.table import Column, render_table
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.program import KERNELS, StageProgram
+
+PROFILE_COLUMNS = ("Node", "Name", "Ops", "Time(us)", "Time(%)", "Output shape", "Kernels")
 
 
 @dataclass
@@ -64,13 +67,10 @@ class Profile:
 
     def table(self) -> str:
         total = self.node_total_us or 1.0
-        rows = [("Node", "Name", "Ops", "Time(us)", "Time(%)", "Output shape", "Kernels")]
-        for n in self.nodes:
-            rows.append((str(n.node), n.name, ",".join(n.ops) or n.func, f"{n.time_us:.2f}",
-                         f"{100 * n.time_us / total:.1f}", ", ".join(n.outputs), str(len(n.kernels)) if n.kernels else "-"))
-        widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]))]
-        fmt = lambda r: "  ".join(c[:w].ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-        lines = [fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
+        columns = [Column(title, max_width=48) for title in PROFILE_COLUMNS]
+        rows = [(str(n.node), n.name, ",".join(n.ops) or n.func, f"{n.time_us:.2f}", f"{100 * n.time_us / total:.1f}",
+                 ", ".join(n.outputs), str(len(n.kernels)) if n.kernels else "-") for n in self.nodes]
+        lines = render_table(columns, rows, rule=True)
         lines.append("")
         lines.append(f"{self.model} on {self.backend}, {self.repeat} run(s): run() mean {self.run_us:.1f} us "
                      f"(min {self.run_min_us:.1f}); nodes sum {self.node_total_us:.1f} us"

@@ -17,11 +17,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.bundle.params import load_params_file, load_tvm_params
+from tvmpipe.executor.checks import check_array, check_names, expected_inputs
 from tvmpipe.executor.errors import ExecutorError, InputError
+from tvmpipe.executor.inputs import input_specs
 from tvmpipe.executor.profile import Profile, build_profile
-from tvmpipe.executor.program import EntrySpec
 from tvmpipe.executor.stage import Stage, as_bundle
 
 
@@ -32,7 +32,7 @@ class GraphRunner:
         self.stage = Stage(self.bundle, 0, len(g.nodes), backend, **opts)
         self.program = self.stage.program
         self.input_names = list(self.bundle.input_names)
-        self._specs = {n: _spec(self.bundle, n) for n in self.input_names}
+        self._specs = input_specs(self.bundle)
         self._inputs: dict[str, np.ndarray] = {}
         self._outputs: list[np.ndarray] | None = None
 
@@ -41,14 +41,10 @@ class GraphRunner:
         if isinstance(key, int) and not isinstance(key, bool):
             if not 0 <= key < len(self.input_names):
                 raise InputError(f"input index {key} is out of range: the graph has {len(self.input_names)} input(s): "
-                                 f"{self._expected()}")
+                                 f"{expected_inputs(self._specs)}")
             return self.input_names[key]
-        if key not in self._specs:
-            raise InputError(f"unknown input {key!r}; the graph's inputs are: {self._expected()}")
+        check_names([key], self._specs, complete=False)
         return key
-
-    def _expected(self) -> str:
-        return ", ".join(f"{n}: {s}" for n, s in self._specs.items()) or "none"
 
     def set_input(self, key: str | int | None = None, value: np.ndarray | None = None, **inputs: np.ndarray) -> None:
         """Set one input by name or index, and/or several by keyword. Checked now, copied on run."""
@@ -56,12 +52,7 @@ class GraphRunner:
         checked = {}
         for k, v in items:
             name = self._name(k)
-            spec = self._specs[name]
-            if not isinstance(v, np.ndarray):
-                raise InputError(f"input '{name}': expected a numpy array {spec}, got {type(v).__name__}")
-            if v.dtype != np_dtype(spec.dtype) or tuple(v.shape) != spec.shape:
-                raise InputError(f"input '{name}': expected {spec}, got {v.dtype}{list(v.shape)}")
-            checked[name] = v.copy()
+            checked[name] = check_array(v, self._specs[name], f"input '{name}'").copy()
         self._inputs.update(checked)
 
     def get_input(self, key: str | int) -> np.ndarray:
@@ -154,8 +145,3 @@ class GraphRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _spec(bundle: Bundle, name: str) -> EntrySpec:
-    g = bundle.graph
-    e = g.entry_of(name)
-    return EntrySpec(e.shape, e.dtype)

@@ -14,6 +14,7 @@ import numpy as np
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.executor.backend import StepTiming, make_backend
+from tvmpipe.executor.checks import check_array, matches
 from tvmpipe.executor.errors import InputError
 from tvmpipe.executor.program import StageProgram, build_stage_program
 
@@ -54,7 +55,7 @@ class Stage:
         if e is None:
             raise InputError(f"'{name}' is not a param of nodes [{self.program.start}, {self.program.end}) "
                              f"(params: {', '.join(self.program.param_names) or 'none'})")
-        self.backend.write(e, check_array(self.program, e, value, f"param '{name}'"))
+        self.backend.write(e, check_array(value, self.program.entry_specs[e], f"param '{name}'"))
 
     def close(self) -> None:
         self.backend.close()
@@ -64,15 +65,6 @@ class Stage:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def check_array(program: StageProgram, entry: int, value: Any, what: str) -> np.ndarray:
-    spec = program.entry_specs[entry]
-    if not isinstance(value, np.ndarray):
-        raise InputError(f"{what}: expected a numpy array {spec}, got {type(value).__name__}")
-    if value.dtype != np_dtype(spec.dtype) or tuple(value.shape) != spec.shape:
-        raise InputError(f"{what}: expected {spec}, got {value.dtype}{list(value.shape)}")
-    return value
 
 
 def feed_layout(program: StageProgram) -> tuple[tuple[int, tuple[int, ...], np.dtype], ...]:
@@ -91,7 +83,7 @@ def check_feeds(program: StageProgram, inputs: Mapping[int, Any],
         feeds = {}
         for e, shape, dt in layout:
             value = inputs.get(e)
-            if not isinstance(value, np.ndarray) or value.dtype != dt or value.shape != shape:
+            if not matches(value, shape, dt):
                 break
             feeds[e] = value
         else:
@@ -106,4 +98,4 @@ def check_feeds(program: StageProgram, inputs: Mapping[int, Any],
     if missing:
         raise InputError(f"stage [{program.start}, {program.end}) is missing "
                          f"{'; '.join(program.describe(e) for e in missing)}")
-    return {e: check_array(program, e, inputs[e], program.label(e)) for e in want}
+    return {e: check_array(inputs[e], program.entry_specs[e], program.label(e)) for e in want}

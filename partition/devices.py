@@ -13,7 +13,7 @@ from functools import partial
 
 import numpy as np
 
-from tvmpipe.bundle.units import format_bytes as _format_bytes
+from tvmpipe.core.units import format_bytes as _format_bytes
 from tvmpipe.partition.errors import PartitionError
 
 # Partition tables show two decimals: memory caps are compared against these numbers.

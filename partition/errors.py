@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tvmpipe.bundle.errors import Problem, ProblemsError, TvmpipeError
+from tvmpipe.bundle.errors import Problem, ProblemsError
+from tvmpipe.core.errors import TvmpipeError
 
 
 class PartitionError(TvmpipeError):

@@ -18,7 +18,7 @@ from tvmpipe.partition.cost import (UNIFORM_OP_US, OpCosts, analytic_costs, meas
 from tvmpipe.partition.cuts import GraphFlow
 from tvmpipe.partition.devices import DeviceSpec, Link, get_device
 from tvmpipe.partition.errors import PartitionError
-from tvmpipe.partition.tables import RangeTables
+from tvmpipe.partition.range_tables import RangeTables
 
 COST_MODELS = ("auto", "measured", "analytic", "uniform")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from tvmpipe.bundle.errors import Problem
 from tvmpipe.bundle.graph import Graph
+from tvmpipe.core import files
 from tvmpipe.partition.errors import PartitionError, PlanError
 
 PLAN_FORMAT = "tvmpipe-plan"
@@ -77,9 +78,9 @@ class Plan:
                 "stages": [[s, e] for s, e in self.stages], "predicted": self.predicted}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any] | str) -> Plan:
-        """Read `to_json()` output (a dict or its JSON text); raises PlanError on malformed input."""
-        where = "plan"
+    def from_json(cls, obj: dict[str, Any] | str, where: str = "plan") -> Plan:
+        """Read `to_json()` output (a dict or its JSON text); raises PlanError on malformed input,
+        naming `where` (the file it came from)."""
         if isinstance(obj, str):
             try:
                 obj = json.loads(obj)
@@ -107,15 +108,17 @@ class Plan:
                    predicted=predicted)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        files.write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise PlanError([Problem(str(path), "", "", f"cannot read: {exc}")]) from None
-        return cls.from_json(text)
+            raise PlanError([Problem(str(path), "", "", f"cannot read: {exc.strerror or exc}")]) from None
+        except UnicodeDecodeError:
+            raise PlanError([Problem(str(path), "", "", "not a JSON text file (not UTF-8)")]) from None
+        return cls.from_json(text, where=str(path))
 
 
 def plan_equal_ops(graph: Graph, k: int) -> Plan:

@@ -10,6 +10,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from tvmpipe.core import files
 from tvmpipe.partition.sweep import SweepCase
 
 COLUMNS = ["stages", "strategy", "cuts", "pred_throughput", "meas_throughput", "throughput_error_pct",
@@ -54,7 +55,7 @@ def _fmt(v: object) -> str:
 
 def write_csv(cases: list[SweepCase], path: str | Path) -> Path:
     path = Path(path)
-    with open(path, "w", newline="") as f:
+    with files.atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for c in cases:
@@ -143,7 +144,7 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
     if timeline:
         md.append("\n![timeline](gantt.png)")
     paths["markdown"] = out / "sweep.md"
-    paths["markdown"].write_text("\n".join(md) + "\n")
+    files.write_text(paths["markdown"], "\n".join(md) + "\n")
     return paths
 
 
@@ -159,6 +160,9 @@ def _pyplot():
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    try:
+        with files.atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        _pyplot().close(fig)
     return path

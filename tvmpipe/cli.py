@@ -11,7 +11,8 @@ import importlib
 import os
 import sys
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.app.args import Parser
+from tvmpipe.core.errors import TvmpipeError
 
 # Modules that define `register(subparsers)`, in the order their commands appear in --help.
 COMMAND_MODULES = [
@@ -19,12 +20,12 @@ COMMAND_MODULES = [
     "tvmpipe.compiler.cli",  # compile
     "tvmpipe.executor.cli",  # profile, extract
     "tvmpipe.partition.cli",  # partition
-    "tvmpipe.cluster.cli",  # run, sweep
+    "tvmpipe.app.cli",  # run, sweep
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tvmpipe",
         description="Run Apache TVM graph-executor models as pipelines of GPU stages on a Ray cluster.")
     parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad option (one line, see app.args.Parser): a status, not an exception
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 
 from tvmpipe.cli import main
 
@@ -48,7 +48,7 @@ def test_run_table_inputs_outputs_trace(capsys, tmp_path, bundles):
 
 
 def test_run_exits_nonzero_on_mismatch(capsys, monkeypatch):
-    import tvmpipe.cluster.reference as reference
+    import tvmpipe.app.oracle as reference
 
     real = reference.reference_outputs
     monkeypatch.setattr(reference, "reference_outputs",
@@ -112,7 +112,7 @@ def test_sweep_frame_overhead_enters_every_prediction(capsys, tmp_path, bundles)
 def test_connect_ray_retries_only_the_client_server_start_race(monkeypatch, address, message, calls, ok):
     import ray
 
-    from tvmpipe.cluster.cli import connect_ray
+    from tvmpipe.app.connect import connect_ray
 
     seen = []
 
@@ -135,7 +135,8 @@ def test_sweep_micro_batches_auto_scales_with_the_model(bundles):
     """A fixed count is noise for fast models and minutes for slow ones: 'auto' aims at
     SWEEP_STEADY_S of steady state at the fastest rate the op times allow, within 32..2000."""
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.cli import SWEEP_STEADY_S, _sweep_micro_batches, simulated_profile
+    from tvmpipe.app.sweep import SWEEP_STEADY_S, simulated_profile
+    from tvmpipe.app.sweep import sweep_micro_batches as _sweep_micro_batches
     from tvmpipe.partition.model import PipelineModel
     from tvmpipe.partition.planners import make_plan
     from tvmpipe.partition.predict import predict

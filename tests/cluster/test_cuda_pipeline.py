@@ -12,7 +12,7 @@ import pytest
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.actor import RayLauncher
 from tvmpipe.cluster.driver import Pipeline
-from tvmpipe.cluster.launch import ProcessLauncher
+from tvmpipe.cluster.control import ProcessLauncher
 from tvmpipe.cluster.placement import Placement
 from tvmpipe.executor import random_inputs
 
@@ -44,18 +44,18 @@ def env(model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(model_dirs, env):
     """model -> (batches, outputs of the single-process run on the fake cuda backend), all models
-    in one worker-like child (reference.py's, spawned once); that the fake computes the reference
+    in one worker-like child (app/oracle.py's, spawned once); that the fake computes the reference
     backend's numbers is test_fake_driver.py's."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from tvmpipe.cluster import reference
-    from tvmpipe.cluster.launch import scoped_environ, worker_environment
+    from tvmpipe.app import oracle as single_process
+    from tvmpipe.cluster.environment import scoped_environ, worker_environment
 
     batches = {m: [random_inputs(load_bundle(d), seed=10 + i) for i in range(3)] for m, d in model_dirs.items()}
     with scoped_environ(env), spawn_path(), worker_environment(), \
             ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        futures = {m: pool.submit(reference._run, str(d), "cuda", {}, batches[m]) for m, d in model_dirs.items()}
+        futures = {m: pool.submit(single_process._run, str(d), "cuda", {}, batches[m]) for m, d in model_dirs.items()}
         return {m: (batches[m], f.result()) for m, f in futures.items()}
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import frames
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
 

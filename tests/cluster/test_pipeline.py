@@ -14,7 +14,7 @@ from tests.support.pipeline_harness import (FlakyWorker, ThreadLauncher, alive, 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline, PipelineError
 from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.launch import Timeouts, WorkerError
+from tvmpipe.cluster.control import Timeouts, WorkerError
 from tvmpipe.executor.errors import InputError
 from tvmpipe.partition import Plan
 
@@ -133,7 +133,7 @@ def test_wrong_inputs_are_rejected_before_any_stage_runs(bundles, bad, match):
             pipe.run(good + [bad])
         with pytest.raises(InputError, match=match):
             pipe.submit(bad)
-        assert all(not s["events"] for s in pipe.launcher.call_all("stats"))
+        assert all(not s.events for s in pipe.launcher.call_all("stats"))
         assert pipe.metrics().micro_batches == 0
         assert_bit_identical(pipe.run(good), want)  # still usable
 
@@ -171,7 +171,7 @@ def test_kill_a_stage_process_mid_run(bundles):
     inputs, want = case(bundles["mlp"], 200)
     with Pipeline(bundles["mlp"], 3, launcher="process", window=6, timeouts=Timeouts(progress=20)) as pipe:
         record_ports(pipe)
-        pids = [s["pid"] for s in pipe.status()]
+        pids = [s.pid for s in pipe.status()]
         got = []
         for i, x in enumerate(inputs):
             pipe.submit(x)
@@ -182,7 +182,7 @@ def test_kill_a_stage_process_mid_run(bundles):
                 got.append(pipe.get())
         got += list(pipe.results())
         assert pipe.restarts == [0, 1, 0]
-        new_pids = [s["pid"] for s in pipe.status()]
+        new_pids = [s.pid for s in pipe.status()]
     assert_bit_identical(got, want)
     assert new_pids[0] == pids[0] and new_pids[2] == pids[2] and new_pids[1] != pids[1]
     assert not any(alive(p) for p in new_pids + pids)
@@ -204,7 +204,7 @@ def test_a_stuck_stage_is_restarted_then_fails_the_run(bundles):
 
 def test_close_leaves_no_process_or_socket(bundles):
     pipe = Pipeline(bundles["tiny"], 3, launcher="process")
-    pids = [s["pid"] for s in pipe.status()]
+    pids = [s.pid for s in pipe.status()]
     ports = {port for _, port in pipe.addresses}
     pipe.run(batches(bundles["tiny"], 5))
     pipe.close()

@@ -10,7 +10,7 @@ from tests.support.pipeline_harness import alive, assert_bit_identical, case, cm
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
-from tvmpipe.cluster.launch import Timeouts
+from tvmpipe.cluster.control import Timeouts
 from tvmpipe.cluster.placement import Placement, PlacementError
 from tvmpipe.partition import plan_equal_ops
 
@@ -56,7 +56,7 @@ def test_kill_a_stage_actor_mid_run(ray_cluster, bundles):
     with Pipeline(bundles["mlp"], 3, launcher="ray", placement=SMALL, window=6,
                   timeouts=Timeouts(progress=30)) as pipe:
         record_ports(pipe)
-        pids = [s["pid"] for s in pipe.status()]
+        pids = [s.pid for s in pipe.status()]
         got = []
         for i, x in enumerate(inputs):
             pipe.submit(x)
@@ -66,7 +66,7 @@ def test_kill_a_stage_actor_mid_run(ray_cluster, bundles):
                 got.append(pipe.get())
         got += list(pipe.results())
         assert pipe.restarts == [0, 1, 0]
-        new = [s["pid"] for s in pipe.status()]
+        new = [s.pid for s in pipe.status()]
     assert_bit_identical(got, want)
     assert new[0] == pids[0] and new[2] == pids[2] and new[1] != pids[1]
 
@@ -93,7 +93,7 @@ def test_everything_stays_on_loopback_and_nothing_survives_close(ray_cluster, bu
     finally:
         done.set()
         t.join()
-    worker_pids = [s["pid"] for s in pipe.status()]
+    worker_pids = [s.pid for s in pipe.status()]
     ports = {p for _, p in pipe.addresses}
     assert ports <= listening_ports()
     pipe.close()
@@ -118,7 +118,7 @@ def test_fractional_gpus_and_node_pinning(ray_cluster, bundles):
     placement = Placement(strategy="PACK", gpus=0.5, cpus=0.25, nodes=("127.0.0.1",) * 3)
     with Pipeline(bundles["tiny"], 3, launcher="ray", placement=placement) as pipe:
         assert_bit_identical(pipe.run(inputs), want)
-        devices = [st["devices"] for st in pipe.launcher.call_all("stats")]
+        devices = [st.devices for st in pipe.launcher.call_all("stats")]
     assert all(d in ("0", "1") for d in devices), devices
 
 

@@ -279,7 +279,7 @@ def test_worker_rejects_a_bad_frame_and_reports_it(bundles):
         kind, peer, frame = rec.next()
         assert kind == "frame" and frame.kind == "error" and "expected" in frame.error and peer.stage == 1
         assert closed_by_peer(s)
-        assert worker.status()["peer_errors"]
+        assert worker.status().peer_errors
         # re-wired under a new epoch, the same worker computes correctly
         worker.prepare(Wiring("run", 1, 0, inbound, outbound))
         worker.connect()

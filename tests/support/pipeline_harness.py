@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from tvmpipe.bundle.errors import TvmpipeError
-from tvmpipe.cluster.launch import WorkerError, WorkerLost
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.cluster.control import WorkerError, WorkerLost
 from tvmpipe.cluster.worker import StageSpec, StageWorker
-from tvmpipe.cluster.reference import reference_outputs
+from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.executor import random_inputs
 
 _PORTS: set[int] = set()  # every data-plane port a pipeline in this session listened on

@@ -1,4 +1,4 @@
-"""Launchers: where stage workers live and how the driver reaches them (the control plane).
+"""The control plane: where stage workers live (launchers) and how the driver calls them.
 
 Two implementations share one small interface: `RayLauncher` (actor.py) places `StageActor`s in a
 placement group; `ProcessLauncher` (here) runs each worker in a plain child process, for machines
@@ -12,21 +12,19 @@ to decide whether a stage must be restarted.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
-import os
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
-from tvmpipe.bundle.errors import TvmpipeError
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.cluster.environment import worker_environment
 from tvmpipe.cluster.transport import Address
 from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
 
 # The worker methods the driver may call; anything else is refused on the worker side.
 CONTROL_METHODS = frozenset({"address", "prepare", "connect", "stop", "status", "stats"})
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,14 @@ class Timeouts:
     call: float = 30.0
     progress: float = 60.0
     shutdown: float = 5.0
+
+    def __post_init__(self) -> None:
+        # A non-positive progress timeout made the supervisor's first wait raise and the thread
+        # die: the run went on unsupervised and hung at the first fault.
+        for name in ("start", "call", "progress", "shutdown"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise TvmpipeError(f"timeouts.{name} must be > 0 seconds, got {value}")
 
 
 class WorkerError(TvmpipeError):
@@ -63,36 +69,6 @@ class Launcher(Protocol):
     def call_all(self, method: str, args: list[tuple] | None = None) -> list[Any]: ...
     def kill(self, stage: int) -> None: ...
     def shutdown(self) -> None: ...
-
-
-def thread_env() -> dict[str, str]:
-    """BLAS/OpenMP thread counts for workers: the driver's if it set them, else one."""
-    return {k: os.environ.get(k, "1") for k in THREAD_VARS}
-
-
-@contextlib.contextmanager
-def worker_environment(extra: dict[str, str] | None = None) -> Iterator[None]:
-    """Environment for processes spawned inside the block (a spawned child inherits it at start):
-    thread_env() plus `extra`. K workers each spinning a BLAS thread per core starve each other,
-    and OpenBLAS results depend on its thread count, so every worker (Ray actors get the same
-    variables) and the single-process reference (reference.py) must agree on it."""
-    with scoped_environ({**thread_env(), **(extra or {})}):
-        yield
-
-
-@contextlib.contextmanager
-def scoped_environ(env: dict[str, str]) -> Iterator[None]:
-    """os.environ updated with `env` inside the block and restored after (unset ones removed)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def describe(exc: BaseException) -> str:

@@ -1,0 +1,157 @@
+"""`tvmpipe run` and `tvmpipe sweep`: parse the command line, call the application layer, print.
+
+`tvmpipe run --stages 2 --local` with no bundle runs the built-in example (examples/mlp, shipped
+as `tvmpipe.examples`) on an embedded loopback-only Ray cluster, checks every output against a
+single-process GraphRunner run, and prints a per-stage table. Ray and the pipeline are imported
+only inside the commands, so `tvmpipe --help` stays fast on machines without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tvmpipe.app.args import COUNT, POSITIVE, add_cluster_args, cluster_options, number
+from tvmpipe.app.sources import BUILTIN_EXAMPLE
+
+DEFAULT_MICRO_BATCHES = 16
+
+
+def count_or_auto(convert, minimum: float, what: str):
+    """An argparse `type` for 'N|auto' options: 'auto', or a number checked by `number`."""
+    parse = number(convert, minimum, what=f"{what} or 'auto'")
+
+    def parse_or_auto(text: str):
+        return text if text == "auto" else parse(text)
+
+    return parse_or_auto
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    r = subparsers.add_parser(
+        "run", help="run a bundle as a pipeline of stages and check it against a single-process run",
+        description="Run BUNDLE (default: the built-in examples/mlp) as K pipeline stages on Ray actors (or "
+                    "local processes), stream micro-batches through it, compare every output with a "
+                    "single-process GraphRunner run, and print per-stage and overall numbers. Exits 1 when "
+                    "an output differs.")
+    r.add_argument("bundle", nargs="?", help=f"bundle directory, or a built-in example's name "
+                                             f"(default: '{BUILTIN_EXAMPLE}')")
+    r.add_argument("--stages", "-k", type=COUNT, default=2, help="number of stages K (default 2)")
+    r.add_argument("--plan", metavar="PLAN.json", help="plan from `tvmpipe partition -o` (overrides --stages)")
+    r.add_argument("--strategy", choices=["equal", "optimal"], default="equal",
+                   help="how to cut K stages without --plan (default equal op counts)")
+    r.add_argument("--micro-batches", "-n", type=COUNT, default=DEFAULT_MICRO_BATCHES,
+                   help=f"micro-batches to run (default {DEFAULT_MICRO_BATCHES})")
+    r.add_argument("--inputs", metavar="IN.npz", help="graph inputs by name: the input's shape (used for every "
+                   "micro-batch) or with a leading micro-batch axis (default: seeded random inputs)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (micro-batch i uses seed+i)")
+    r.add_argument("--save-outputs", metavar="OUT.npz", help="write outputs: output<k> with a micro-batch axis, "
+                   "and micro_batch (kept for the completed micro-batches when the run fails)")
+    r.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace and a Gantt PNG beside it")
+    r.add_argument("--json", action="store_true", help="print a machine-readable summary instead of tables")
+    add_cluster_args(r)
+    r.set_defaults(func=run_command)
+
+    s = subparsers.add_parser(
+        "sweep", help="run plans for 1..K stages and report predicted against measured",
+        description="Plan BUNDLE for every stage count in the range and strategy, run each plan, and write a "
+                    "report (markdown, CSV, plots, plans, traces) of predicted against measured throughput, "
+                    "latency and bubble. With --backend simulated and no --profile, stage times come from the "
+                    "simulated backend's own model, so predictions and runs use the same op times.")
+    s.add_argument("bundle", help="bundle directory")
+    s.add_argument("--stages", "-k", type=stage_range, default="1..4",
+                   help="stage counts, e.g. 1..4 or 3 (default 1..4)")
+    s.add_argument("--strategies", type=strategies, default="equal,optimal",
+                   help="comma-separated: equal, optimal")
+    s.add_argument("--micro-batches", "-n", type=count_or_auto(int, 1, "a count"), default="auto", metavar="N|auto",
+                   help="micro-batches per plan; 'auto' (default): enough for ~0.25 s of steady state at the "
+                        "fastest rate the op times allow, 32 to 2000")
+    s.add_argument("--profile", metavar="PROFILE.json", help="per-node times (`tvmpipe profile --json`) for the "
+                   "planner, and for the simulated backend")
+    s.add_argument("--time-scale", type=POSITIVE, default=1.0,
+                   help="simulated backend: multiply every op time (make stages long against transport overhead)")
+    s.add_argument("--frame-overhead-us", type=count_or_auto(float, 0, "microseconds"), default="auto",
+                   metavar="US|auto",
+                   help="runtime cost per frame a stage receives, added to every prediction; 'auto' (default) "
+                        "measures it as the gap between a 1-stage run and its prediction")
+    s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
+    add_cluster_args(s)
+    s.set_defaults(func=sweep_command)
+
+
+def stage_range(text: str) -> tuple[int, int]:
+    """'K' or 'A..B' with 1 <= A <= B."""
+    lo, _, hi = text.partition("..")
+    try:
+        lo_k, hi_k = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K or A..B, e.g. 1..4, got {text!r}") from None
+    if not 1 <= lo_k <= hi_k:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return lo_k, hi_k
+
+
+def strategies(text: str) -> tuple[str, ...]:
+    from tvmpipe.partition.sweep import SWEEP_STRATEGIES
+
+    names = tuple(s for s in text.split(",") if s)
+    bad = [s for s in names if s not in SWEEP_STRATEGIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(SWEEP_STRATEGIES)}, "
+                                         f"got {text!r}")
+    return names
+
+
+# ---- tvmpipe run -------------------------------------------------------------------------------------
+
+def run_command(args: argparse.Namespace) -> int:
+    from tvmpipe.app.connect import check_where
+    from tvmpipe.app.run import PipelineRun, run_checked
+    from tvmpipe.app.sources import choose_plan, micro_batches, resolve_bundle
+    from tvmpipe.bundle import load_bundle
+
+    options = cluster_options(args)
+    check_where(options)
+    path = resolve_bundle(args.bundle)
+    bundle = load_bundle(path)
+    plan = choose_plan(bundle, args.plan, args.stages, args.strategy)
+    batches = micro_batches(bundle, args.inputs, args.micro_batches, args.seed,
+                            default_count=DEFAULT_MICRO_BATCHES, cycle=True)
+    done = run_checked(PipelineRun(bundle, plan, batches, options), args.save_outputs, args.trace)
+    run, m = done.run, done.metrics
+    if args.json:
+        print(json.dumps(done.summary(str(path)), indent=1))
+        return 0 if not done.mismatches else 1
+    print(f"tvmpipe run: {bundle.name} ({path}), {plan.num_stages} stage(s) ({plan.strategy}), backend {run.backend}, "
+          f"{run.cluster.description}, {len(batches)} micro-batches, window {run.window}")
+    print(m.table())
+    print(f"throughput {m.throughput:.1f} micro-batches/s ({m.samples_per_s:.1f} samples/s; steady "
+          f"state {m.steady_throughput:.1f}/s), latency p50 {m.latency_p50_ms:.3f} ms, "
+          f"p99 {m.latency_p99_ms:.3f} ms, restarts {sum(m.restarts)}")
+    for f in done.written:
+        print(f"wrote {f}")
+    verdict = "yes" if not done.mismatches else "NO"
+    print(f"outputs match single-process run: {verdict} ({done.identical}/{len(batches)} micro-batches bit-identical)")
+    for _, message in done.mismatches[:10]:
+        print(f"  {message}", file=sys.stderr)
+    return 0 if not done.mismatches else 1
+
+
+# ---- tvmpipe sweep -----------------------------------------------------------------------------------
+
+def sweep_command(args: argparse.Namespace) -> int:
+    from tvmpipe.app.connect import check_where
+    from tvmpipe.app.sweep import run_sweep
+    from tvmpipe.bundle import load_bundle
+
+    options = cluster_options(args)
+    check_where(options)
+    bundle = load_bundle(args.bundle)
+    cases, paths = run_sweep(bundle, args.output, options, stages=args.stages, strategies=args.strategies,
+                             micro_batches=args.micro_batches, profile=args.profile, time_scale=args.time_scale,
+                             frame_overhead_us=args.frame_overhead_us, say=lambda line: print(line, flush=True))
+    for p in paths.values():
+        print(f"wrote {p}")
+    return 0 if any(c.measured for c in cases) else 1
+

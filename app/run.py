@@ -1,0 +1,194 @@
+"""One pipeline run, the flow `tvmpipe run` and `python -m tvmpipe.job` share.
+
+    run = PipelineRun(bundle, plan, batches, options)
+    run.execute()            # open/join the cluster, start the stages, stream every micro-batch
+    run.outputs, run.record  # kept as far as the run got, also when execute() raised
+
+Each micro-batch's outputs are taken as soon as they complete, so a run that fails (a stage
+beyond its restarts, SIGTERM, Ctrl-C) still holds every output delivered before; the record
+(metrics, timeline) is taken while the workers are still up, because their spans live there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from tvmpipe.app.connect import Cluster, open_cluster, pick_backend, pipeline_kwargs
+from tvmpipe.app.options import ClusterOptions
+from tvmpipe.bundle import Bundle
+from tvmpipe.core import files
+from tvmpipe.executor.inputs import Batch
+from tvmpipe.partition import Plan
+
+log = logging.getLogger("tvmpipe.run")
+
+Outputs = list[np.ndarray]
+
+
+@dataclass
+class PipelineRun:
+    """`phase` says how far the run got: connect, start, run, done. `on_phase` is called as each
+    begins (the job records it, and re-installs its SIGTERM handler once Ray has set its own)."""
+
+    bundle: Bundle
+    plan: Plan
+    batches: list[Batch]
+    options: ClusterOptions
+    on_phase: Callable[[str], None] = lambda phase: None
+    phase: str = "connect"
+    outputs: list[Outputs] = field(default_factory=list)
+    record: Any = None  # the pipeline's RunRecord, once taken
+    cluster: Cluster | None = None
+    backend: str | None = None
+    window: int | None = None
+    restarts: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        self.on_phase(phase)
+
+    def execute(self) -> None:
+        from tvmpipe.cluster import Pipeline
+
+        k = self.plan.num_stages
+        self._enter("connect")
+        with open_cluster(self.options, k) as cluster:
+            self.cluster = cluster
+            self.backend = pick_backend(self.options.backend, cluster.gpus)
+            self._enter("start")
+            log.info("starting %d stages on %s, backend %s", k, cluster.description, self.backend)
+            with Pipeline(self.bundle, self.plan, **pipeline_kwargs(self.options, cluster, self.backend, k)) as pipe:
+                self.window = pipe.window
+                try:
+                    self._enter("run")
+                    stream(pipe, self.batches, self._delivered)
+                finally:
+                    self._take_record(pipe)
+        self._enter("done")
+
+    def _delivered(self, out: Outputs) -> None:
+        self.outputs.append(out)
+        log.info("micro-batch %d/%d done", len(self.outputs), len(self.batches))
+
+    def _take_record(self, pipe: Any) -> None:
+        try:
+            self.record = pipe.record()
+        except Exception as exc:  # noqa: BLE001 - a failed run may have no workers left to ask
+            log.warning("no run record (metrics, timeline): %s", exc)
+        self.restarts, self.errors = list(pipe.restarts), list(pipe.errors)
+
+
+def stream(pipe: Any, batches: list[Batch], delivered: Callable[[Outputs], None]) -> None:
+    """Submit every micro-batch and hand each one's outputs to `delivered` as they complete, in
+    order; on a PipelineError the outputs it carries are handed over before it is re-raised.
+    Every micro-batch is checked before the first is sent."""
+    from tvmpipe.cluster import PipelineError
+
+    for batch in batches:
+        pipe.check_inputs(batch)
+    done = 0
+    try:
+        for submitted, batch in enumerate(batches, 1):
+            pipe.submit(batch)
+            while done < submitted:  # take what is ready, without waiting
+                try:
+                    out = pipe.get(timeout=0)
+                except TimeoutError:
+                    break
+                delivered(out)
+                done += 1
+        for _ in range(done, len(batches)):
+            delivered(pipe.get())
+    except PipelineError as exc:
+        for out in exc.completed:
+            delivered(out)
+        raise
+
+
+def output_arrays(outputs: list[Outputs]) -> dict[str, np.ndarray]:
+    """output<k> with a leading micro-batch axis, and `micro_batch`: the index of each row."""
+    arrays = {f"output{k}": np.stack([o[k] for o in outputs]) for k in range(len(outputs[0]))}
+    arrays["micro_batch"] = np.arange(len(outputs), dtype=np.int64)
+    return arrays
+
+
+def write_outputs(path: str | Path, outputs: list[Outputs]) -> Path | None:
+    """The outputs as an .npz, atomically; nothing when no micro-batch completed."""
+    return files.write_npz(path, output_arrays(outputs)) if outputs else None
+
+
+def write_timeline(record: Any, trace_path: str | Path, png_path: str | Path, title: str) -> list[Path]:
+    """The Chrome/Perfetto trace and the Gantt PNG (each atomic); nothing before a completion."""
+    from tvmpipe.cluster.timeline import write_gantt, write_trace
+
+    if record is None or not record.done_times:
+        return []
+    return [write_trace(record, trace_path), write_gantt(record, png_path, title=title)]
+
+
+@dataclass
+class CheckedRun:
+    """A finished `tvmpipe run`: the run, its metrics, how its outputs compare with the
+    single-process oracle (micro-batch, what differs), and the files written."""
+
+    run: PipelineRun
+    metrics: Any
+    mismatches: list[tuple[int, str]]
+    written: list[Path]
+
+    @property
+    def identical(self) -> int:
+        """Micro-batches whose every output is bit-identical to the oracle's."""
+        return len(self.run.batches) - len({i for i, _ in self.mismatches})
+
+    def summary(self, bundle_path: str) -> dict[str, Any]:
+        run = self.run
+        return {"bundle": bundle_path, "model": run.bundle.name, "stages": [list(s) for s in run.plan.stages],
+                "strategy": run.plan.strategy, "backend": run.backend, "cluster": run.cluster.description,
+                "micro_batches": len(run.batches), "window": run.window, "match": not self.mismatches,
+                "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
+                "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
+
+
+def output_paths(save_outputs: str | None, trace: str | None) -> dict[str, Path]:
+    """The files a run will write, by the option that named them, each checked writable now:
+    a typo in a directory must not cost a whole run and then a traceback."""
+    paths: dict[str, Path] = {}
+    if save_outputs:
+        paths["--save-outputs"] = files.check_writable(save_outputs, "--save-outputs")
+    if trace:
+        paths["--trace"] = files.check_writable(trace, "--trace")
+        paths["--trace (Gantt PNG)"] = files.check_writable(Path(trace).with_suffix(".png"), "--trace")
+    return paths
+
+
+def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | None = None) -> CheckedRun:
+    """Execute `run`, compare every output with the single-process oracle, write the outputs
+    (--save-outputs) and the timeline (--trace). When the run fails, the outputs that completed
+    are still written before the error goes on."""
+    from tvmpipe.app.oracle import compare, reference_outputs
+    from tvmpipe.cluster.metrics import compute_metrics
+
+    output_paths(save_outputs, trace)
+    try:
+        run.execute()
+    except BaseException:
+        if save_outputs and run.outputs:
+            kept = write_outputs(save_outputs, run.outputs)
+            log.warning("kept the %d completed micro-batch(es) in %s", len(run.outputs), kept)
+        raise
+    metrics = compute_metrics(run.record)
+    mismatches = compare(run.outputs, reference_outputs(run.bundle.path, run.batches, run.backend))
+    written = []
+    if save_outputs:
+        written.append(write_outputs(save_outputs, run.outputs))
+    if trace:
+        written += write_timeline(run.record, trace, Path(trace).with_suffix(".png"),
+                                  title=f"{run.bundle.name}: {run.plan.num_stages} stages")
+    return CheckedRun(run, metrics, mismatches, written)

@@ -1,0 +1,60 @@
+"""Where a run's bundle, plan and micro-batches come from, each checked before any cluster
+resource is taken: a bad plan or inputs file is found before Ray starts."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+from tvmpipe.bundle import Bundle
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.executor.inputs import Batch, npz_micro_batches, random_micro_batches
+from tvmpipe.partition import Plan
+
+BUILTIN_EXAMPLE = "mlp"
+
+
+def builtin_example(name: str = BUILTIN_EXAMPLE) -> Path:
+    """The example bundle shipped inside the package (examples/<name> in a source checkout)."""
+    path = Path(str(importlib.resources.files("tvmpipe.examples") / name))
+    if not (path / "bundle.json").is_file():
+        raise TvmpipeError(f"built-in example '{name}' is missing from this installation ({path})")
+    return path
+
+
+def resolve_bundle(name: str | None) -> Path:
+    """A path as given if it exists, else a built-in example of that name (None: the default
+    one), else the path (which then fails to load with the bundle loader's own message)."""
+    if name is None:
+        return builtin_example()
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.resolve()
+    try:
+        return builtin_example(name)
+    except TvmpipeError:
+        return path
+
+
+def choose_plan(bundle: Bundle, plan_path: str | None, stages: int, strategy: str) -> Plan:
+    """The plan file (checked against this bundle's graph), or K stages cut by `strategy`."""
+    from tvmpipe.partition import make_plan, plan_equal_ops, validate_plan
+
+    if plan_path:
+        plan = Plan.load(plan_path)
+        validate_plan(bundle.graph, plan)
+        return plan
+    if strategy == "equal":
+        return plan_equal_ops(bundle.graph, stages)
+    from tvmpipe.partition.model import PipelineModel
+
+    return make_plan(PipelineModel.build(bundle), stages, strategy)
+
+
+def micro_batches(bundle: Bundle, inputs: str | None, count: int | None, seed: int, *,
+                  default_count: int, cycle: bool) -> list[Batch]:
+    """The rows of an inputs .npz (`cycle`: repeated up to `count`), or `count` (default
+    `default_count`) seeded random micro-batches."""
+    if inputs:
+        return npz_micro_batches(bundle, inputs, count, cycle=cycle)
+    return random_micro_batches(bundle, count or default_count, seed)

@@ -1,0 +1,52 @@
+"""What a stage worker reports about itself: typed on both sides of the control call.
+
+`StageWorker.status()` answers the driver's health check (who is dead, failed or stuck) and
+`StageWorker.stats()` feeds the run record (metrics, timeline). Both cross a process boundary
+(a pipe or Ray), so they are plain dataclasses of plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Span(NamedTuple):
+    """One micro-batch computed by a stage, wall-clock seconds (comparable across nodes)."""
+
+    epoch: int
+    seq: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A worker's health, for the driver's diagnosis. `busy_seq` is the micro-batch it is
+    computing (None when idle) and `busy_for_s` for how long; `error` is set once its stage
+    failed, until it is re-wired; `peer_errors` are broken inbound or outbound connections."""
+
+    stage: int
+    pid: int
+    epoch: int | None
+    next_seq: int
+    busy_seq: int | None
+    busy_for_s: float
+    error: str | None
+    peer_errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Timeline and traffic since the worker started. `bytes_out` / `frames_out` are per
+    consumer stage (DRIVER for graph outputs), headers included."""
+
+    stage: int
+    pid: int
+    host: str
+    devices: str | None  # CUDA_VISIBLE_DEVICES of the worker process
+    build_s: float
+    warmup_s: float
+    events: list[Span]
+    bytes_out: dict[int, int]
+    frames_out: dict[int, int]
