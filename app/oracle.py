@@ -16,10 +16,10 @@ import numpy as np
 from tvmpipe.cluster.environment import worker_environment
 
 
-def _run(bundle_path: str, backend: str, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+def _run(bundle_path: str, backend: str, opts: dict, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
     from tvmpipe.executor import GraphRunner
 
-    with GraphRunner(bundle_path, backend=backend) as runner:
+    with GraphRunner(bundle_path, backend=backend, **opts) as runner:
         out = []
         for mb in batches:
             runner.run(**mb)
@@ -28,10 +28,11 @@ def _run(bundle_path: str, backend: str, batches: list[dict[str, np.ndarray]]) -
 
 
 def reference_outputs(bundle_path: str | Path, batches: list[dict[str, np.ndarray]],
-                      backend: str = "reference") -> list[list[np.ndarray]]:
-    """Outputs of every micro-batch, run one after another on a single GraphRunner."""
+                      backend: str = "reference", backend_opts: dict | None = None) -> list[list[np.ndarray]]:
+    """Outputs of every micro-batch, run one after another on a single GraphRunner built with
+    `backend` and `backend_opts` (e.g. {"graphs": True}), as the stages are."""
     with worker_environment(), ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(_run, str(bundle_path), backend, batches).result()
+        return pool.submit(_run, str(bundle_path), backend, dict(backend_opts or {}), batches).result()
 
 
 def compare(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> list[tuple[int, str]]:

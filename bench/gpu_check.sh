@@ -22,7 +22,9 @@ REPO=$PWD
 OUT=${OUT:-/tmp/gpu_check_out}
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
-SHIM=/tmp/tvmpipe-shim
+SHIM=${GPU_CHECK_SHIM:-/tmp/tvmpipe-shim}
+ONLY=${GPU_CHECK_STEPS:-}  # a comma-separated subset of the steps (tests/bench runs some on the CPU)
+PIPELINE_ARGS=${GPU_CHECK_PIPELINE_ARGS:---stages 1,2,3,4 --graphs both --micro-batches 200}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}
 BUDGET=${GPU_CHECK_BUDGET_S:-560}
 T0=$(date +%s)
@@ -75,6 +77,7 @@ STEPS=()
 STEP_END=$DEADLINE
 step() {  # step NAME BUDGET_S FUNCTION: FUNCTION in a subshell with errexit; record status and time
   local name=$1 budget=$2 fn=$3 start left rc
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
   start=$(date +%s)
   left=$((DEADLINE - start))
   if [ "$left" -lt 15 ]; then
@@ -157,11 +160,8 @@ s_pycuda() {
   libdir=${GPU_CHECK_CUDADRV_LIB_DIR:-}  # an override, e.g. a directory with a stub libcuda.so
   [ -n "$libdir" ] || libdir=$(find_libcuda) || { echo "libcuda.so / libcuda.so.1 not found"; return 1; }
   echo "linking against libcuda in $libdir"
-  if [ -e "$CUDA_ROOT/lib64/libcurand.so" ] || [ -e "$CUDA_ROOT/lib/libcurand.so" ]; then
-    [ -f "$CUDA_INC/curand.h" ] || curand=(--no-cuda-enable-curand)
-  else
-    curand=(--no-cuda-enable-curand)
-  fi
+  # tvmpipe never uses curand, and a curand build makes _driver.so need libcurand on the loader path
+  curand=(--no-cuda-enable-curand)
   inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
   if [ ! -f "$inc/Python.h" ]; then  # no python3.12-dev: the headers gpu_prep.sh carried
     [ -f .gpu/py312-include.tar.gz ] || { echo "no Python.h in $inc and no carried headers"; return 1; }
@@ -245,7 +245,7 @@ EOF
 
 s_tvmpipe() {
   rm -rf "$SHIM"
-  if tmo "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ; then
+  if [ "${GPU_CHECK_FORCE_SHIM:-0}" != 1 ] && tmo "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ; then
     echo "tvmpipe: editable install"
   else
     echo "tvmpipe: pip install -e . failed; using a package shim at $SHIM"
@@ -262,7 +262,11 @@ s_pytest() {
   rm -f "$OUT/pytest_gpu.xml"
   # --continue-on-collection-errors: a test module that cannot be imported here (a package missing
   # from the image) is reported and fails the step, but does not stop the GPU tests from running.
+  # From outside the repo: `python -m pytest` puts the working directory first on sys.path, and the
+  # repo's own tvmpipe/ folder (the top package alone) would shadow the shim's complete package.
+  cd "$WORK"
   tmo "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider --continue-on-collection-errors \
+    --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests" \
     --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log"
   # pytest passes when every test is skipped (no pycuda, no GPU): require that they all ran
   "$PY" "$WORK/junit_counts.py" "$OUT/pytest_gpu.xml" --strict
@@ -280,8 +284,9 @@ s_executor() {
 s_pipeline() {
   local rc=0
   rm -f bench/results/gpu_pipeline.json "$OUT/gpu_pipeline.json"
-  tmo "$PY" bench/gpu_pipeline.py "${BUNDLES[@]}" --backend cuda --stages 1,2,3,4 --graphs both \
-    --micro-batches 200 --require-gpu --out bench/results/gpu_pipeline.json || rc=$?
+  # shellcheck disable=SC2086  # PIPELINE_ARGS is a list of options
+  tmo "$PY" bench/gpu_pipeline.py "${BUNDLES[@]}" --backend cuda $PIPELINE_ARGS \
+    --require-gpu --out bench/results/gpu_pipeline.json || rc=$?
   [ -s bench/results/gpu_pipeline.json ] && cp bench/results/gpu_pipeline.json "$OUT/"
   return "$rc"
 }

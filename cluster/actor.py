@@ -62,8 +62,9 @@ class RayLauncher:
     a path (shared filesystem, local mode) or as its files' bytes through the object store."""
 
     def __init__(self, placement: Placement = Placement(), timeouts: Timeouts = Timeouts(),
-                 ship_bundle: bool = False):
+                 ship_bundle: bool = False, env: dict[str, str] | None = None):
         self.placement = placement
+        self.env = dict(env or {})  # extra environment of the stage actors
         self.timeouts = timeouts
         self.ship_bundle = ship_bundle
         self._pg = None
@@ -86,7 +87,7 @@ class RayLauncher:
 
     def _create(self, spec: StageSpec) -> Any:
         opts = self.placement.actor_options(self._pg, spec.index)
-        return self._remote.options(max_restarts=0, runtime_env={"env_vars": thread_env()},
+        return self._remote.options(max_restarts=0, runtime_env={"env_vars": {**thread_env(), **self.env}},
                                     **opts).remote(spec, self._bundle_ref)
 
     def _addresses(self, stages: list[int]) -> list[Address]:

@@ -124,12 +124,14 @@ class _Child:
 class ProcessLauncher:
     """Each stage worker in its own `spawn`ed child process on this machine; control over a pipe.
 
-    `devices[i]`, if given, becomes stage i's CUDA_VISIBLE_DEVICES (one GPU per stage, or shared).
+    `devices[i]`, if given, becomes stage i's CUDA_VISIBLE_DEVICES (one GPU per stage, or shared);
+    `env` is extra environment for every worker.
     """
 
     def __init__(self, timeouts: Timeouts = Timeouts(), ship_bundle: bool = False,
-                 devices: list[str] | None = None):
+                 devices: list[str] | None = None, env: dict[str, str] | None = None):
         self.timeouts = timeouts
+        self.env = dict(env or {})
         self.ship_bundle = ship_bundle
         self.devices = devices
         self._ctx = mp.get_context("spawn")
@@ -139,7 +141,7 @@ class ProcessLauncher:
 
     def _spawn(self, spec: StageSpec) -> _Child:
         env = {"CUDA_VISIBLE_DEVICES": self.devices[spec.index % len(self.devices)]} if self.devices else {}
-        with worker_environment(env):
+        with worker_environment({**self.env, **env}):
             return _Child(self._ctx, spec, self._bundle_files)
 
     def _await_ready(self, stage: int) -> Address:

@@ -90,7 +90,8 @@ def ray_daemon_home(path: str | Path) -> Path:
 
 
 def detect_gpus() -> int:
-    """NVIDIA GPUs on this machine (0 without a driver), for the local cluster's GPU resource."""
+    """NVIDIA GPUs this process may use (0 without a driver), for the local cluster's GPU resource:
+    nvidia-smi's list, narrowed by CUDA_VISIBLE_DEVICES as CUDA narrows it."""
     import shutil
     import subprocess
 
@@ -100,4 +101,24 @@ def detect_gpus() -> int:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    gpus = [line for line in out.splitlines() if line.startswith("GPU ")]
+    return visible_count(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_count(gpus: list[str], visible: str | None) -> int:
+    """How many of `gpus` (nvidia-smi -L lines) CUDA_VISIBLE_DEVICES leaves visible. CUDA reads the
+    list up to its first invalid entry: an index (CUDA's order, not nvidia-smi's PCI order, but the
+    count is the same) below the device count, or a GPU-/MIG- UUID prefix; repeats are invalid."""
+    if visible is None:
+        return len(gpus)
+    seen: set[str] = set()
+    for item in (s.strip() for s in visible.split(",")):
+        if item.isdigit():
+            key = str(int(item)) if int(item) < len(gpus) else None
+        else:
+            hits = [str(i) for i, g in enumerate(gpus) if item and f"(UUID: {item}" in g]
+            key = hits[0] if len(hits) == 1 else None
+        if key is None or key in seen:
+            break
+        seen.add(key)
+    return len(seen)

@@ -135,7 +135,10 @@ def read_launches(name: str, host: Any) -> KernelFunction:
                 dt = str(expr.ty)
                 return Operand("scalar", value=int(expr.value), dtype="int64" if dt == "int64" else "int32")
             if isinstance(expr, tirx.FloatImm):
-                return Operand("scalar", value=float(expr.value), dtype="float32")
+                dt = str(expr.ty)
+                if dt not in ("float32", "float64"):
+                    raise HostCodeError(f"{where}: {dt} scalar operand {expr} has no kernel-argument packing")
+                return Operand("scalar", value=float(expr.value), dtype=dt)
             raise HostCodeError(f"{where}: operand {expr} is computed at run time")
         seen = set()
         while buf.__chandle__() in aliases and buf.__chandle__() not in seen:

@@ -5,9 +5,16 @@ Split in two so the launch path can be tested without a GPU:
     launch plan (launch_plan.py: every kernel with its grid, block, shared memory and packed
     argument bytes, pointers resolved from the storage plan) and replays it each run;
   * `PyCudaDevice` is the only code that imports pycuda (when constructed): allocate, copy in/out,
-    load the cubin, launch, synchronize, events, CUDA-graph capture. Tests pass a recording fake.
+    load the cubin, launch, synchronize, events, CUDA-graph capture. Tests run it over a strict fake
+    `pycuda` package (tests/fakecuda) that enforces the driver's rules.
 Fed entries are copied into page-locked host buffers by `write`; the H2D copies, the launches and the
 D2H copies are all enqueued by `execute`, so with `graphs=True` one CUDA graph replays all of them.
+
+Threads: CUDA keeps the current context per thread, and a pipeline worker builds its stage on one
+thread and runs micro-batches on others (its compute thread, or the socket thread that completed a
+micro-batch). So every entry point of the backend (build, execute, param writes, close) makes the
+device's context current on the calling thread for its duration and pops it again (`dev.current()`);
+no thread is ever left holding it (docs/executor.md, "Threads and the CUDA context").
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
@@ -27,7 +35,9 @@ from tvmpipe.executor.errors import BackendUnavailable, DeviceError, ExecutorErr
 from tvmpipe.executor.launch_plan import PlannedLaunch, build_launch_plan
 from tvmpipe.executor.program import KERNELS, StageProgram
 
-DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+# CUDA's default limit on a block's shared memory, static + dynamic; above it a kernel must opt in
+# (MAX_DYNAMIC_SHARED_SIZE_BYTES), up to the device's MAX_SHARED_MEMORY_PER_BLOCK_OPTIN.
+DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
 class CudaBackend:
@@ -42,6 +52,15 @@ class CudaBackend:
                                 + (" ..." if len(missing) > 5 else "") + ": a bare graph.json runs only on the simulated backend")
         self.dev = device if device is not None else PyCudaDevice(arch=arch)
         self.graphs = graphs
+        self.graph: Any = None
+        try:
+            with self.dev.current():
+                self._build(bundle, program)
+        except BaseException:
+            self.dev.close()
+            raise
+
+    def _build(self, bundle: Bundle, program: StageProgram) -> None:
         smem: dict[str, int] = {}
         for l in program.launches:
             smem[l.kernel] = max(smem.get(l.kernel, 0), l.shared_mem)
@@ -49,16 +68,32 @@ class CudaBackend:
         self.ptrs = [self.dev.alloc(max(s.nbytes, 1)) for s in program.storage.slots]
         self.ptr = {e: self.ptrs[program.storage.entry_slot[e]] for e in program.entry_specs}
         for name, e in program.param_entries.items():
-            with self.dev.check(f"uploading param '{name}'"):
-                self.dev.upload(self.ptr[e], np.ascontiguousarray(bundle.params[name]))
+            self._upload_param(name, np.ascontiguousarray(bundle.params[name]))
         spec = program.entry_specs
         self.host_in = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.feed_entries}
         self.host_out = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.send_entries}
+        self.params = {e: name for name, e in program.param_entries.items()}
         self.plan = build_launch_plan(program, self.ptrs)
-        self.graph: Any = None
+
+    def _upload_param(self, name: str, value: np.ndarray) -> None:
+        with self.dev.check(f"uploading param '{name}'"):
+            self.dev.upload(self.ptr[self.program.param_entries[name]], value)
 
     def write(self, entry: int, value: np.ndarray) -> None:
-        np.copyto(self.host_in[entry], value)
+        """A fed entry goes to its page-locked buffer (copied in by the next execute); a param is
+        uploaded now, synchronously: the stream is idle between runs."""
+        host = self.host_in.get(entry)
+        if host is not None:
+            np.copyto(host, value)
+            return
+        if getattr(self.dev, "ctx", True) is None:
+            raise DeviceError("the CUDA device is closed")
+        name = self.params.get(entry)
+        if name is None:
+            raise ExecutorError(f"entry {entry} is neither fed to nor a param of nodes "
+                                f"[{self.program.start}, {self.program.end})")
+        with self.dev.current():
+            self._upload_param(name, np.ascontiguousarray(value))
 
     def _enqueue(self, events: list | None = None) -> None:
         for e, h in self.host_in.items():
@@ -78,6 +113,10 @@ class CudaBackend:
             self.dev.copy_out(h, self.ptr[e])
 
     def execute(self, profile: bool = False) -> list[StepTiming] | None:
+        with self.dev.current():
+            return self._execute(profile)
+
+    def _execute(self, profile: bool) -> list[StepTiming] | None:
         where = f"running nodes [{self.program.start}, {self.program.end}) of '{self.program.model}'"
         events: list | None = [] if profile else None
         if self.graphs and not profile:
@@ -102,12 +141,33 @@ class CudaBackend:
         return self.host_out[entry].copy()
 
     def close(self) -> None:
+        """Drop the page-locked buffers and kernels with the context current (PyCUDA frees them when
+        collected, and on another thread without the context it could only warn and leak), then
+        close the device."""
+        if getattr(self.dev, "ctx", None) is not None:
+            with self.dev.current():
+                self.host_in, self.host_out, self.funcs = {}, {}, {}
         self.dev.close()
+
+
+_OPEN: "weakref.WeakSet[PyCudaDevice]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_devices() -> None:
+    """Free what devices still hold before PyCUDA's own teardown; a weak set, so an atexit hook
+    never keeps a device (and its GPU memory) alive."""
+    for dev in list(_OPEN):
+        with contextlib.suppress(Exception):
+            dev.close()
 
 
 class PyCudaDevice:
     """The driver side: PyCUDA for memory, modules, launches and events; the driver API through
-    ctypes for stream capture, which PyCUDA does not wrap the same way in every release."""
+    ctypes for stream capture, which PyCUDA 2026.1 does not wrap.
+
+    The primary context is retained, never left current: callers run driver calls inside
+    `current()`, on whatever thread they are (see the module docstring)."""
 
     def __init__(self, ordinal: int = 0, arch: str | None = None):
         try:
@@ -115,19 +175,44 @@ class PyCudaDevice:
         except ImportError as exc:  # no pycuda, or no libcuda.so.1 (no driver)
             raise BackendUnavailable(f"the cuda backend needs pycuda and an NVIDIA driver: {exc}") from None
         self.cuda = cuda
+        self.ctx: Any = None
+        self.allocs: list[Any] = []
+        self.graphs: list[ctypes.c_void_p] = []
+        self.lib: Any = None
+        self.module: Any = None
         with self.check("initialising CUDA"):
             cuda.init()
             if cuda.Device.count() <= ordinal:
                 raise BackendUnavailable(f"no CUDA device {ordinal} ({cuda.Device.count()} found)")
             dev = cuda.Device(ordinal)
-            self.ctx = dev.retain_primary_context()
-            self.ctx.push()
             self.arch = arch or "sm_{}{}".format(*dev.compute_capability())
+            self.smem_optin = dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            self.ctx = dev.retain_primary_context()
+        with self.current(), self.check("creating a stream"):
             self.stream = cuda.Stream()
-        self.allocs: list[Any] = []
-        self.graphs: list[ctypes.c_void_p] = []
-        self.lib: Any = None
-        atexit.register(self.close)  # pop the context before PyCUDA's teardown checks the stack
+        _OPEN.add(self)
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """This device's context is current on the calling thread inside the block (pushed on
+        entry, and exactly it popped on exit), whatever thread that is."""
+        if self.ctx is None:
+            raise DeviceError("the CUDA device is closed")
+        with self.check("making the CUDA context current"):
+            self.ctx.push()
+        try:
+            yield
+        finally:
+            self._pop()
+
+    def _pop(self) -> None:
+        """Pop this device's context, and only it: Context.pop() pops whatever is on top."""
+        with self.check("popping the CUDA context"):
+            top = self.cuda.Context.get_current()
+            if top is None or top != self.ctx:
+                raise DeviceError("the CUDA context stack was changed inside a tvmpipe call "
+                                  "(a context pushed and not popped)")
+            self.cuda.Context.pop()
 
     @contextlib.contextmanager
     def check(self, what: str) -> Iterator[None]:
@@ -141,15 +226,22 @@ class PyCudaDevice:
         return compile_cubin(source, self.arch)
 
     def load(self, cubin: bytes, smem: dict[str, int]) -> dict[str, Any]:
+        """The kernels, each allowed the dynamic shared memory its launches ask for. CUDA's default
+        limit is 48 KiB for static + dynamic together, so the opt-in is needed whenever the sum is
+        above it, even with dynamic <= 48 KiB; the sum can never exceed the device's opt-in limit."""
         with self.check(f"loading the cubin ({self.arch})"):
             self.module = self.cuda.module_from_buffer(cubin)
         funcs = {}
         for sym, nbytes in smem.items():
             with self.check(f"looking up kernel '{sym}'"):
-                funcs[sym] = self.module.get_function(sym)
-            if nbytes > DEFAULT_SMEM_LIMIT:
+                funcs[sym] = f = self.module.get_function(sym)
+                static = f.get_attribute(self.cuda.function_attribute.SHARED_SIZE_BYTES)
+            if static + nbytes > self.smem_optin:
+                raise DeviceError(f"kernel '{sym}' needs {static} bytes of static and {nbytes} bytes of dynamic "
+                                  f"shared memory; this device allows at most {self.smem_optin} per block")
+            if static + nbytes > DEFAULT_SMEM_LIMIT:
                 with self.check(f"raising kernel '{sym}' to {nbytes} bytes of dynamic shared memory"):
-                    funcs[sym].set_attribute(self.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+                    f.set_attribute(self.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
         return funcs
 
     def alloc(self, nbytes: int) -> int:
@@ -158,7 +250,8 @@ class PyCudaDevice:
         return int(self.allocs[-1])
 
     def host(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        return self.cuda.pagelocked_empty(shape, dtype)
+        with self.check(f"allocating page-locked host memory for {dtype}{list(shape)}"):
+            return self.cuda.pagelocked_empty(shape, dtype)
 
     def upload(self, ptr: int, array: np.ndarray) -> None:
         self.cuda.memcpy_htod(ptr, array)
@@ -219,13 +312,27 @@ class PyCudaDevice:
         self._cu(self.lib.cuGraphLaunch(exe, ctypes.c_void_p(self.stream.handle)), "cuGraphLaunch")
 
     def close(self) -> None:
-        if getattr(self, "ctx", None) is None:
+        """Free everything with the context current, then pop it, even when the last synchronize
+        reports a kernel fault (raised afterwards, as a DeviceError). Idempotent."""
+        if self.ctx is None:
             return
-        self.stream.synchronize()
-        for exe in self.graphs:
-            self.lib.cuGraphExecDestroy(exe)
-        for a in self.allocs:
-            a.free()
-        self.graphs, self.allocs = [], []
-        self.ctx.pop()
-        self.ctx = None
+        _OPEN.discard(self)
+        error: str | None = None
+        self.ctx.push()
+        try:
+            try:
+                self.stream.synchronize()
+            except self.cuda.Error as exc:
+                error = f"CUDA error while closing the device (a kernel failed earlier): {exc}"
+            for exe in self.graphs:
+                self.lib.cuGraphExecDestroy(exe)
+            for a in self.allocs:
+                with contextlib.suppress(self.cuda.Error):
+                    a.free()
+            self.graphs, self.allocs = [], []
+            self.stream = self.module = None
+        finally:
+            self._pop()
+            self.ctx = None
+        if error:
+            raise DeviceError(error)

@@ -113,6 +113,21 @@ def test_scalars_and_dynamic_shared_memory_from_host_code():
         "args": [{"arg": 0}, {"arg": 1}, {"scalar": 0, "dtype": "int32"}, {"scalar": 7, "dtype": "int64"}]}]}
 
 
+def test_float_scalars_keep_their_width():
+    """A float64 immediate is packed in 8 bytes, so kernels.json must say float64 (issue 12, defect 7)."""
+    from tvm.script import tirx as T
+
+    from tvmpipe.compiler.launches import read_launches
+
+    @T.prim_func
+    def host(x: T.Buffer((4,), "float32")):
+        T.call_ffi_kernel("k", x.data, T.float32(0.5), T.float64(0.25), 1, 32,
+                          launch_params=["blockIdx.x", "threadIdx.x"], ret_ty="int32")
+
+    args = read_launches("host", host).to_json()["launches"][0]["args"]
+    assert args[1:] == [{"scalar": 0.5, "dtype": "float32"}, {"scalar": 0.25, "dtype": "float64"}]
+
+
 def test_host_loops_and_symbolic_grids_are_not_flat():
     from tvm.script import tirx as T
 

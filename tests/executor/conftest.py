@@ -7,6 +7,7 @@ examples/mlp and examples/cnn are the compiler's real bundles, committed to the 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,16 @@ def bundle_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def bundles(bundle_dirs) -> dict[str, Bundle]:
     return {k: load_bundle(v) for k, v in bundle_dirs.items()}
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, tmp_path, bundle_dirs):
+    """The strict fake pycuda (tests/fakecuda) in this test, computing the session's bundles."""
+    from tests.support.fake_cuda import activate
+
+    activate(monkeypatch, tmp_path / "cubins", bundle_dirs.values())
+    import pycuda.driver as drv
+
+    yield drv
+    for name in [m for m in sys.modules if m == "pycuda" or m.startswith("pycuda.")]:
+        del sys.modules[name]

@@ -57,8 +57,11 @@ def test_compiled_splits_bit_identical(compiled):
             assert values[h].tobytes() == whole[h].tobytes()
 
 
-def test_compiled_launch_lists_on_fake_device(compiled):
+def test_compiled_launch_lists_on_fake_device(compiled, fake_cuda, monkeypatch):
+    import os
+
     _, bundle = compiled
+    monkeypatch.setenv("FAKE_PYCUDA_BUNDLES", os.pathsep.join([os.environ["FAKE_PYCUDA_BUNDLES"], str(bundle.path)]))
     n = len(bundle.graph.nodes)
     ops = bundle.graph.op_nodes
     check_stage_launches(bundle, 0, n)

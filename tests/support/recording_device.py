@@ -1,4 +1,5 @@
-"""The recording fake device (allowed only for testing the cuda backend's code path on CPU) and the
+"""The recording fake device, above PyCudaDevice (the launch sequence and addresses only; the driver
+rules and PyCudaDevice itself are tested over the strict fake pycuda in tests/fakecuda), and the
 independent checks of what it recorded: expected launches come from graph.json + kernels.json, not
 from the StageProgram, and buffer safety is checked on the recorded addresses with lifetimes
 recomputed from the graph.
@@ -6,7 +7,6 @@ recomputed from the graph.
 
 from __future__ import annotations
 
-import contextlib
 import struct
 
 import numpy as np
@@ -19,70 +19,82 @@ FMT = {"int32": "i", "int64": "q", "uint32": "I", "uint64": "Q", "float32": "f",
 
 
 class RecordingDevice:
-    """Hands out fake, 256-aligned, non-contiguous addresses and records what the backend does."""
+    """The real PyCudaDevice over the strict fake pycuda (tests/fakecuda; activate it first, e.g.
+    with the `fake_cuda` fixture), recording what the backend asks of it: device addresses the
+    fake handed out, every copy, launch (kernel symbol, grid, block, shared memory, argument bytes),
+    event, synchronize and graph capture/replay."""
 
-    def __init__(self):
-        self.calls: list[tuple] = []
-        self.allocs: dict[int, int] = {}
-        self.next = 0x7F0000000000
-        self.smem: dict[str, int] = {}
+    def __new__(cls):
+        from tvmpipe.executor.backend_cuda import PyCudaDevice
 
-    def check(self, what):
-        return contextlib.nullcontext()
+        class Recorder(PyCudaDevice):
+            def __init__(self):
+                super().__init__()
+                self.calls: list[tuple] = []
+                self.sizes: dict[int, int] = {}  # address -> bytes, of every allocation
+                self.smem: dict[str, int] = {}
+                self.names: dict[int, str] = {}
 
-    def compile(self, source):
-        self.calls.append(("compile",))
-        return source.encode()
+            def compile(self, source):
+                self.calls.append(("compile",))
+                return super().compile(source)
 
-    def load(self, cubin, smem):
-        self.smem = dict(smem)
-        return {sym: sym for sym in smem}
+            def load(self, cubin, smem):
+                self.smem = dict(smem)
+                funcs = super().load(cubin, smem)
+                self.names = {id(f): sym for sym, f in funcs.items()}
+                return funcs
 
-    def alloc(self, nbytes):
-        ptr = self.next
-        self.allocs[ptr] = nbytes
-        self.next += (nbytes + 255) // 256 * 256 + 256
-        return ptr
+            def alloc(self, nbytes):
+                ptr = super().alloc(nbytes)
+                self.sizes[ptr] = nbytes
+                return ptr
 
-    def host(self, shape, dtype):
-        return np.zeros(shape, dtype)
+            def upload(self, ptr, array):
+                self.calls.append(("upload", ptr, array.nbytes))
+                super().upload(ptr, array)
 
-    def upload(self, ptr, array):
-        self.calls.append(("upload", ptr, array.nbytes))
+            def copy_in(self, ptr, host):
+                self.calls.append(("h2d", ptr, host.nbytes))
+                super().copy_in(ptr, host)
 
-    def copy_in(self, ptr, host):
-        self.calls.append(("h2d", ptr, host.nbytes))
+            def copy_out(self, host, ptr):
+                self.calls.append(("d2h", ptr, host.nbytes))
+                super().copy_out(host, ptr)
 
-    def copy_out(self, host, ptr):
-        self.calls.append(("d2h", ptr, host.nbytes))
+            def copy(self, dst, src, nbytes):
+                self.calls.append(("d2d", dst, src, nbytes))
+                super().copy(dst, src, nbytes)
 
-    def copy(self, dst, src, nbytes):
-        self.calls.append(("d2d", dst, src, nbytes))
+            def launch(self, func, grid, block, smem, argbuf):
+                self.calls.append(("launch", self.names[id(func)], grid, block, smem, argbuf))
+                super().launch(func, grid, block, smem, argbuf)
 
-    def launch(self, func, grid, block, smem, argbuf):
-        self.calls.append(("launch", func, grid, block, smem, argbuf))
+            def record(self):
+                self.calls.append(("event",))
+                return super().record()
 
-    def record(self):
-        self.calls.append(("event",))
-        return len(self.calls)
+            def synchronize(self):
+                self.calls.append(("sync",))
+                super().synchronize()
 
-    def elapsed(self, start, end):
-        return (end - start) * 1e-6
+            def capture(self, enqueue):
+                self.calls.append(("begin_capture",))
+                try:
+                    return super().capture(enqueue)
+                finally:
+                    self.calls.append(("end_capture",))
 
-    def synchronize(self):
-        self.calls.append(("sync",))
+            def replay(self, graph):
+                self.calls.append(("replay",))
+                super().replay(graph)
 
-    def capture(self, enqueue):
-        self.calls.append(("begin_capture",))
-        enqueue()
-        self.calls.append(("end_capture",))
-        return "graph-0"
+            def close(self):
+                if self.ctx is not None:
+                    self.calls.append(("close",))
+                super().close()
 
-    def replay(self, graph):
-        self.calls.append(("replay", graph))
-
-    def close(self):
-        self.calls.append(("close",))
+        return Recorder()
 
 
 def ranges(n: int) -> list[tuple[int, int]]:
@@ -144,12 +156,12 @@ def check_pointers(bundle, start, end, dev, one_run, want):
                 assert v == pytest.approx(o.value)
             elif o.kind == "workspace":
                 nb = bundle.kernels[g.nodes[nid].func_name].workspaces[o.index].nbytes
-                assert v in dev.allocs and dev.allocs[v] >= nb
+                assert v in dev.sizes and dev.sizes[v] >= nb
                 ws_uses.append((nid, v, nb))
             else:
                 e = args[o.index]
                 assert ptr_of.setdefault(e, v) == v, f"entry {e} seen at two addresses"
-                assert v in dev.allocs and dev.allocs[v] >= g.entries[e].nbytes
+                assert v in dev.sizes and dev.sizes[v] >= g.entries[e].nbytes
     root, iv = intervals(bundle, start, end)
     for e, r in root.items():  # __nop outputs alias their input exactly
         if e in ptr_of and r in ptr_of:
@@ -158,7 +170,7 @@ def check_pointers(bundle, start, end, dev, one_run, want):
             ptr_of[r] = ptr_of[e]
     for c in one_run:  # copies in/out address the fed and sent entries' memory
         if c[0] in ("h2d", "d2h"):
-            assert c[1] in dev.allocs and dev.allocs[c[1]] >= c[2]
+            assert c[1] in dev.sizes and dev.sizes[c[1]] >= c[2]
     groups = [(r, ptr_of[r], max(g.entries[e].nbytes for e in [r] + [x for x, y in root.items() if y == r]))
               for r in iv if r in ptr_of]
     for i, (a, pa, na) in enumerate(groups):
