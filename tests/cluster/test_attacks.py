@@ -4,6 +4,7 @@ on a real pipeline (in-process workers, real sockets) and checks the run's outpu
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -193,7 +194,7 @@ def test_a_stall_is_checked_again_and_fails_only_with_a_stage_named(bundles, for
         got = pipe.run(inputs)
         assert pipe.restarts == ([0, 1] if forever else [0, 0]), pipe.errors
         if forever:
-            assert "stage 1: waits at micro-batch 3" in pipe.errors[0]
+            assert re.match(r"stage 1 \(host [^)]+\): waits at micro-batch 3", pipe.errors[0]), pipe.errors
     assert_bit_identical(got, want)
 
 
