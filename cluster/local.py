@@ -18,6 +18,7 @@ and TVMPIPE_CACHE (the cubin cache), unless already set.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import site
@@ -35,6 +36,27 @@ LOOPBACK = "127.0.0.1"
 # Ray's own switch: "0" turns its multi-node mode off on Linux, so the node address stays loopback.
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 MAX_TEMP_DIR = 48  # + "/session_<date>_<time>_<pid>/sockets/plasma_store" stays under 108 bytes
+# The warning ray.init logs each time it starts a new local cluster with RAY_AUTH_MODE unset (Ray
+# 2.5x+, ray/_private/authentication/authentication_token_setup.py): token auth is on, which is what
+# local mode wants, so the notice is noise on every `tvmpipe run --local`. Only this one message is
+# dropped; Ray's other warnings and errors, and auth itself, are untouched.
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."
+
+
+def _not_token_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+
+@contextmanager
+def quiet_token_auth_notice() -> Iterator[None]:
+    """Drop Ray's "token authentication is enabled" notice logged inside the block."""
+    logger = logging.getLogger(TOKEN_AUTH_LOGGER)
+    logger.addFilter(_not_token_auth_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_token_auth_notice)
 
 
 @contextmanager
@@ -63,7 +85,8 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
     pinned = {"HOME": daemon_home, "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
               "TVMPIPE_CACHE": str(cache_root())}
     try:
-        with scoped_environ(pinned):  # inherited by the daemons ray.init starts, and by their workers
+        # the environment is inherited by the daemons ray.init starts, and by their workers
+        with scoped_environ(pinned), quiet_token_auth_notice():
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
     except BaseException:

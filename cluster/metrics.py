@@ -109,7 +109,9 @@ class PipelineMetrics:
         return "\n".join(render_table([Column(t) for t in STAGE_COLUMNS], rows))
 
 
-STAGE_COLUMNS = ("stage", "nodes", "ops", "host", "busy %", "bubble %", "idle %", "ms/mb", "bytes out")
+# per micro-batch (mean over the run) vs totals over the whole run: say which in the header
+STAGE_COLUMNS = ("stage", "nodes", "ops", "host", "busy %", "bubble %", "idle %", "ms/mb (mean)",
+                 "bytes out (total)")
 
 
 def _pct(v: float | None) -> str:

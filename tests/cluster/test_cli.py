@@ -39,6 +39,8 @@ def test_run_table_inputs_outputs_trace(capsys, tmp_path, bundles):
                            "--trace", str(tmp_path / "t.json"))
     assert code == 0, out
     assert "outputs match single-process run: yes (5/5" in out and "busy %" in out and "p99" in out
+    # units stated: per-micro-batch means vs totals over the run (issue 16)
+    assert "ms/mb (mean)" in out and "bytes out (total)" in out
     with np.load(tmp_path / "out.npz") as z:
         assert z["output0"].shape == (5, 8) and z["output1"].shape == (5, 16)
     trace = json.loads((tmp_path / "t.json").read_text())
@@ -193,3 +195,7 @@ def test_run_local_is_the_readme_command():
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "local Ray on 127.0.0.1" in proc.stdout and "outputs match single-process run: yes (8/8" in proc.stdout
+    # Ray's "token authentication is enabled" notice is dropped (issue 16); auth itself stays on
+    assert "Token authentication is enabled for this Ray cluster" not in proc.stderr, proc.stderr[-3000:]
+    # the table says which columns are per micro-batch and which are totals over the run
+    assert "ms/mb (mean)" in proc.stdout and "bytes out (total)" in proc.stdout
