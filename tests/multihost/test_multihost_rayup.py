@@ -20,6 +20,7 @@ the head's RAY_enable_autoscaler_v2=0, without which only one worker ever joins)
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -121,11 +122,37 @@ def cluster(netbed_ok, tmp_path_factory):
             print("\n" + ", ".join(f"{k} {v:.0f} s" for k, v in state["times"].items()))
 
 
+def listeners(m: Machine) -> list[tuple[str, str]]:
+    """(local address:port, process name) of every TCP listener on a machine."""
+    out = []
+    for cols in m.host.sockets("-tlp"):
+        name = re.search(r'users:\(\("([^"]+)"', cols[-1])
+        out.append((cols[3], name.group(1) if name else "?"))
+    return out
+
+
 def test_ray_up_brings_up_head_and_two_gpu_workers(cluster):
     status = cluster["status"]
     assert "/2.0 GPU" in status and "/6.0 CPU" in status, status[-3000:]  # 3 nodes x 2 CPUs, 2 fake GPUs
     for m in (cluster["head"], *cluster["workers"]):
         assert ray_processes(m).count("raylet") == 1, f"{m.host.name}: {ray_processes(m)}"
+
+
+def test_what_listens_beyond_the_node_address_is_rays_own(cluster):
+    """sshd (ours) listens on the node's address only. Ray 2.60 binds its gRPC servers (GCS,
+    raylet, core workers, the dashboard agent) and metrics exporters to every interface whenever the
+    node's address is not loopback, with no option to name the address (docs/cluster-jobs.md): the
+    head's GCS on *:6379 shows it. Nothing else may listen there."""
+    for m in (cluster["head"], *cluster["workers"]):
+        own = (f"{m.host.address}:", "127.0.0.1:", "[::ffff:127.0.0.1]:", f"[::ffff:{m.host.address}]:")
+        socks = listeners(m)
+        assert [a for a, p in socks if p == "sshd"] == [f"{m.host.address}:22"], socks
+        wide = [(a, p) for a, p in socks if not a.startswith(own)]
+        assert all(p in ("gcs_server", "raylet", "python") or p.startswith("ray::") for _, p in wide), wide
+        cluster["wildcard " + m.host.name.rsplit("-", 1)[1]] = sorted(wide)
+    head_wide = cluster["wildcard h0"]
+    assert any(a.endswith(":6379") and p == "gcs_server" for a, p in head_wide), head_wide
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in cluster.items() if k.startswith("wildcard")))
 
 
 def _check_run_dir(cluster, run: Path, n: int, seed: int) -> dict:
