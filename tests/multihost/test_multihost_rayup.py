@@ -3,9 +3,10 @@ deploy/job.py`, `ray job submit` through `ray dashboard`'s tunnel, `ray down`, o
 network namespaces with their own sshd (sshbed.py): a head, two GPU workers (fake GPUs), and the
 client where the `ray` commands run, which reaches the others only by SSH over the bridge.
 
-One cluster serves the module (`ray up` + the workers joining is most of its ~2-3 min): the tests
-run in file order, up -> submit -> job submit -> down. The fixture's teardown removes the whole bed
-(every process in the namespaces, the namespaces) whether the tests passed or not, and checks it.
+One cluster serves the module (`ray up` + the workers joining is half of its ~80 s): the tests run
+in file order, up -> listeners -> submit -> job submit -> down. The fixture's teardown removes the
+whole bed (every process in the namespaces, the namespaces) whether the tests passed or not, and
+checks it.
 
 What the test changes in deploy/onprem.yaml, and why (everything else runs as written, including
 the head's RAY_enable_autoscaler_v2=0, without which only one worker ever joins):
