@@ -36,14 +36,22 @@ from typing import Any
 
 import numpy as np
 
-from tvmpipe.app.args import COUNT, Parser, add_cluster_args, cluster_options
-from tvmpipe.app.options import ClusterOptions
-from tvmpipe.app.run import PipelineRun, write_outputs, write_timeline
-from tvmpipe.app.sources import BUILTIN_EXAMPLE, choose_plan, micro_batches, resolve_bundle
-from tvmpipe.bundle import Bundle, load_bundle
-from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir
-from tvmpipe.executor.inputs import Batch
+# `ray submit CLUSTER.yaml deploy/job.py` copies this file to ~/job.py on the head and runs it there,
+# so Python puts ~ first on sys.path, next to the checkout that file_mounts synced to ~/tvmpipe. That
+# directory has no __init__.py, so the path scan takes it as a namespace package `tvmpipe` and it
+# shadows an editable install (setuptools' editable finder comes after the path scan): the job then
+# ran the checkout's copies and died on `tvmpipe.__version__`. The script needs nothing beside it.
+if __name__ == "__main__" and sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+from tvmpipe.app.args import COUNT, Parser, add_cluster_args, cluster_options  # noqa: E402
+from tvmpipe.app.options import ClusterOptions  # noqa: E402
+from tvmpipe.app.run import PipelineRun, write_outputs, write_timeline  # noqa: E402
+from tvmpipe.app.sources import BUILTIN_EXAMPLE, choose_plan, micro_batches, resolve_bundle  # noqa: E402
+from tvmpipe.bundle import Bundle, load_bundle  # noqa: E402
+from tvmpipe.core.errors import TvmpipeError  # noqa: E402
+from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir  # noqa: E402
+from tvmpipe.executor.inputs import Batch  # noqa: E402
 
 log = logging.getLogger("tvmpipe.job")
 

@@ -7,6 +7,7 @@ provider builds its single node type); `validate_config` checks the result again
 from __future__ import annotations
 
 import copy
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,17 @@ def test_aws_has_an_autoscaled_gpu_worker_type():
     gpu_types = [v for v in workers.values() if v["node_config"]["InstanceType"].startswith(("g", "p"))]
     assert gpu_types and all(v["max_workers"] >= v["min_workers"] >= 1 for v in gpu_types)
     assert prepared["docker"]["image"].endswith("-gpu")
+
+
+def test_onprem_head_runs_autoscaler_v1_despite_ray_up():
+    """`ray up` (Ray >= 2.50) prepends `export RAY_enable_autoscaler_v2=1; ...` to the head's start
+    commands. Autoscaler v2 with the local provider launches only one of the worker hosts (it never
+    records the head in the head's state file), so deploy/onprem.yaml must start the head with v1:
+    run the commands as ray up composes them, with `ray` a shell function that reports what it sees."""
+    prepared = _prepared(DEPLOY / "onprem.yaml")
+    composed = ray_util.with_envs(prepared["head_start_ray_commands"],
+                                  {"RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": "h",
+                                   "RAY_NODE_TYPE_NAME": "t"})
+    script = 'ray() { [ "$1" = start ] && echo "v2=$RAY_enable_autoscaler_v2"; return 0; }; ulimit() { :; }\n'
+    seen = subprocess.run(["bash", "-c", script + "\n".join(composed)], capture_output=True, text=True, timeout=30)
+    assert seen.stdout.split() == ["v2=0"], seen.stdout + seen.stderr

@@ -4,6 +4,9 @@ single-process run, and the failure path on a pipeline that really fails mid-run
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +169,21 @@ def test_sigterm_ends_the_job_like_a_failure(tmp_path):
     assert (err["error"], err["phase"]) == ("JobStopped", "run") and err["completed_micro_batches"] >= 20
     assert len(np.load(run / "outputs.npz")["micro_batch"]) == err["completed_micro_batches"]
     assert signal.getsignal(signal.SIGTERM) is before  # the job's handler is gone again
+
+
+def test_script_copied_next_to_the_checkout_runs_the_installed_tvmpipe(tmp_path):
+    """`ray submit CLUSTER.yaml deploy/job.py` copies the script to ~/job.py on the head, where the
+    synced checkout is ~/tvmpipe. Run as a script from there, ~ comes first on sys.path and the
+    checkout (no __init__.py at its root) would shadow the installed package as a namespace
+    package: the job must still import the installed tvmpipe and finish."""
+    root = Path(__file__).resolve().parents[2]
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "tvmpipe").symlink_to(root)  # what file_mounts `~/tvmpipe: .` leaves on the head
+    shutil.copy(root / "deploy" / "job.py", home / "job.py")
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(home / "job.py"), "--processes", "-n", "2", "--run-dir", str(run)],
+                          cwd=home, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["tvmpipe_version"] and not (run / "error.json").exists()

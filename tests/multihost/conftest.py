@@ -29,6 +29,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.multihost)
+    # The `ray up` module brings up (and tears down) a bed of its own: run it before any test that
+    # starts the session's shared bed, so the two clusters never load the 2-core machine together.
+    rayup = [i for i in items if Path(str(i.fspath)).name == "test_multihost_rayup.py"]
+    if rayup:
+        first = min(n for n, i in enumerate(items) if HERE in Path(str(i.fspath)).parents)
+        rest = [i for i in items if i not in rayup]
+        items[:] = rest[:first] + rayup + rest[first:]
 
 
 @pytest.fixture(scope="session")
