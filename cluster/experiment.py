@@ -6,11 +6,14 @@ measured on its own: compute_metrics over that round's micro-batches only (its t
 CPU time each stage process and the driver spent in it, read from /proc where the workers are local
 processes, plus the load average. Rounds are summarised as median, min and max.
 
-Calibration measures the runtime itself (partition/runtime.py): a 1-stage pipeline of the same
-bundle on the simulated backend with every op time 0, so what it measures is receive, decode,
-Stage.run, encode, send and the driver, with the model's real frame sizes and nothing of the model's
-compute. It is a different workload from every plan of the sweep, so no prediction is fitted to the
-measurement it is compared with.
+Calibration measures the runtime itself (partition/runtime.py) with a 1-stage pipeline of the same
+bundle, run before the plans. On the simulated backend every op time is 0 there, so what it measures
+is receive, decode, Stage.run, encode, send and the driver, with the model's real frame sizes and
+nothing of the model's compute: a workload no plan of the sweep runs. On the reference backend it
+computes the real ops too, because ops run slower in a pipelining worker than in the single-process
+profile and only such a run shows by how much; it then does the work of the 1-stage plan (other
+inputs, its own process, earlier), so the K = 1 row checks the model's structure and the calibration's
+repeatability, and rows with K >= 2 check the model.
 """
 
 from __future__ import annotations
@@ -54,7 +57,23 @@ class Spread:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a local process, or None when it cannot be read."""
+    """CPU seconds of a local process's live threads, or None when it cannot be read.
+
+    From each thread's /proc/PID/task/TID/schedstat (nanoseconds on the CPU), because /proc/PID/stat
+    counts clock ticks (10 ms): a calibration of 74 micro-batches at ~60 us of runtime each is under
+    one tick, and was read as 0 us per frame. A thread that ends between two readings drops out of the
+    sum; a stage worker's threads live as long as the worker. Falls back to ticks without schedstat."""
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return total / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -81,9 +100,17 @@ def _slice(rec: RunRecord, seqs: range) -> RunRecord:
                    done_times={s: rec.done_times[s] for s in seqs if s in rec.done_times})
 
 
-def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local: bool) -> list[Round]:
+WARMUP_MICRO_BATCHES = 100
+
+
+def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local: bool,
+                   warmup: int = WARMUP_MICRO_BATCHES) -> list[Round]:
     """Run `batches` through `pipe` `rounds` times; one Round per pass. `local`: workers are processes
-    of this machine, so their CPU time can be read from /proc."""
+    of this machine, so their CPU time can be read from /proc. The first `warmup` micro-batches run once
+    before, unmeasured: a fresh worker's first few hundred micro-batches compute up to 1.6x slower (first
+    touches of its buffers; measured on examples/cnn: 600 vs 380 us per micro-batch over a first round)."""
+    if warmup:
+        pipe.run(batches[:warmup])
     pids = _worker_pids(pipe) if local else []
     out = []
     for r in range(rounds):
