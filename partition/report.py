@@ -242,7 +242,7 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     ax.invert_yaxis()
     ints = [lab for lab in labels if isinstance(lab, int)]
     if clip:
-        what = f"{extent:.4g} {unit} of steady state (stage {ref}'s micro-batches {min(s.label for s in mine)}-" \
+        what = f"{extent:.0f} {unit} of steady state (stage {ref}'s micro-batches {min(s.label for s in mine)}-" \
                f"{max(s.label for s in mine)})"
     else:
         what = f"micro-batches {min(ints)}-{max(ints)}" if ints else "spans"
@@ -294,7 +294,9 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
                f"per frame, Stage.run {runtime.run_us:.1f} us, driver {runtime.driver_us:.1f} us per micro-batch"
                + (f", op times x{runtime.compute_scale:.2f} in a pipelining worker than in the profile"
                   if runtime.compute_scale != 1.0 else "")
-               + (f", {runtime.cores} cores shared by the stage processes and the driver." if runtime.cores else "."), ""]
+               + (f", {runtime.cores} cores shared by the stage processes and the driver." if runtime.cores else ".")
+               + (" These chose the plans; each row is predicted from calibration rounds interleaved with its own "
+                  "rounds (figures in its plans/*.json)." if runtime.source == "calibrated" else ""), ""]
     loads = [c.measured.load for c in cases if c.measured and c.measured.load]
     if loads:
         md += [f"Load average during the runs: {min(lo for lo, _ in loads):.1f}-{max(hi for _, hi in loads):.1f}.", ""]
