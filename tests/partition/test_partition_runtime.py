@@ -84,6 +84,13 @@ def test_calibration_splits_a_one_stage_run():
     rt = c.costs(compute_us=2.0, cores=2)
     assert (rt.recv_us, rt.send_us, rt.run_us, rt.driver_us, rt.cores) == (30.0, 30.0, 10.0, 40.0, 2)
     assert c.costs(run_us=99.0).run_us == 99.0
+    # the stage paced the run (its CPU above the driver's): its wall time beyond busy is the frames' cost,
+    # CPU time or not (a loaded machine makes it wait for a core between frames)
+    paced = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=520.0).costs(compute_us=300.0,
+                                                                                                      run_us=0.0)
+    assert (paced.recv_us, paced.send_us, paced.driver_us) == (60.0, 60.0, 0.0)
+    idle = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=440.0).costs()
+    assert (idle.recv_us, idle.send_us) == (30.0, 30.0)
     no_cpu = Calibration(busy_us=12.0, stage_cpu_us=None, driver_cpu_us=None, period_us=112.0).costs()
     assert (no_cpu.recv_us, no_cpu.send_us, no_cpu.driver_us) == (50.0, 50.0, 0.0)
     with pytest.raises(PartitionError, match="recv_us"):
