@@ -118,7 +118,9 @@ def describe_costs(costs: Any) -> str:
     return (f"receive {costs.recv_us:.1f} us and send {costs.send_us:.1f} us per frame, Stage.run {costs.run_us:.1f} us, "
             f"driver {costs.driver_us:.1f} us" + (f", op times x{costs.compute_scale:.2f} in a worker"
                                                    if costs.compute_scale != 1.0 else "")
-            + (f", {costs.cores} cores shared" if costs.cores else ""))
+            + (f", {costs.cores} cores shared" if costs.cores else "")
+            + (f" ({costs.cores_free:.2f} left by other processes)" if costs.cores and costs.cores_free is not None
+               else ""))
 
 
 def backend_profile(bundle: Bundle, backend: str, time_scale: float, bursts: int = 5) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ class Round:
     driver_cpu_us: float
     load: float  # 1-minute load average at the end of the round
     record: RunRecord = field(repr=False)
+    others_cores: float | None = None  # cores other processes (and the hypervisor) took during the round
 
     @property
     def throughput(self) -> float:
@@ -82,6 +83,17 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def machine_busy_s() -> float | None:
+    """CPU seconds this machine has spent busy since boot, all cores, steal included (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
 def local_cores() -> int:
     """CPU cores this process may run on (what local stage processes and the driver share)."""
     try:
@@ -116,16 +128,19 @@ def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local:
     for r in range(rounds):
         first = pipe.submitted
         cpu0 = [process_cpu_s(p) if p else None for p in pids]
-        d0 = time.process_time()
+        m0, w0, d0 = machine_busy_s(), time.perf_counter(), time.process_time()
         pipe.run(batches)
-        d1 = time.process_time()
+        d1, w1, m1 = time.process_time(), time.perf_counter(), machine_busy_s()
         cpu1 = [process_cpu_s(p) if p else None for p in pids]
         n = len(batches)
-        stage_cpu = None
+        stage_cpu, others = None, None
         if pids and all(a is not None and b is not None for a, b in zip(cpu0, cpu1)):
             stage_cpu = [(b - a) / n * 1e6 for a, b in zip(cpu0, cpu1)]
+            if m0 is not None and m1 is not None and w1 > w0:  # the machine's busy time that was not ours
+                ours = sum(b - a for a, b in zip(cpu0, cpu1)) + (d1 - d0)
+                others = max(0.0, (m1 - m0 - ours) / (w1 - w0))
         rec = _slice(pipe.record(), range(first, first + n))
-        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec))
+        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec, others))
     return out
 
 
@@ -133,10 +148,12 @@ def calibration_of(rounds: list[Round]) -> Calibration:
     """The median round of a 1-stage zero-compute run as a Calibration."""
     mid = sorted(rounds, key=lambda r: r.throughput)[len(rounds) // 2]
     st = mid.metrics.stages[0]
+    others = [r.others_cores for r in rounds if r.others_cores is not None]
     return Calibration(busy_us=(st.compute_ms_mean or 0.0) * 1e3,
                        stage_cpu_us=mid.stage_cpu_us[0] if mid.stage_cpu_us else None,
                        driver_cpu_us=mid.driver_cpu_us if mid.stage_cpu_us else None,
-                       period_us=1e6 / mid.metrics.steady_throughput if mid.metrics.steady_throughput else 0.0)
+                       period_us=1e6 / mid.metrics.steady_throughput if mid.metrics.steady_throughput else 0.0,
+                       others_cores=statistics.median(others) if others else None)
 
 
 def spreads(rounds: list[Round]) -> dict[str, Spread]:

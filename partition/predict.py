@@ -151,8 +151,8 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
     cpu_total = sum(st.cpu_us for st in stages) + driver
     window = rt.window or 2 * k
     bounds = {"stage": bottleneck, "driver": driver, "window": latency / window}
-    if rt.cores is not None:
-        bounds["cpu"] = cpu_total / rt.cores
+    if rt.cpu_cores is not None:
+        bounds["cpu"] = cpu_total / rt.cpu_cores
     limit = max(bounds, key=lambda key: bounds[key])
     period = bounds[limit]
     busy = [st.busy_us for st in stages]

@@ -294,7 +294,9 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
                f"per frame, Stage.run {runtime.run_us:.1f} us, driver {runtime.driver_us:.1f} us per micro-batch"
                + (f", op times x{runtime.compute_scale:.2f} in a pipelining worker than in the profile"
                   if runtime.compute_scale != 1.0 else "")
-               + (f", {runtime.cores} cores shared by the stage processes and the driver." if runtime.cores else ".")
+               + (f", {runtime.cores} cores shared by the stage processes and the driver" if runtime.cores else "")
+               + (f", of which {runtime.cores_free:.2f} left by other processes during the calibration"
+                  if runtime.cores and runtime.cores_free is not None else "") + "."
                + (" These chose the plans; each row is predicted from calibration rounds interleaved with its own "
                   "rounds (figures in its plans/*.json)." if runtime.source == "calibrated" else ""), ""]
     loads = [c.measured.load for c in cases if c.measured and c.measured.load]

@@ -45,6 +45,7 @@ class RuntimeCosts:
     compute_cpu_cap_us: float | None = None  # CPU part of a stage's compute: None = all of it; else min(compute, cap)
     compute_scale: float = 1.0  # op time in a pipelining stage worker / the profile's (measured in the calibration run)
     cores: int | None = None  # CPU cores the stage processes and the driver share; None: enough for all
+    cores_free: float | None = None  # of `cores`, what other processes left (measured); None: all of them
     window: int | None = None  # micro-batches in flight; None: 2 x stages (the Pipeline's default)
     source: str = "none"  # how the figures were obtained (for reports)
 
@@ -58,12 +59,21 @@ class RuntimeCosts:
             raise PartitionError(f"runtime compute_scale must be a positive number, got {self.compute_scale!r}")
         if self.cores is not None and self.cores < 1:
             raise PartitionError(f"cores must be >= 1, got {self.cores}")
+        if self.cores_free is not None and not (isinstance(self.cores_free, (int, float)) and self.cores_free > 0):
+            raise PartitionError(f"cores_free must be a positive number, got {self.cores_free!r}")
         if self.window is not None and self.window < 1:
             raise PartitionError(f"window must be >= 1, got {self.window}")
 
     @property
     def is_zero(self) -> bool:
         return not (self.recv_us or self.send_us or self.run_us or self.driver_us) and self.compute_scale == 1.0
+
+    @property
+    def cpu_cores(self) -> float | None:
+        """The cores the pipeline's processes get: `cores`, less what other processes took when measured."""
+        if self.cores is None:
+            return None
+        return min(float(self.cores), self.cores_free) if self.cores_free is not None else float(self.cores)
 
     def compute_cpu(self, compute_us: np.ndarray | float) -> np.ndarray | float:
         """The CPU part of `compute_us` of profiled op time (vectorised)."""
@@ -106,6 +116,7 @@ class Calibration:
     stage_cpu_us: float | None  # None where the worker's CPU time cannot be read (a remote node)
     driver_cpu_us: float | None
     period_us: float
+    others_cores: float | None = None  # cores other processes took meanwhile (a shared machine), if read
 
     def costs(self, compute_us: float = 0.0, run_us: float | None = None, **kw: Any) -> RuntimeCosts:
         """RuntimeCosts from this run: a 1-stage pipeline receives one frame and sends one per micro-batch,
@@ -137,4 +148,7 @@ class Calibration:
         driver = max(0.0, (self.driver_cpu_us or 0.0) - 2 * frame)
         fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=driver, compute_scale=scale)
         fields.update(kw)
+        if self.others_cores is not None and fields.get("cores"):
+            # a shared machine: other processes took these cores while the calibration ran beside the plan
+            fields.setdefault("cores_free", max(0.1, fields["cores"] - self.others_cores))
         return RuntimeCosts(**fields)

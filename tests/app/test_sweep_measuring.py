@@ -52,3 +52,25 @@ def test_rounds_start_after_unmeasured_warm_up():
         assert pipe.submitted == 4 + 2 * 6
     assert [r.metrics.micro_batches for r in rounds] == [6, 6]
     assert all(r.stage_cpu_us and r.stage_cpu_us[0] > 0 for r in rounds)  # per-thread CPU read from /proc
+
+
+def test_rounds_measure_the_cores_other_processes_take():
+    """A shared machine: while a round runs, a neighbour spinning a core (started here) takes CPU the
+    pipeline's processes do not get. The round reads it from /proc/stat, less its own processes' CPU; the
+    calibration then leaves the pipeline only the cores that were free (partition/runtime.py)."""
+    import subprocess
+    import sys
+
+    bundle = load_bundle(CNN)
+    batches = random_micro_batches(bundle, 1500, seed=0)
+    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), backend="simulated", launcher="process",
+                  host="127.0.0.1", backend_opts={"time_scale": 0.0}) as pipe:
+        neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.2)
+            (busy,) = measure_rounds(pipe, batches, 1, True, warmup=0)
+        finally:
+            neighbour.kill()
+            neighbour.wait()
+    # the neighbour alone is up to a core; on a machine loaded by others too, they take at least as much
+    assert busy.others_cores is not None and busy.others_cores >= 0.5, busy.others_cores

@@ -68,6 +68,10 @@ def test_oversubscribed_cores_set_the_pace_and_say_so(resnet):
     assert two.period_us == pytest.approx(total / 2) and two.cpu_demand == pytest.approx(2.0)
     eight = predict(_model(resnet, cores=8, **REFERENCE_CPU), plan)
     assert not eight.oversubscribed and eight.limit == "stage" and eight.throughput > two.throughput
+    # 8 cores of which other processes left 1.5: the pipeline's CPU over 1.5 cores sets the pace, yet the
+    # plan fits the machine's cores (it is judged: the load is the machine's, measured, not the plan's)
+    shared = predict(_model(resnet, cores=8, cores_free=1.5, **REFERENCE_CPU), plan)
+    assert shared.limit == "cpu" and shared.period_us == pytest.approx(total / 1.5) and not shared.oversubscribed
 
 
 def test_driver_and_window_bounds(resnet):
@@ -89,6 +93,11 @@ def test_calibration_splits_a_one_stage_run():
     paced = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=520.0).costs(compute_us=300.0,
                                                                                                       run_us=0.0)
     assert (paced.recv_us, paced.send_us, paced.driver_us) == (60.0, 60.0, 0.0)
+    # a shared machine: the cores other processes took during the calibration are not the pipeline's
+    shared = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=460.0,
+                         others_cores=0.8).costs(compute_us=300.0, run_us=0.0, cores=2)
+    assert shared.cores == 2 and shared.cores_free == pytest.approx(1.2) and shared.cpu_cores == pytest.approx(1.2)
+    assert RuntimeCosts(cores=2).cpu_cores == 2.0 and RuntimeCosts().cpu_cores is None
     idle = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=440.0).costs()
     assert (idle.recv_us, idle.send_us) == (30.0, 30.0)
     no_cpu = Calibration(busy_us=12.0, stage_cpu_us=None, driver_cpu_us=None, period_us=112.0).costs()
@@ -135,7 +144,7 @@ def test_event_simulation_agrees_with_the_closed_form(seed):
     k = rng.randint(1, min(5, len(bundle.graph.op_nodes)))
     runtime = RuntimeCosts(recv_us=rng.uniform(0, 30), send_us=rng.uniform(0, 30), run_us=rng.uniform(0, 10),
                            driver_us=rng.uniform(0, 50), cores=rng.choice([None, 1, 2, 8]),
-                           compute_scale=rng.choice([1.0, 1.3]),
+                           compute_scale=rng.choice([1.0, 1.3]), cores_free=rng.choice([None, 0.7]),
                            compute_cpu_cap_us=rng.choice([None, 0.0, 20.0]))
     model = PipelineModel.build(bundle, profile=random_profile(rng, bundle), inputs=inputs, runtime=runtime,
                                 speeds=[rng.choice([0.5, 1, 2]) for _ in range(k)],
