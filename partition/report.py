@@ -102,6 +102,7 @@ def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
                  _range(m.bubble_range, 100, "{:.0f}") if m else "-",
                  p.limit if p else "-",
                  "-" if p is None else (f"{p.cpu_demand:.2f}/{p.cores}" if p.cores else f"{p.cpu_demand:.2f}")
+                 + (f" ({p.cores_free:.2f} free)" if p.cores and p.cores_free is not None else "")
                  + (" oversubscribed" if p and p.oversubscribed else ""),
                  {None: "n/a", True: "yes", False: "no"}[ok], _fmt(row["cuts"])]
         if c.error:
@@ -287,7 +288,7 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
              else "the pipeline runs."),
           "thr = throughput in samples/s, median over rounds with min-max; err % = (predicted - measured) / measured; "
           "bubble = % of stage time not computing; limit = what sets the predicted pace (stage, driver, cpu: the "
-          "shared cores, window); CPU = cores busy at the predicted rate / cores; in target = throughput within 10 % "
+          "shared cores, window); CPU = cores busy at the predicted rate / cores (free: left by other processes); in target = throughput within 10 % "
           "and bubble within 10 points (n/a where stage processes + driver outnumber the cores).", ""]
     if runtime is not None and not runtime.is_zero:
         md += [f"Runtime costs ({runtime.source}): receive {runtime.recv_us:.1f} us and send {runtime.send_us:.1f} us "
