@@ -5,9 +5,10 @@ predict.py, report.py); the functions here only run pipelines and measure.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import contextlib
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tvmpipe.app.connect import open_cluster, pick_backend, pipeline_kwargs
 from tvmpipe.app.options import ClusterOptions
@@ -15,6 +16,7 @@ from tvmpipe.bundle import Bundle
 from tvmpipe.core import files
 from tvmpipe.core.errors import TvmpipeError
 
+CALIBRATION_MICRO_BATCHES = 500  # per calibration round, whatever the plans' count (a count of 74 read noise)
 SWEEP_STEADY_S = 0.25  # 'auto' micro-batch count: seconds of steady state at the fastest possible rate
 AUTO = "auto"
 
@@ -28,15 +30,53 @@ def simulated_profile(bundle: Bundle, time_scale: float) -> dict[str, Any]:
         return runner.profile(repeat=1, warmup=0, **random_inputs(bundle)).to_json()
 
 
-def runtime_costs(value: str, bundle: Bundle, backend: str, profile: Any, options: ClusterOptions,
-                  cluster: Any, n: int) -> Any:
-    """RuntimeCosts for the sweep's predictions (partition/runtime.py): calibrated ('auto': a 1-stage
-    pipeline of this bundle on the simulated backend with every op time 0, so it measures only the
-    runtime, a workload none of the predicted plans is), 'none', or a JSON file of RuntimeCosts fields."""
+@dataclass
+class Calibrator:
+    """The sweep's runtime costs (partition/runtime.py): calibrated ('auto'), 'none', or a JSON file of
+    RuntimeCosts fields.
+
+    'auto' keeps a 1-stage pipeline of this bundle open for the whole sweep and reads what its stage
+    process and the driver spend per micro-batch. On the simulated backend every op time is 0 there, so it
+    measures only the runtime. On the reference backend it computes the real ops: a stage worker that
+    pipelines runs them slower than the single-process profile (measured: ~15 % on examples/cnn, more
+    when the machine is loaded), and only a run of real ops in a worker shows by how much
+    (`compute_scale`). A shared machine's speed drifts by tens of percent within a minute, so a plan's
+    prediction takes the calibration rounds run alongside its own rounds, interleaved (`measure`), not
+    the ones from the start of the sweep, which only choose the plans."""
+
+    fixed: Any = None  # RuntimeCosts when not calibrated
+    pipe: Any = None
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    local: bool = True
+    fields: dict[str, Any] = field(default_factory=dict)  # RuntimeCosts fields the run does not measure
+
+    @property
+    def calibrates(self) -> bool:
+        return self.pipe is not None
+
+    def measure(self, rounds: int = 1, warmup: int = 0) -> list[Any]:
+        """`rounds` calibration rounds now (none without a calibration pipeline)."""
+        from tvmpipe.cluster.experiment import measure_rounds
+
+        return measure_rounds(self.pipe, self.batches, rounds, self.local, warmup) if self.pipe else []
+
+    def costs(self, rounds: list[Any]) -> Any:
+        """RuntimeCosts from the median of `rounds`, or the fixed ones."""
+        from tvmpipe.cluster.experiment import calibration_of
+
+        if not self.pipe:
+            return self.fixed
+        return calibration_of(rounds).costs(**self.fields)
+
+
+@contextlib.contextmanager
+def open_calibrator(value: str, bundle: Bundle, backend: str, profile: Any, options: ClusterOptions,
+                    cluster: Any, n: int) -> Iterator[Calibrator]:
+    """A Calibrator (see there), its pipeline open inside the block."""
     import json
 
     from tvmpipe.cluster import Pipeline
-    from tvmpipe.cluster.experiment import calibration_of, local_cores, measure_rounds
+    from tvmpipe.cluster.experiment import local_cores
     from tvmpipe.cluster.local import LOOPBACK
     from tvmpipe.executor.backend_simulated import SPIN_S
     from tvmpipe.executor.inputs import random_micro_batches
@@ -45,41 +85,68 @@ def runtime_costs(value: str, bundle: Bundle, backend: str, profile: Any, option
     from tvmpipe.partition.runtime import NO_RUNTIME, RuntimeCosts
 
     if value == "none":
-        return NO_RUNTIME
+        yield Calibrator(fixed=NO_RUNTIME)
+        return
     if value != AUTO:
         try:
             fields = json.loads(Path(value).read_text())
-            return RuntimeCosts(**{**fields, "source": f"file {value}"})
+            fixed = RuntimeCosts(**{**fields, "source": f"file {value}"})
         except PartitionError as exc:
             raise TvmpipeError(f"--runtime {value}: {exc}") from None
         except (OSError, ValueError, TypeError) as exc:
             raise TvmpipeError(f"--runtime {value}: cannot read runtime costs: {exc}") from None
+        yield Calibrator(fixed=fixed)
+        return
     local = cluster.host == LOOPBACK
-    kw = pipeline_kwargs(options, cluster, "simulated", 1)
-    kw["backend_opts"] = {"time_scale": 0.0}
-    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as pipe:
-        rounds = measure_rounds(pipe, random_micro_batches(bundle, n, seed=1), 3, local)
-    extra = {}
-    if isinstance(profile, dict) and backend == "reference":  # Stage.run beyond its ops, from the profile
-        extra["run_us"] = max(0.0, profile.get("run_min_us", 0.0) - sum(r["time_us"] for r in profile["nodes"]))
+    real_ops = backend == "reference" and isinstance(profile, dict)
+    kw = pipeline_kwargs(options, cluster, "reference" if real_ops else "simulated", 1)
+    if not real_ops:
+        kw["backend_opts"] = {"time_scale": 0.0}
+    extra: dict[str, Any] = {}
+    if real_ops:  # Stage.run beyond its ops from the profile; the op-time scale from the run
+        ops_us = sum(r["time_us"] for r in profile["nodes"])
+        extra.update(compute_us=ops_us, run_us=max(0.0, profile.get("run_min_us", 0.0) - ops_us))
     cap = {"reference": None, "simulated": SPIN_S * 1e6}.get(backend, 0.0)
-    return calibration_of(rounds).costs(compute_cpu_cap_us=cap, cores=local_cores() if local else None,
-                                        window=options.window, source="calibrated", **extra)
+    extra.update(compute_cpu_cap_us=cap, cores=local_cores() if local else None, window=options.window,
+                 source="calibrated")
+    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as pipe:
+        yield Calibrator(pipe=pipe, batches=random_micro_batches(bundle, n, seed=1), local=local, fields=extra)
 
 
-def backend_profile(bundle: Bundle, backend: str, time_scale: float) -> dict[str, Any] | None:
+def describe_costs(costs: Any) -> str:
+    """One line of RuntimeCosts for the sweep's progress lines."""
+    return (f"receive {costs.recv_us:.1f} us and send {costs.send_us:.1f} us per frame, Stage.run {costs.run_us:.1f} us, "
+            f"driver {costs.driver_us:.1f} us" + (f", op times x{costs.compute_scale:.2f} in a worker"
+                                                   if costs.compute_scale != 1.0 else "")
+            + (f", {costs.cores} cores shared" if costs.cores else "")
+            + (f" ({costs.cores_free:.2f} left by other processes)" if costs.cores and costs.cores_free is not None
+               else ""))
+
+
+def backend_profile(bundle: Bundle, backend: str, time_scale: float, bursts: int = 5) -> dict[str, Any] | None:
     """Op times of the backend the sweep runs on: the simulated backend's own model, or a reference
-    profile where each node's time is its fastest of 30 runs (the machine may be shared: noise only adds)."""
+    profile where each node's time is its fastest over `bursts` profiles of 30 runs, 50 ms apart. One
+    profile of a small model lasts ~10 ms, so on a shared machine one busy neighbour can slow all 30
+    runs of it (measured: 330 vs 505 us for examples/cnn); bursts spread over ~0.3 s do not share that."""
     if backend == "simulated":
         return simulated_profile(bundle, time_scale)
     if backend != "reference":
         return None
+    import time
+
     from tvmpipe.executor import GraphRunner, random_inputs
 
+    profiles = []
     with GraphRunner(bundle, backend="reference") as runner:
-        prof = runner.profile(repeat=30, warmup=3, **random_inputs(bundle)).to_json()
-    for row in prof["nodes"]:
-        row["time_us"] = row["min_us"]
+        inputs = random_inputs(bundle)
+        for i in range(bursts):
+            if i:
+                time.sleep(0.05)
+            profiles.append(runner.profile(repeat=30, warmup=3, **inputs).to_json())
+    prof = profiles[0]
+    for row, *others in zip(prof["nodes"], *(p["nodes"] for p in profiles[1:])):
+        row["time_us"] = min([row["min_us"]] + [o["min_us"] for o in others])
+    prof["run_min_us"] = min(p.get("run_min_us", 0.0) for p in profiles)
     return prof
 
 
@@ -122,12 +189,13 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     import statistics
 
     from tvmpipe.cluster import Pipeline
-    from tvmpipe.cluster.experiment import measure_rounds, spreads
+    from tvmpipe.cluster.experiment import WARMUP_MICRO_BATCHES, measure_rounds, spreads
     from tvmpipe.cluster.local import LOOPBACK
     from tvmpipe.cluster.timeline import gantt_spans, write_trace
     from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition.cost import read_profile
     from tvmpipe.partition.model import PipelineModel
+    from tvmpipe.partition.predict import attach, predict
     from tvmpipe.partition.report import write_report
     from tvmpipe.partition.sweep import Measured, sweep_plans
 
@@ -136,54 +204,64 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     lo, hi = stages
     out = prepare_report_dir(out)
     best: tuple[float, Any, Any] | None = None
-    with open_cluster(options, hi) as cluster:
+    with open_cluster(options, hi + 1) as cluster:  # + 1: the calibration pipeline stays open
         backend = pick_backend(options.backend, cluster.gpus)
         prof = read_profile(profile) if profile else backend_profile(bundle, backend, time_scale)
         model = PipelineModel.build(bundle, profile=prof)
         n = sweep_micro_batches(micro_batches, model, hi)
         batches = random_micro_batches(bundle, n, seed=0)
         say(f"{n} micro-batches per plan" + (" (auto)" if micro_batches == AUTO else "") + f", {rounds} round(s)")
-        costs = runtime_costs(runtime, bundle, backend, prof, options, cluster, min(n, 500))
-        model = replace(model, runtime=costs)
-        say(f"runtime costs in predictions ({costs.source}): receive {costs.recv_us:.1f} us and send "
-            f"{costs.send_us:.1f} us per frame, Stage.run {costs.run_us:.1f} us, driver {costs.driver_us:.1f} us"
-            + (f", {costs.cores} cores shared" if costs.cores else ""))
-        cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
-        for case in cases:
-            key = case_key(case)
-            if case.plan is None:
-                say(f"[{key}] not planned: {case.error.splitlines()[0]}")
-                continue
-            case.plan.save(out / "plans" / f"{key}.json")
-            kw = pipeline_kwargs(options, cluster, backend, len(case.plan.stages))
-            if backend == "simulated":
-                kw["backend_opts"] = {"cost_profile": prof}
-            try:
-                with Pipeline(bundle, case.plan, **kw) as pipe:
-                    measured = measure_rounds(pipe, batches, rounds, cluster.host == LOOPBACK)
-            except TvmpipeError as exc:
-                case.error = f"run failed: {exc}"
-                say(f"[{key}] {case.error}")
-                continue
-            sp = spreads(measured)
-            mid = sorted(measured, key=lambda r: r.throughput)[len(measured) // 2]
-            m = mid.metrics
-            case.measured = Measured(
-                throughput=sp["throughput"].median, latency_p50_us=sp["latency_p50_us"].median,
-                latency_p99_us=sp["latency_p99_us"].median, bubble=sp["bubble"].median, rounds=len(measured),
-                throughput_range=(sp["throughput"].lo, sp["throughput"].hi),
-                bubble_range=(sp["bubble"].lo, sp["bubble"].hi), load=(sp["load"].lo, sp["load"].hi),
-                utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages])
-            write_trace(mid.record, out / "traces" / f"{key}.json")
-            files.write_json(out / "traces" / f"{key}.metrics.json", m.to_json())
-            if best is None or case.measured.throughput > best[0]:
-                best = (case.measured.throughput, mid.record, case)
-            pred, meas = case.prediction.throughput, case.measured
-            say(f"[{key}] predicted {pred:.1f}/s, measured {meas.throughput:.1f}/s "
-                f"({100 * (pred / meas.throughput - 1):+.1f}%; {meas.rounds} rounds {meas.throughput_range[0]:.1f}-"
-                f"{meas.throughput_range[1]:.1f}), bubble {100 * meas.bubble:.0f}% (predicted "
-                f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
-                f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else ""))
+        local = cluster.host == LOOPBACK
+        with open_calibrator(runtime, bundle, backend, prof, options, cluster, CALIBRATION_MICRO_BATCHES) as cal:
+            costs = cal.costs(cal.measure(3, WARMUP_MICRO_BATCHES))
+            model = replace(model, runtime=costs)
+            say(f"runtime costs for planning ({costs.source}): {describe_costs(costs)}"
+                + ("; each plan is predicted from calibration rounds interleaved with its own" if cal.calibrates else ""))
+            cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
+            for case in cases:
+                key = case_key(case)
+                if case.plan is None:
+                    say(f"[{key}] not planned: {case.error.splitlines()[0]}")
+                    continue
+                case.plan.save(out / "plans" / f"{key}.json")
+                kw = pipeline_kwargs(options, cluster, backend, len(case.plan.stages))
+                if backend == "simulated":
+                    kw["backend_opts"] = {"cost_profile": prof}
+                measured, alongside = [], []
+                try:
+                    with Pipeline(bundle, case.plan, **kw) as pipe:
+                        for r in range(rounds):
+                            alongside += cal.measure()
+                            measured += measure_rounds(pipe, batches, 1, local, WARMUP_MICRO_BATCHES if r == 0 else 0)
+                except TvmpipeError as exc:
+                    case.error = f"run failed: {exc}"
+                    say(f"[{key}] {case.error}")
+                    continue
+                if alongside:  # the prediction from what the runtime cost while this plan ran
+                    here = cal.costs(alongside)
+                    case.prediction = predict(replace(model, runtime=here), case.plan, n)
+                    attach(case.plan, case.prediction).predicted["runtime"] = here.to_json()
+                    case.plan.save(out / "plans" / f"{key}.json")
+                sp = spreads(measured)
+                mid = sorted(measured, key=lambda r: r.throughput)[len(measured) // 2]
+                m = mid.metrics
+                case.measured = Measured(
+                    throughput=sp["throughput"].median, latency_p50_us=sp["latency_p50_us"].median,
+                    latency_p99_us=sp["latency_p99_us"].median, bubble=sp["bubble"].median, rounds=len(measured),
+                    throughput_range=(sp["throughput"].lo, sp["throughput"].hi),
+                    bubble_range=(sp["bubble"].lo, sp["bubble"].hi), load=(sp["load"].lo, sp["load"].hi),
+                    utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages])
+                write_trace(mid.record, out / "traces" / f"{key}.json")
+                files.write_json(out / "traces" / f"{key}.metrics.json", m.to_json())
+                if best is None or case.measured.throughput > best[0]:
+                    best = (case.measured.throughput, mid.record, case)
+                pred, meas = case.prediction.throughput, case.measured
+                say(f"[{key}] predicted {pred:.1f}/s, measured {meas.throughput:.1f}/s "
+                    f"({100 * (pred / meas.throughput - 1):+.1f}%; {meas.rounds} rounds {meas.throughput_range[0]:.1f}-"
+                    f"{meas.throughput_range[1]:.1f}), bubble {100 * meas.bubble:.0f}% (predicted "
+                    f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
+                    f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else "")
+                    + (f"; runtime alongside: {describe_costs(here)}" if alongside else ""))
     timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
     paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})", timeline=timeline,
                          timeline_title=f"{case_key(best[2])}, the fastest measured plan" if best else None,

@@ -6,11 +6,14 @@ measured on its own: compute_metrics over that round's micro-batches only (its t
 CPU time each stage process and the driver spent in it, read from /proc where the workers are local
 processes, plus the load average. Rounds are summarised as median, min and max.
 
-Calibration measures the runtime itself (partition/runtime.py): a 1-stage pipeline of the same
-bundle on the simulated backend with every op time 0, so what it measures is receive, decode,
-Stage.run, encode, send and the driver, with the model's real frame sizes and nothing of the model's
-compute. It is a different workload from every plan of the sweep, so no prediction is fitted to the
-measurement it is compared with.
+Calibration measures the runtime itself (partition/runtime.py) with a 1-stage pipeline of the same
+bundle, run before the plans. On the simulated backend every op time is 0 there, so what it measures
+is receive, decode, Stage.run, encode, send and the driver, with the model's real frame sizes and
+nothing of the model's compute: a workload no plan of the sweep runs. On the reference backend it
+computes the real ops too, because ops run slower in a pipelining worker than in the single-process
+profile and only such a run shows by how much; it then does the work of the 1-stage plan (other
+inputs, its own process, earlier), so the K = 1 row checks the model's structure and the calibration's
+repeatability, and rows with K >= 2 check the model.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Round:
     driver_cpu_us: float
     load: float  # 1-minute load average at the end of the round
     record: RunRecord = field(repr=False)
+    others_cores: float | None = None  # cores other processes (and the hypervisor) took during the round
 
     @property
     def throughput(self) -> float:
@@ -54,12 +58,39 @@ class Spread:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a local process, or None when it cannot be read."""
+    """CPU seconds of a local process's live threads, or None when it cannot be read.
+
+    From each thread's /proc/PID/task/TID/schedstat (nanoseconds on the CPU), because /proc/PID/stat
+    counts clock ticks (10 ms): a calibration of 74 micro-batches at ~60 us of runtime each is under
+    one tick, and was read as 0 us per frame. A thread that ends between two readings drops out of the
+    sum; a stage worker's threads live as long as the worker. Falls back to ticks without schedstat."""
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return total / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
+        return None
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds this machine has spent busy since boot, all cores, steal included (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
         return None
 
 
@@ -81,24 +112,35 @@ def _slice(rec: RunRecord, seqs: range) -> RunRecord:
                    done_times={s: rec.done_times[s] for s in seqs if s in rec.done_times})
 
 
-def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local: bool) -> list[Round]:
+WARMUP_MICRO_BATCHES = 100
+
+
+def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local: bool,
+                   warmup: int = WARMUP_MICRO_BATCHES) -> list[Round]:
     """Run `batches` through `pipe` `rounds` times; one Round per pass. `local`: workers are processes
-    of this machine, so their CPU time can be read from /proc."""
+    of this machine, so their CPU time can be read from /proc. The first `warmup` micro-batches run once
+    before, unmeasured: a fresh worker's first few hundred micro-batches compute up to 1.6x slower (first
+    touches of its buffers; measured on examples/cnn: 600 vs 380 us per micro-batch over a first round)."""
+    if warmup:
+        pipe.run(batches[:warmup])
     pids = _worker_pids(pipe) if local else []
     out = []
     for r in range(rounds):
         first = pipe.submitted
         cpu0 = [process_cpu_s(p) if p else None for p in pids]
-        d0 = time.process_time()
+        m0, w0, d0 = machine_busy_s(), time.perf_counter(), time.process_time()
         pipe.run(batches)
-        d1 = time.process_time()
+        d1, w1, m1 = time.process_time(), time.perf_counter(), machine_busy_s()
         cpu1 = [process_cpu_s(p) if p else None for p in pids]
         n = len(batches)
-        stage_cpu = None
+        stage_cpu, others = None, None
         if pids and all(a is not None and b is not None for a, b in zip(cpu0, cpu1)):
             stage_cpu = [(b - a) / n * 1e6 for a, b in zip(cpu0, cpu1)]
+            if m0 is not None and m1 is not None and w1 > w0:  # the machine's busy time that was not ours
+                ours = sum(b - a for a, b in zip(cpu0, cpu1)) + (d1 - d0)
+                others = max(0.0, (m1 - m0 - ours) / (w1 - w0))
         rec = _slice(pipe.record(), range(first, first + n))
-        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec))
+        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec, others))
     return out
 
 
@@ -106,10 +148,12 @@ def calibration_of(rounds: list[Round]) -> Calibration:
     """The median round of a 1-stage zero-compute run as a Calibration."""
     mid = sorted(rounds, key=lambda r: r.throughput)[len(rounds) // 2]
     st = mid.metrics.stages[0]
+    others = [r.others_cores for r in rounds if r.others_cores is not None]
     return Calibration(busy_us=(st.compute_ms_mean or 0.0) * 1e3,
                        stage_cpu_us=mid.stage_cpu_us[0] if mid.stage_cpu_us else None,
                        driver_cpu_us=mid.driver_cpu_us if mid.stage_cpu_us else None,
-                       period_us=1e6 / mid.metrics.steady_throughput if mid.metrics.steady_throughput else 0.0)
+                       period_us=1e6 / mid.metrics.steady_throughput if mid.metrics.steady_throughput else 0.0,
+                       others_cores=statistics.median(others) if others else None)
 
 
 def spreads(rounds: list[Round]) -> dict[str, Spread]:

@@ -68,6 +68,7 @@ class Prediction:
     processes: int = 1  # stage processes + the driver
     cores: int | None = None
     runtime: str = "none"  # RuntimeCosts.source
+    cores_free: float | None = None  # of `cores`, what other processes left (measured; RuntimeCosts.cores_free)
 
     @property
     def cpu_bound(self) -> bool:
@@ -151,8 +152,8 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
     cpu_total = sum(st.cpu_us for st in stages) + driver
     window = rt.window or 2 * k
     bounds = {"stage": bottleneck, "driver": driver, "window": latency / window}
-    if rt.cores is not None:
-        bounds["cpu"] = cpu_total / rt.cores
+    if rt.cpu_cores is not None:
+        bounds["cpu"] = cpu_total / rt.cpu_cores
     limit = max(bounds, key=lambda key: bounds[key])
     period = bounds[limit]
     busy = [st.busy_us for st in stages]
@@ -168,7 +169,8 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
         throughput=model.batch * 1e6 / period if period > 0 else float("inf"),
         latency_us=latency, bubble=max(0.0, bubble), bytes_moved=sum(st.in_bytes for st in stages),
         requests=requests, period_us=period, limit=limit, driver_us=driver,
-        cpu_demand=cpu_total / period if period > 0 else 0.0, processes=k + 1, cores=rt.cores, runtime=rt.source)
+        cpu_demand=cpu_total / period if period > 0 else 0.0, processes=k + 1, cores=rt.cores, runtime=rt.source,
+        cores_free=rt.cores_free)
 
 
 def attach(plan: Plan, prediction: Prediction) -> Plan:

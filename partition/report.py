@@ -102,6 +102,7 @@ def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
                  _range(m.bubble_range, 100, "{:.0f}") if m else "-",
                  p.limit if p else "-",
                  "-" if p is None else (f"{p.cpu_demand:.2f}/{p.cores}" if p.cores else f"{p.cpu_demand:.2f}")
+                 + (f" ({p.cores_free:.2f} free)" if p.cores and p.cores_free is not None else "")
                  + (" oversubscribed" if p and p.oversubscribed else ""),
                  {None: "n/a", True: "yes", False: "no"}[ok], _fmt(row["cuts"])]
         if c.error:
@@ -153,6 +154,16 @@ def plot_throughput(cases: list[SweepCase], path: str | Path, title: str = "thro
 
 
 GANTT_WINDOW = 20  # micro-batches in the steady-state window
+GANTT_ROWS = 16  # stages drawn at most: 64 rows of 20 labelled bars read as noise (and took 5 s to draw)
+
+
+def gantt_rows(stages: list[int], most: int = GANTT_ROWS) -> list[int]:
+    """The stages a Gantt chart draws: all of them up to `most`, else every n-th and the last."""
+    if len(stages) <= most:
+        return stages
+    step = -(-(len(stages) - 1) // (most - 1))
+    picked = stages[::step]
+    return picked if picked[-1] == stages[-1] else picked + [stages[-1]]
 
 
 def steady_window(spans: list[Span], size: int = GANTT_WINDOW) -> list[Span]:
@@ -200,37 +211,55 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     plt = _pyplot()
     spans = [s if isinstance(s, Span) else Span(*s) for s in spans]
     util = utilisation if utilisation is not None else span_utilisation(spans)
-    shown = steady_window(spans, window)
-    stages = sorted({s.stage for s in spans})
+    every = sorted({s.stage for s in spans})
+    stages = gantt_rows(every)
+    rows = set(stages)
+    shown = [s for s in steady_window(spans, window) if s.stage in rows]
+    clip = None
+    if len(stages) < len(every) and shown:  # deep: 20 micro-batches cross it diagonally, bars too thin to label
+        ref = max(stages, key=lambda st: util.get(st, (0.0, 0.0, 0.0))[0])  # so: a time window, the busiest
+        mine = [s for s in shown if s.stage == ref] or shown  # drawn stage's 20 micro-batches, every row in it
+        clip = (min(s.start for s in mine), max(s.end for s in mine))
+        shown = [s for s in spans if s.stage in rows and s.end > clip[0] and s.start < clip[1]]
+    pos = {st: i for i, st in enumerate(stages)}
     height = 0.5 * max(len(stages), 1) + 2.0
     fig, (ax, ux) = plt.subplots(1, 2, figsize=(12, height), gridspec_kw={"width_ratios": [3, 1]}, sharey=True)
     cmap = plt.get_cmap("tab10")
     labels = list(dict.fromkeys(s.label for s in shown))
     color = {lab: cmap(i % 10) for i, lab in enumerate(labels)}
-    t0 = min((s.start for s in shown), default=0.0)
-    extent = max((s.end for s in shown), default=1.0) - t0 or 1.0
-    ax.barh([s.stage for s in shown], [s.end - s.start for s in shown], left=[s.start - t0 for s in shown],
+    t0 = clip[0] if clip else min((s.start for s in shown), default=0.0)
+    extent = (clip[1] if clip else max((s.end for s in shown), default=1.0)) - t0 or 1.0
+    ax.barh([pos[s.stage] for s in shown], [s.end - s.start for s in shown], left=[s.start - t0 for s in shown],
             height=0.6, color=[color[s.label] for s in shown], edgecolor="black", linewidth=0.4)
     for s in shown:
+        mid = (max(s.start, t0) + min(s.end, t0 + extent)) / 2 - t0
         wide = (s.end - s.start) / extent > 0.011 * len(str(s.label))
-        ax.text((s.start + s.end) / 2 - t0, s.stage, str(s.label), ha="center", va="center",
-                fontsize=7 if wide else 6, rotation=0 if wide else 90)
-    ax.set_yticks(stages)
+        ax.text(mid, pos[s.stage], str(s.label), ha="center", va="center", fontsize=7 if wide else 6,
+                rotation=0 if wide else 90, clip_on=True)
+    if clip:
+        ax.set_xlim(0, extent)
+    ax.set_yticks(range(len(stages)))
     ax.set_yticklabels([f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ints = [lab for lab in labels if isinstance(lab, int)]
-    what = f"micro-batches {min(ints)}-{max(ints)}" if ints else "spans"
-    ax.set_xlabel(f"time ({unit}) from the window's first span; bars labelled with their micro-batch")
-    ax.set_title(_wrap(f"{title}: {what}", 80), fontsize="medium")
+    if clip:
+        what = f"{extent:.0f} {unit} of steady state (stage {ref}'s micro-batches {min(s.label for s in mine)}-" \
+               f"{max(s.label for s in mine)})"
+    else:
+        what = f"micro-batches {min(ints)}-{max(ints)}" if ints else "spans"
+    ax.set_xlabel(f"time ({unit}) from the window's start; bars labelled with their micro-batch")
+    subset = f"; {len(stages)} of {len(every)} stages ({', '.join(map(str, stages[:3]))}, ..., {stages[-1]})" \
+        if len(stages) < len(every) else ""
+    ax.set_title(_wrap(f"{title}: {what}{subset}", 80), fontsize="medium")
     parts = (("busy", "C2"), ("bubble (fill/drain)", "C1"), ("idle", "0.8"))
     values = [util.get(st, (0.0, 0.0, 0.0)) for st in stages]
     left = [0.0] * len(stages)
     for i, (name, col) in enumerate(parts):
         width = [100 * v[i] for v in values]
-        ux.barh(stages, width, left=left, height=0.6, color=col, label=name)
+        ux.barh(range(len(stages)), width, left=left, height=0.6, color=col, label=name)
         left = [a + b for a, b in zip(left, width)]
-    for st, v in zip(stages, values):
-        ux.text(1, st, f"{100 * v[0]:.0f}%", va="center", fontsize=7)
+    for i, v in enumerate(values):
+        ux.text(1, i, f"{100 * v[0]:.0f}%", va="center", fontsize=7)
     ux.set_xlim(0, 100)
     ux.set_xlabel("% of the whole run")
     ux.set_title("whole run: busy / bubble / idle", fontsize="medium")
@@ -259,12 +288,18 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
              else "the pipeline runs."),
           "thr = throughput in samples/s, median over rounds with min-max; err % = (predicted - measured) / measured; "
           "bubble = % of stage time not computing; limit = what sets the predicted pace (stage, driver, cpu: the "
-          "shared cores, window); CPU = cores busy at the predicted rate / cores; in target = throughput within 10 % "
+          "shared cores, window); CPU = cores busy at the predicted rate / cores (free: left by other processes); in target = throughput within 10 % "
           "and bubble within 10 points (n/a where stage processes + driver outnumber the cores).", ""]
     if runtime is not None and not runtime.is_zero:
         md += [f"Runtime costs ({runtime.source}): receive {runtime.recv_us:.1f} us and send {runtime.send_us:.1f} us "
                f"per frame, Stage.run {runtime.run_us:.1f} us, driver {runtime.driver_us:.1f} us per micro-batch"
-               + (f", {runtime.cores} cores shared by the stage processes and the driver." if runtime.cores else "."), ""]
+               + (f", op times x{runtime.compute_scale:.2f} in a pipelining worker than in the profile"
+                  if runtime.compute_scale != 1.0 else "")
+               + (f", {runtime.cores} cores shared by the stage processes and the driver" if runtime.cores else "")
+               + (f", of which {runtime.cores_free:.2f} left by other processes during the calibration"
+                  if runtime.cores and runtime.cores_free is not None else "") + "."
+               + (" These chose the plans; each row is predicted from calibration rounds interleaved with its own "
+                  "rounds (figures in its plans/*.json)." if runtime.source == "calibrated" else ""), ""]
     loads = [c.measured.load for c in cases if c.measured and c.measured.load]
     if loads:
         md += [f"Load average during the runs: {min(lo for lo, _ in loads):.1f}-{max(hi for _, hi in loads):.1f}.", ""]

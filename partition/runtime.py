@@ -43,7 +43,9 @@ class RuntimeCosts:
     run_us: float = 0.0  # fixed cost of one Stage.run beyond its ops (counted as busy)
     driver_us: float = 0.0  # driver CPU per micro-batch beyond its frames: submit, bookkeeping, delivery
     compute_cpu_cap_us: float | None = None  # CPU part of a stage's compute: None = all of it; else min(compute, cap)
+    compute_scale: float = 1.0  # op time in a pipelining stage worker / the profile's (measured in the calibration run)
     cores: int | None = None  # CPU cores the stage processes and the driver share; None: enough for all
+    cores_free: float | None = None  # of `cores`, what other processes left (measured); None: all of them
     window: int | None = None  # micro-batches in flight; None: 2 x stages (the Pipeline's default)
     source: str = "none"  # how the figures were obtained (for reports)
 
@@ -52,23 +54,36 @@ class RuntimeCosts:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise PartitionError(f"runtime cost {name} must be a non-negative number, got {v!r}")
+        if not (isinstance(self.compute_scale, (int, float)) and np.isfinite(self.compute_scale)
+                and self.compute_scale > 0):
+            raise PartitionError(f"runtime compute_scale must be a positive number, got {self.compute_scale!r}")
         if self.cores is not None and self.cores < 1:
             raise PartitionError(f"cores must be >= 1, got {self.cores}")
+        if self.cores_free is not None and not (isinstance(self.cores_free, (int, float)) and self.cores_free > 0):
+            raise PartitionError(f"cores_free must be a positive number, got {self.cores_free!r}")
         if self.window is not None and self.window < 1:
             raise PartitionError(f"window must be >= 1, got {self.window}")
 
     @property
     def is_zero(self) -> bool:
-        return not (self.recv_us or self.send_us or self.run_us or self.driver_us)
+        return not (self.recv_us or self.send_us or self.run_us or self.driver_us) and self.compute_scale == 1.0
+
+    @property
+    def cpu_cores(self) -> float | None:
+        """The cores the pipeline's processes get: `cores`, less what other processes took when measured."""
+        if self.cores is None:
+            return None
+        return min(float(self.cores), self.cores_free) if self.cores_free is not None else float(self.cores)
 
     def compute_cpu(self, compute_us: np.ndarray | float) -> np.ndarray | float:
-        """The CPU part of `compute_us` of op time (vectorised)."""
+        """The CPU part of `compute_us` of profiled op time (vectorised)."""
         if self.compute_cpu_cap_us is None:
-            return compute_us
-        return np.minimum(compute_us, self.compute_cpu_cap_us)
+            return compute_us * self.compute_scale
+        return np.minimum(compute_us * self.compute_scale, self.compute_cpu_cap_us)
 
     def busy_us(self, compute_us: np.ndarray | float) -> np.ndarray | float:
-        return compute_us + self.run_us
+        """What the worker records as compute for `compute_us` of profiled op time."""
+        return compute_us * self.compute_scale + self.run_us
 
     def stage_cpu_us(self, compute_us: np.ndarray | float, frames_in: int = 1, frames_out: int = 1) -> np.ndarray | float:
         return self.compute_cpu(compute_us) + self.run_us + frames_in * self.recv_us + frames_out * self.send_us
@@ -101,19 +116,39 @@ class Calibration:
     stage_cpu_us: float | None  # None where the worker's CPU time cannot be read (a remote node)
     driver_cpu_us: float | None
     period_us: float
+    others_cores: float | None = None  # cores other processes took meanwhile (a shared machine), if read
 
-    def costs(self, compute_us: float = 0.0, **kw: Any) -> RuntimeCosts:
+    def costs(self, compute_us: float = 0.0, run_us: float | None = None, **kw: Any) -> RuntimeCosts:
         """RuntimeCosts from this run: a 1-stage pipeline receives one frame and sends one per micro-batch,
         so the stage's CPU beyond its busy time is one receive plus one send (split evenly: a chain has as
         many of each), and the driver's CPU beyond one send and one receive is its own. Without CPU times,
-        the period beyond the busy time is taken as the stage's receive + send."""
-        run_us = max(0.0, self.busy_us - compute_us)
+        the period beyond the busy time is taken as the stage's receive + send.
+
+        `compute_us` is the profiled op time of the calibration run's stage. Without `run_us`, busy beyond it
+        is Stage.run's fixed cost (a zero-op run: all of busy). With `run_us` (known from the profile), the
+        run computed real ops, and busy - run_us over compute_us is `compute_scale`: how much slower ops run
+        in a stage worker that pipelines (frames decoded between and beside them, caches shared with the
+        sockets, the driver on the other core) than in the single-process profile. Measured in the same
+        sweep, so it holds whatever this machine's load is at the time, not a constant for one machine."""
+        scale = 1.0
+        if run_us is None:
+            run_us = max(0.0, self.busy_us - compute_us)
+        elif compute_us > 0:
+            scale = max(0.0, self.busy_us - run_us) / compute_us or 1.0
         if self.stage_cpu_us is not None:
             hop = max(0.0, self.stage_cpu_us - self.busy_us)
+            if self.stage_cpu_us >= (self.driver_cpu_us or 0.0):
+                # the stage paced the run: its wall time beyond busy is what a frame costs in wall time. On a
+                # loaded machine the stage process waits for a core between frames too (measured: 22 % of
+                # a 1-stage reference run outside compute, 11 % by CPU time), and that wait is spent per frame
+                hop = max(hop, self.period_us - self.busy_us)
         else:
             hop = max(0.0, self.period_us - self.busy_us)
         frame = hop / 2
         driver = max(0.0, (self.driver_cpu_us or 0.0) - 2 * frame)
-        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=driver)
+        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=driver, compute_scale=scale)
         fields.update(kw)
+        if self.others_cores is not None and fields.get("cores"):
+            # a shared machine: other processes took these cores while the calibration ran beside the plan
+            fields.setdefault("cores_free", max(0.1, fields["cores"] - self.others_cores))
         return RuntimeCosts(**fields)

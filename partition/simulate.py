@@ -113,8 +113,8 @@ def simulate(model: PipelineModel, plan: Plan, micro_batches: int, prediction: P
         # bounded queues: a stage whose frames nobody waits for still holds its producers back, so
         # m counts as done (for the window) once every stage has finished it
         finished = max(finished, out[:, m].max())
-        if rt.cores is not None:  # the cores as one pool: a micro-batch needs cpu_per_mb of it
-            cpu_free = max(cpu_free, submit[m]) + cpu_per_mb / rt.cores
+        if rt.cpu_cores is not None:  # the cores as one pool: a micro-batch needs cpu_per_mb of it
+            cpu_free = max(cpu_free, submit[m]) + cpu_per_mb / rt.cpu_cores
             finished = max(finished, cpu_free)
         done[m] = max(finished, done[m - 1] if m else 0.0)
     return SimulatedRun(submit, done, busy, model.batch, pred)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.plan import Plan
-from tvmpipe.partition.planners import DEFAULT_TOLERANCE, plan_and_predict
+from tvmpipe.partition.planners import DEFAULT_TOLERANCE, OptimalPlanner, plan_and_predict
 from tvmpipe.partition.predict import Prediction
 from tvmpipe.partition.simulate import SimulatedRun, simulate
 
@@ -58,10 +58,12 @@ def sweep_plans(model: PipelineModel, max_stages: int, strategies: tuple[str, ..
     if min_stages < 1 or max_stages < min_stages:
         raise PartitionError(f"a sweep needs 1 <= min stages <= max stages, got {min_stages}..{max_stages}")
     cases = []
+    planner = OptimalPlanner(model, tolerance)  # one for every K: its tables and first pass are shared
     for k in range(min_stages, max_stages + 1):
         for strategy in strategies:
             try:
-                plan, prediction = plan_and_predict(model, k, strategy, tolerance=tolerance, requests=requests)
+                plan, prediction = plan_and_predict(model, k, strategy, tolerance=tolerance, requests=requests,
+                                                    planner=planner)
             except PartitionError as exc:
                 cases.append(SweepCase(k, strategy, None, None, error=str(exc)))
                 continue

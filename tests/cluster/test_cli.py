@@ -89,7 +89,7 @@ def test_sweep_runtime_costs_enter_every_prediction(capsys, tmp_path, bundles):
     args = ["sweep", str(bundles["skipnet"]), "--stages", "1..2", "--strategies", "equal", "--processes",
             "--backend", "simulated", "-n", "8", "--rounds", "2"]
     code, out, _ = run_cli(capsys, *args, "--runtime", "none", "-o", str(tmp_path / "zero"))
-    assert code == 0 and "runtime costs in predictions (none): receive 0.0 us" in out
+    assert code == 0 and "runtime costs for planning (none): receive 0.0 us" in out
     (tmp_path / "big.json").write_text(json.dumps({"recv_us": 2500, "send_us": 2500}))
     code, out, _ = run_cli(capsys, *args, "--runtime", str(tmp_path / "big.json"), "-o", str(tmp_path / "big"))
     assert code == 0 and "receive 2500.0 us and send 2500.0 us per frame" in out
@@ -104,7 +104,7 @@ def test_sweep_runtime_costs_enter_every_prediction(capsys, tmp_path, bundles):
     # 5 ms of receive + send per stage bounds every stage at < 200 micro-batches/s
     assert all(p < 200 for p in pred["big"]) and all(z > 10 * b for z, b in zip(pred["zero"], pred["big"]))
     code, out, _ = run_cli(capsys, *args, "--runtime", "auto", "-o", str(tmp_path / "auto"))
-    assert code == 0 and "runtime costs in predictions (calibrated)" in out
+    assert code == 0 and "runtime costs for planning (calibrated)" in out and "runtime alongside: receive" in out
     md = (tmp_path / "auto" / "sweep.md").read_text()
     assert "Runtime costs (calibrated)" in md and "min-max" in md and "Load average" in md
     (tmp_path / "bad.json").write_text(json.dumps({"recv_us": -3}))

@@ -135,24 +135,35 @@ def test_strict_spread_needs_a_node_per_stage(ray_cluster, bundles):
                  timeouts=Timeouts(start=2))
 
 
-def test_predicted_throughput_within_10_percent(ray_cluster, bundles):
-    """Simulated backend with a per-node profile that both the planner and the stages read: the
-    partition layer's prediction against the measured steady-state throughput."""
+def test_prediction_bounds_the_measured_pipeline(ray_cluster, bundles):
+    """Simulated backend with a per-node profile that both the planner and the stages read, on Ray.
+    What holds on a machine under any load (how close the prediction comes is measured with its spread
+    in bench/predict.py, not timed here): stages that sleep their op times cannot beat the model's
+    period, each stage computes at least its predicted time, and the stage the model names as the
+    bottleneck is the one the workers measure busiest, busy through the steady state (a pipeline that
+    serialised its stages would leave it ~55 % busy)."""
     from tvmpipe.partition.model import PipelineModel
     from tvmpipe.partition.predict import predict
 
     b = load_bundle(bundles["skipnet"])
-    profile = {"nodes": [{"node": n, "name": b.graph.nodes[n].name, "time_us": 2500.0 + 1000.0 * (i % 3)}
-                         for i, n in enumerate(b.graph.op_nodes)]}
+    ops = list(b.graph.op_nodes)
+    slow = set(ops[3:6])  # equal plan of 8 ops: [3, 3, 2] -> 7.5, 15 and 5 ms per stage
+    profile = {"nodes": [{"node": n, "name": b.graph.nodes[n].name, "time_us": 5000.0 if n in slow else 2500.0}
+                         for n in ops]}
     plan = plan_equal_ops(b.graph, 3)
     predicted = predict(PipelineModel.build(b, profile=profile), plan)
+    assert [s.compute_us for s in predicted.stages] == [7500.0, 15000.0, 5000.0]
     inputs = case(bundles["skipnet"], 40)[0]
     with Pipeline(b, plan, launcher="ray", placement=SMALL, backend="simulated",
                   backend_opts={"cost_profile": profile}) as pipe:
         pipe.run(inputs)
         m = pipe.metrics()
     measured = m.steady_throughput * m.batch
-    assert abs(measured - predicted.throughput) / predicted.throughput < 0.10, (measured, predicted.throughput)
+    assert measured <= predicted.throughput * 1.02, (measured, predicted.throughput)
+    for st, want in zip(m.stages, predicted.stages):
+        assert st.compute_ms_mean * 1e3 >= want.compute_us * 0.99, (st.stage, st.compute_ms_mean)
+    busiest = max(m.stages, key=lambda st: st.compute_ms_mean)
+    assert busiest.stage == 1 and busiest.busy > 0.8, [(st.stage, st.busy) for st in m.stages]
 
 
 def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):

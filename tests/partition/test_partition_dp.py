@@ -11,7 +11,7 @@ from tests.support.random_graphs import Reference, brute_force, isclose, random_
 from tvmpipe.partition import PartitionError, validate_plan
 from tvmpipe.partition.devices import Link
 from tvmpipe.partition.model import PipelineModel
-from tvmpipe.partition.planners import plan_optimal
+from tvmpipe.partition.planners import OptimalPlanner, plan_optimal
 from tvmpipe.partition.predict import predict
 
 CASES = 120
@@ -71,3 +71,33 @@ def test_dp_equals_brute_force(seed):
             assert got.bytes_moved == fewest
             if tol == 0.0:
                 assert isclose(got.bottleneck_us, best)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_planner_for_every_stage_count_equals_brute_force(seed):
+    """A sweep plans K = 1..max with one OptimalPlanner (tables and the first pass shared, the second
+    pass only over stages that fit under K's threshold): every K against brute force, in any order."""
+    rng, bundle, inputs, ws, profile, link = _setup(10_000 + seed)
+    base = PipelineModel.build(bundle, profile=profile, inputs=inputs, link=link)
+    n = base.num_ops
+    ref = Reference(bundle, inputs, list(base.costs.time_us), ws, link.bandwidth, link.latency_us)
+    mems = sorted(ref.memory(a, b) for a in range(n) for b in range(a + 1, n + 1))
+    kmax = min(5, n)
+    speeds = [rng.choice([0.5, 1.0, 2.0]) for _ in range(kmax)]
+    caps = [rng.choice(mems[len(mems) // 2:]) for _ in range(kmax)] if rng.random() < 0.5 else [None]
+    tol = rng.choice([0.0, 0.01, 0.2])
+    model = PipelineModel.build(bundle, profile=profile, inputs=inputs, link=link, speeds=speeds, memory_caps=caps)
+    planner = OptimalPlanner(model, tol)
+    order = list(range(1, kmax + 1))
+    rng.shuffle(order)  # the shared first pass grows on demand: a later K must not depend on an earlier one
+    for k in order:
+        want = brute_force(ref, k, model.stage_speeds(k), model.stage_caps(k), tol)
+        if want is None:
+            with pytest.raises(PartitionError, match="fits the memory caps"):
+                planner.plan(k)
+            continue
+        got = predict(model, planner.plan(k))
+        best, fewest = want
+        assert best * (1 - 1e-9) <= got.bottleneck_us <= best * (1 + tol) + 1e-9 * max(best, 1.0)
+        assert got.bytes_moved == fewest
+        assert planner.plan(k).stages == plan_optimal(model, k, tol).stages

@@ -68,6 +68,10 @@ def test_oversubscribed_cores_set_the_pace_and_say_so(resnet):
     assert two.period_us == pytest.approx(total / 2) and two.cpu_demand == pytest.approx(2.0)
     eight = predict(_model(resnet, cores=8, **REFERENCE_CPU), plan)
     assert not eight.oversubscribed and eight.limit == "stage" and eight.throughput > two.throughput
+    # 8 cores of which other processes left 1.5: the pipeline's CPU over 1.5 cores sets the pace, yet the
+    # plan fits the machine's cores (it is judged: the load is the machine's, measured, not the plan's)
+    shared = predict(_model(resnet, cores=8, cores_free=1.5, **REFERENCE_CPU), plan)
+    assert shared.limit == "cpu" and shared.period_us == pytest.approx(total / 1.5) and not shared.oversubscribed
 
 
 def test_driver_and_window_bounds(resnet):
@@ -84,10 +88,52 @@ def test_calibration_splits_a_one_stage_run():
     rt = c.costs(compute_us=2.0, cores=2)
     assert (rt.recv_us, rt.send_us, rt.run_us, rt.driver_us, rt.cores) == (30.0, 30.0, 10.0, 40.0, 2)
     assert c.costs(run_us=99.0).run_us == 99.0
+    # the stage paced the run (its CPU above the driver's): its wall time beyond busy is the frames' cost,
+    # CPU time or not (a loaded machine makes it wait for a core between frames)
+    paced = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=520.0).costs(compute_us=300.0,
+                                                                                                      run_us=0.0)
+    assert (paced.recv_us, paced.send_us, paced.driver_us) == (60.0, 60.0, 0.0)
+    # a shared machine: the cores other processes took during the calibration are not the pipeline's
+    shared = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=460.0,
+                         others_cores=0.8).costs(compute_us=300.0, run_us=0.0, cores=2)
+    assert shared.cores == 2 and shared.cores_free == pytest.approx(1.2) and shared.cpu_cores == pytest.approx(1.2)
+    assert RuntimeCosts(cores=2).cpu_cores == 2.0 and RuntimeCosts().cpu_cores is None
+    idle = Calibration(busy_us=400.0, stage_cpu_us=460.0, driver_cpu_us=100.0, period_us=440.0).costs()
+    assert (idle.recv_us, idle.send_us) == (30.0, 30.0)
     no_cpu = Calibration(busy_us=12.0, stage_cpu_us=None, driver_cpu_us=None, period_us=112.0).costs()
     assert (no_cpu.recv_us, no_cpu.send_us, no_cpu.driver_us) == (50.0, 50.0, 0.0)
     with pytest.raises(PartitionError, match="recv_us"):
         RuntimeCosts(recv_us=-1)
+
+
+def test_calibration_of_real_ops_scales_op_times(resnet):
+    """A reference calibration computes the real ops: busy beyond Stage.run over the profile's op time
+    is how much slower ops run in a pipelining worker (issue 18: 380 us in the worker for a 326 us
+    profile). Every plan's busy, CPU and cycle carry that factor; a 1-stage plan of the calibrated
+    graph comes out with the calibration run's own busy time, CPU and period."""
+    prof = {"nodes": [{"index": n, "name": resnet.graph.nodes[n].name, "time_us": 10.0}
+                      for n in resnet.graph.op_nodes]}
+    ops_us = 10.0 * len(resnet.graph.op_nodes)
+    cal = Calibration(busy_us=1.2 * ops_us + 4, stage_cpu_us=1.2 * ops_us + 4 + 60, driver_cpu_us=90.0,
+                      period_us=1.2 * ops_us + 64)
+    rt = cal.costs(compute_us=ops_us, run_us=4.0, cores=2)
+    assert rt.compute_scale == pytest.approx(1.2) and (rt.recv_us, rt.send_us, rt.run_us) == (30.0, 30.0, 4.0)
+    assert rt.driver_us == pytest.approx(30.0)
+    model = PipelineModel.build(resnet, profile=prof, link=Link(bandwidth=1e12), runtime=rt)
+    one = predict(model, Plan.from_cuts(resnet.graph, []))
+    (st,) = one.stages
+    assert st.compute_us == pytest.approx(ops_us)  # the profile's op time, reported as is
+    assert st.busy_us == pytest.approx(cal.busy_us) and st.cpu_us == pytest.approx(cal.stage_cpu_us)
+    assert one.period_us == pytest.approx(cal.period_us + st.transfer_us) and one.limit == "stage"
+    assert one.bubble == pytest.approx(1 - cal.busy_us / one.period_us)
+    two = predict(model, Plan.from_cuts(resnet.graph, [9]))
+    assert [s.busy_us for s in two.stages] == pytest.approx([1.2 * s.compute_us + 4 for s in two.stages])
+    # the planner weighs the same scaled cycles
+    assert model.stage_time_us(0, 9, 1.0) == pytest.approx(two.stages[0].time_us - two.stages[0].transfer_us, abs=1)
+    # a zero-op calibration (no run_us given) leaves op times alone
+    assert Calibration(12.0, 72.0, 100.0, 150.0).costs(compute_us=2.0).compute_scale == 1.0
+    with pytest.raises(PartitionError, match="compute_scale"):
+        RuntimeCosts(compute_scale=0)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -98,6 +144,7 @@ def test_event_simulation_agrees_with_the_closed_form(seed):
     k = rng.randint(1, min(5, len(bundle.graph.op_nodes)))
     runtime = RuntimeCosts(recv_us=rng.uniform(0, 30), send_us=rng.uniform(0, 30), run_us=rng.uniform(0, 10),
                            driver_us=rng.uniform(0, 50), cores=rng.choice([None, 1, 2, 8]),
+                           compute_scale=rng.choice([1.0, 1.3]), cores_free=rng.choice([None, 0.7]),
                            compute_cpu_cap_us=rng.choice([None, 0.0, 20.0]))
     model = PipelineModel.build(bundle, profile=random_profile(rng, bundle), inputs=inputs, runtime=runtime,
                                 speeds=[rng.choice([0.5, 1, 2]) for _ in range(k)],
@@ -121,7 +168,7 @@ def test_planner_is_optimal_with_heterogeneous_devices_links_and_runtime(seed):
     speeds = [rng.choice([0.25, 0.5, 1.0, 2.0]) for _ in range(k)]
     links = [Link(rng.choice([1e5, 1e6, 1e9]), rng.choice([0.0, 3.0, 40.0])) for _ in range(k)]
     runtime = RuntimeCosts(recv_us=rng.choice([0, 15]), send_us=rng.choice([0, 25]), run_us=rng.choice([0, 5]),
-                           compute_cpu_cap_us=rng.choice([None, 10.0]))
+                           compute_cpu_cap_us=rng.choice([None, 10.0]), compute_scale=rng.choice([1.0, 1.5]))
     model = PipelineModel.build(bundle, profile=prof, inputs=inputs, speeds=speeds, links=links, runtime=runtime)
     ref = Reference(bundle, inputs, list(model.costs.time_us), ws, 1.0, 0.0)
 

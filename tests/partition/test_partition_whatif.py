@@ -13,7 +13,7 @@ from tvmpipe.cli import main
 from tvmpipe.partition import PartitionError
 from tvmpipe.partition.hardware import load_cluster, parse_cluster
 from tvmpipe.partition.model import PipelineModel
-from tvmpipe.partition.report import Span, plot_throughput, steady_window, write_report
+from tvmpipe.partition.report import GANTT_ROWS, Span, gantt_rows, plot_gantt, plot_throughput, steady_window, write_report
 from tvmpipe.partition.sweep import Measured, simulate_cases, sweep_plans
 
 H100_2x4 = {"format": "tvmpipe-cluster", "version": 1, "name": "8 H100 on 2 nodes",
@@ -73,6 +73,10 @@ def test_partition_cli_takes_a_cluster(capsys, tmp_path, fixtures_dir):
 
 def test_whatif_at_scale_700_ops_64_stages():
     """The issue's experiment: a 700-op graph, K up to 64, planned and simulated (timed in bench/whatif.py)."""
+    _k64_run()
+
+
+def _k64_run():
     rng = random.Random(5)
     bundle, inputs, _ = random_bundle(rng, 700)
     prof = random_profile(rng, bundle)
@@ -85,6 +89,39 @@ def test_whatif_at_scale_700_ops_64_stages():
     assert case.plan.num_stages == 64 and len(runs[id(case)].busy) == 64
     assert case.measured.throughput == pytest.approx(case.prediction.throughput, rel=0.02)
     assert case.measured.bubble == pytest.approx(case.prediction.bubble, abs=0.02)
+    return runs[id(case)]
+
+
+def test_deep_gantt_draws_a_few_rows_over_a_steady_time_window(tmp_path):
+    """64 rows of 20 micro-batches crossing a deep pipeline diagonally were unreadable slivers (and 5 s
+    to draw): at most GANTT_ROWS stages (every n-th and the last), over the time the busiest of them
+    takes for 20 micro-batches, so every row is full of labelled bars."""
+    assert gantt_rows(list(range(8))) == list(range(8))
+    assert gantt_rows(list(range(64))) == list(range(0, 64, 5)) + [63]
+    assert all(len(gantt_rows(list(range(k)))) <= GANTT_ROWS and gantt_rows(list(range(k)))[-1] == k - 1
+               for k in range(1, 200))
+    run = _k64_run()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seen = []
+    real_close = plt.close
+    plt.close = lambda fig: (seen.append(fig), real_close(fig))
+    try:
+        plot_gantt(run.spans(), tmp_path / "g.png", unit="us", title="k64")
+    finally:
+        plt.close = real_close
+    ax = seen[0].axes[0]
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert rows == [f"stage {s}" for s in gantt_rows(list(range(64)))]
+    title = ax.get_title().replace("\n", " ")
+    assert "14 of 64 stages" in title and "of steady state" in title
+    lo, hi = ax.get_xlim()
+    labels = [t for t in ax.texts if lo <= t.get_position()[0] <= hi]
+    per_row = {round(t.get_position()[1]) for t in labels}
+    assert per_row == set(range(len(rows))) and len(labels) >= 10 * len(rows)
 
 
 def test_gantt_window_and_spread_in_the_report(tmp_path, fixtures_dir):

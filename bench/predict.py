@@ -1,0 +1,93 @@
+"""Prediction accuracy: `tvmpipe sweep` predicted vs measured, side by side in one run (issue 18).
+
+Four sweeps of examples/cnn, K = 1..3, equal and optimal, 3 rounds each, on local processes:
+the reference backend (1000 micro-batches) and the simulated backend with `--time-scale` 7, 66 and
+660 (the whole graph ~0.1 ms, ~1 ms, ~10 ms). Each sweep calibrates its runtime costs in the same
+run (partition/runtime.py); the figures here are ratios of a prediction to the median of rounds
+measured minutes later by the same command, with the rounds' min-max next to them.
+
+Target (where it applies: stage processes + driver fit the cores, on 2 cores K = 1): predicted
+throughput within 10 % and bubble within 10 points. Rows with more processes than cores are reported
+and marked CPU-bound, not judged. This replaces a timed unit test: timing on a shared machine belongs
+here, with its spread and load average, not in the test suite.
+
+Run: python bench/predict.py [OUT_DIR]   (writes bench/results/predict.json; reports under OUT_DIR,
+default a temporary directory)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "predict.json"
+SWEEPS = {
+    "reference": ["--backend", "reference", "-n", "1000"],
+    "simulated-0.1ms": ["--backend", "simulated", "--time-scale", "7"],
+    "simulated-1ms": ["--backend", "simulated", "--time-scale", "66"],
+    "simulated-10ms": ["--backend", "simulated", "--time-scale", "660"],
+}
+THROUGHPUT_PCT, BUBBLE_POINTS = 10.0, 10.0
+
+
+def _f(row: dict[str, str], key: str) -> float | None:
+    return float(row[key]) if row.get(key) else None
+
+
+def judge(row: dict[str, str]) -> dict[str, object]:
+    """One sweep.csv row as a result: errors, spreads, and whether the target applies and holds."""
+    err = _f(row, "throughput_error_pct")
+    pb, mb = _f(row, "pred_bubble"), _f(row, "meas_bubble")
+    bubble_pts = None if pb is None or mb is None else 100 * (pb - mb)
+    applies = row.get("oversubscribed") != "True"
+    ok = applies and err is not None and abs(err) <= THROUGHPUT_PCT and (bubble_pts is None or abs(bubble_pts) <= BUBBLE_POINTS)
+    return {"stages": int(row["stages"]), "strategy": row["strategy"], "cuts": row["cuts"],
+            "predicted": _f(row, "pred_throughput"), "measured_median": _f(row, "meas_throughput"),
+            "measured_min": _f(row, "meas_throughput_min"), "measured_max": _f(row, "meas_throughput_max"),
+            "rounds": int(row["rounds"]) if row.get("rounds") else None, "error_pct": err,
+            "pred_bubble": pb, "meas_bubble": mb, "meas_bubble_min": _f(row, "meas_bubble_min"),
+            "meas_bubble_max": _f(row, "meas_bubble_max"), "bubble_error_points": bubble_pts,
+            "limit": row["limit"], "cpu_bound": not applies, "target_applies": applies,
+            "in_target": ok if applies else None, "load_max": _f(row, "load_max")}
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="tvmpipe-predict-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name, extra in SWEEPS.items():
+        cmd = [sys.executable, "-m", "tvmpipe.cli", "sweep", str(REPO / "examples" / "cnn"), "--stages", "1..3",
+               "--processes", "--rounds", "3", *extra, "-o", str(out / name)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{name}: {proc.stderr or proc.stdout}")
+        runtime_line = next((line for line in proc.stdout.splitlines() if line.startswith("runtime costs")), "")
+        with open(out / name / "sweep.csv") as f:
+            rows = [judge(r) for r in csv.DictReader(f)]
+        results[name] = {"command": " ".join(cmd[2:]), "wall_s": time.perf_counter() - t0, "runtime": runtime_line,
+                         "rows": rows}
+        print(f"{name}: {runtime_line}")
+        for r in rows:
+            verdict = {True: "in target", False: "MISSED", None: "CPU-bound (not judged)"}[r["in_target"]]
+            print(f"  K={r['stages']} {r['strategy']:>7}: predicted {r['predicted']:.0f}/s, measured "
+                  f"{r['measured_median']:.0f}/s ({r['rounds']} rounds {r['measured_min']:.0f}-{r['measured_max']:.0f}), "
+                  f"{r['error_pct']:+.1f} %; bubble {100 * r['pred_bubble']:.0f} % vs {100 * r['meas_bubble']:.0f} % "
+                  f"({r['bubble_error_points']:+.1f} pts); load {r['load_max']:.1f}; {verdict}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                                   "targets": {"throughput_pct": THROUGHPUT_PCT, "bubble_points": BUBBLE_POINTS},
+                                   "reports": str(out), "sweeps": results}, indent=1) + "\n")
+    print(f"reports under {out}; results in {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
