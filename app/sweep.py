@@ -196,7 +196,7 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     from tvmpipe.partition.cost import read_profile
     from tvmpipe.partition.model import PipelineModel
     from tvmpipe.partition.predict import attach, predict
-    from tvmpipe.partition.report import write_report
+    from tvmpipe.partition.report import noise_lines, write_report
     from tvmpipe.partition.sweep import Measured, sweep_plans
 
     if rounds < 1:
@@ -262,6 +262,8 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
                     f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
                     f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else "")
                     + (f"; runtime alongside: {describe_costs(here)}" if alongside else ""))
+    for line in noise_lines(cases):
+        say(line)
     timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
     paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})", timeline=timeline,
                          timeline_title=f"{case_key(best[2])}, the fastest measured plan" if best else None,

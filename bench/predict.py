@@ -9,7 +9,9 @@ measured minutes later by the same command, with the rounds' min-max next to the
 Target (where it applies: stage processes + driver fit the cores, on 2 cores K = 1): predicted
 throughput within 10 % and bubble within 10 points. Rows with more processes than cores are reported
 and marked CPU-bound, not judged. This replaces a timed unit test: timing on a shared machine belongs
-here, with its spread and load average, not in the test suite.
+here, with its spread and load average, not in the test suite. Where two rows run the same plan
+(equal and optimal at K = 1), the sweep states how far apart they measured: the noise floor of this
+machine between two pipelines of one plan, printed and kept with the results.
 
 Run: python bench/predict.py [OUT_DIR]   (writes bench/results/predict.json; reports under OUT_DIR,
 default a temporary directory)
@@ -73,9 +75,12 @@ def main() -> None:
         runtime_line = next((line for line in proc.stdout.splitlines() if line.startswith("runtime costs")), "")
         with open(out / name / "sweep.csv") as f:
             rows = [judge(r) for r in csv.DictReader(f)]
+        noise = [line for line in proc.stdout.splitlines() if line.startswith("Same plan measured")]
         results[name] = {"command": " ".join(cmd[2:]), "wall_s": time.perf_counter() - t0, "runtime": runtime_line,
-                         "rows": rows}
+                         "rows": rows, "noise_floor": noise}
         print(f"{name}: {runtime_line}")
+        for line in noise:
+            print(f"  {line}")
         for r in rows:
             verdict = {True: "in target", False: "MISSED", None: "CPU-bound (not judged)"}[r["in_target"]]
             print(f"  K={r['stages']} {r['strategy']:>7}: predicted {r['predicted']:.0f}/s, measured "

@@ -111,6 +111,41 @@ def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class SamePlan:
+    """Two or more rows of one sweep that run the very same stages (e.g. `equal` and `optimal` at K = 1,
+    or wherever both strategies cut alike): their measured spread is this machine's run-to-run noise
+    between two pipelines of one plan, the floor under which a prediction error cannot be told apart."""
+
+    stages: tuple[tuple[int, int], ...]
+    rows: tuple[str, ...]  # "K=1 equal", ...
+    throughputs: tuple[float, ...]
+
+    @property
+    def spread_pct(self) -> float:
+        """(max - min) / min of the measured medians, in percent."""
+        return 100.0 * (max(self.throughputs) - min(self.throughputs)) / min(self.throughputs)
+
+
+def same_plans(cases: list[SweepCase]) -> list[SamePlan]:
+    """Measured rows grouped by identical stage ranges, groups of two or more, in sweep order."""
+    groups: dict[tuple[tuple[int, int], ...], list[SweepCase]] = {}
+    for c in cases:
+        if c.plan is not None and c.measured is not None and c.measured.throughput:
+            groups.setdefault(tuple(map(tuple, c.plan.stages)), []).append(c)
+    return [SamePlan(key, tuple(f"K={c.stages} {c.strategy}" for c in group),
+                     tuple(c.measured.throughput for c in group))
+            for key, group in groups.items() if len(group) > 1]
+
+
+def noise_lines(cases: list[SweepCase]) -> list[str]:
+    """One line per same-plan group: what the noise floor of this run was."""
+    return [f"Same plan measured {len(g.rows)} times ({', '.join(g.rows)}): "
+            + " vs ".join(f"{t:.0f}/s" for t in g.throughputs)
+            + f", {g.spread_pct:.0f} % apart: run-to-run noise between pipelines of one plan on this machine; "
+              "a prediction error below it is not resolved." for g in same_plans(cases)]
+
+
 def _wrap(title: str, width: int = 70) -> str:
     return textwrap.fill(title, width)
 
@@ -307,6 +342,9 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
     if bound:
         md += [f"**CPU-bound runs**: {len(bound)} row(s) run more processes (stages + driver) than cores; their "
                "predictions assume an even share of the cores, so they are not held to the targets.", ""]
+    noise = noise_lines(cases) if measured_label == "measured" else []
+    if noise:
+        md += ["**Noise floor**: " + " ".join(noise), ""]
     md += [markdown_table(cases, "meas" if measured_label == "measured" else measured_label), "",
            "![predicted vs measured](throughput.png)"]
     if timeline:

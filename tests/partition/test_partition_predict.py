@@ -106,3 +106,24 @@ def test_planner_speed_700_ops():
     elapsed = time.perf_counter() - t0
     assert plan.num_stages == 8
     assert elapsed < 2.0, f"optimal planning of 700 ops into 8 stages took {elapsed:.2f} s"
+
+
+def test_report_states_the_noise_floor_of_identical_plans(resnet, tmp_path):
+    """Rows that run the very same stages (equal and optimal at K = 1) measure this machine's run-to-run
+    noise: the report says how far apart they came, and says nothing for rows whose plans differ."""
+    from tvmpipe.partition.report import same_plans
+
+    cases = sweep_plans(PipelineModel.build(resnet), 2)
+    for c, t in zip(cases, (1000.0, 800.0, 600.0, 700.0)):
+        c.measured = Measured(throughput=t, latency_p50_us=1.0, latency_p99_us=2.0, bubble=0.1)
+    k1 = [c for c in cases if c.stages == 1]
+    assert k1[0].plan.stages == k1[1].plan.stages
+    groups = same_plans(cases)
+    k2_same = cases[2].plan.stages == cases[3].plan.stages
+    assert [g.rows for g in groups][:1] == [("K=1 equal", "K=1 optimal")] and len(groups) == 1 + k2_same
+    assert groups[0].spread_pct == pytest.approx(25.0)
+    md = write_report(cases, tmp_path / "r")["markdown"].read_text()
+    assert "Noise floor" in md and "K=1 equal, K=1 optimal" in md and "1000/s vs 800/s, 25 % apart" in md
+    for c in cases:  # no identical plans measured: no claim
+        c.measured = None
+    assert same_plans(cases) == [] and "Noise floor" not in write_report(cases, tmp_path / "s")["markdown"].read_text()
