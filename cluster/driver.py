@@ -10,7 +10,13 @@ closed connection or an `error` frame; a stall (nothing completes for `timeouts.
 triggers the same health check. The supervisor thread then asks every worker for its status,
 restarts the ones that are dead, failed or stuck, re-wires the whole data plane under a new epoch
 (frames of older epochs are refused everywhere) and replays every micro-batch that had not
-completed, from its inputs, which the driver keeps until completion. Outputs are accepted only for
+completed. With `replay="upstream"` (the default) the replay starts from what the stages still hold:
+every stage keeps the outputs of its last `window` micro-batches (all that can be incomplete, since
+at most `window` are in flight), each surviving stage resumes where it stopped, and its consumers
+take again from it only what they have not computed; only a restarted stage recomputes, from the
+first micro-batch anyone after it still needs (`_resume_points`). With `replay="driver"` every stage
+recomputes every incomplete micro-batch from the driver's inputs, which the driver keeps until
+completion either way. Outputs are accepted only for
 the next sequence numbers, so each is delivered exactly once and in order. A stage that fails more
 than `max_restarts` times ends the run with a `PipelineError` naming it and its last error, carrying
 the outputs that did complete.
@@ -34,7 +40,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, conti
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
-from tvmpipe.cluster.status import WorkerStats, WorkerStatus
+from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Topology, build_topology
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
@@ -42,6 +48,19 @@ from tvmpipe.executor.checks import check_inputs
 from tvmpipe.partition import Plan, plan_equal_ops
 
 Outputs = list[np.ndarray]
+REPLAY_MODES = ("upstream", "driver")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One re-wiring after a fault: the epoch it began, the driver's first incomplete micro-batch,
+    the stages restarted, and the micro-batch each stage computed from (upstream replay: survivors
+    resume where they stopped; only what no stage still held is computed again)."""
+
+    epoch: int
+    first: int
+    restarted: tuple[int, ...]
+    resume: tuple[int, ...]
 
 
 class PipelineError(TvmpipeError):
@@ -81,13 +100,16 @@ class Pipeline:
                  backend_opts: dict[str, Any] | None = None, window: int | None = None,
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
-                 ship_bundle: bool = False):
+                 ship_bundle: bool = False, replay: str = "upstream"):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = plan_equal_ops(self.bundle.graph, plan) if isinstance(plan, int) else plan
         self.topology: Topology = build_topology(self.bundle, self.plan)
         self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
+        if replay not in REPLAY_MODES:
+            raise TvmpipeError(f"replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
+        self.replay = replay
         if max_restarts < 0:
             raise TvmpipeError(f"max_restarts must be >= 0, got {max_restarts}")
         self.timeouts = timeouts
@@ -96,6 +118,7 @@ class Pipeline:
         self._secret = new_secret()  # proves data-plane connections belong to this run (handshake.py)
         self.restarts = [0] * self.topology.num_stages
         self.errors: list[str] = []  # every failure the supervisor handled, for the report
+        self.replays: list[Replay] = []  # every re-wiring after a fault: where each stage resumed
         self._head_stages = sorted({e.src for e in self.topology.inbound(DRIVER) if e.entries})
         self._head_from = {eid: e.src for e in self.topology.inbound(DRIVER) for eid in e.entries}
         missing = [h for h in self.topology.heads if h not in self._head_from
@@ -129,6 +152,7 @@ class Pipeline:
         # data plane, guarded by _wire_lock (sending vs re-wiring)
         self._wire_lock = threading.Lock()
         self._sent = 0  # next sequence number to send in the current epoch
+        self._feed_from: dict[int, int] = {}  # stage -> first micro-batch it takes inputs for, this epoch
         self._links: dict[int, Link] = {}
         self.bytes_out: dict[int, int] = {}  # per stage, of links already closed
         self.frames_out: dict[int, int] = {}
@@ -311,10 +335,11 @@ class Pipeline:
             todo = [(s, self._inputs[s]) for s in range(self._sent, self._submitted) if s in self._inputs]
             self._sent = self._submitted
             epoch = self._epoch
-        links = self._links
+        links, start = self._links, self._feed_from
         for seq, arrays in todo:
             for dst, entries, names in self._feeds:
-                links[dst].put(Frame("data", self.run_id, epoch, seq, DRIVER, {x: arrays[x] for x in entries}, names))
+                if seq >= start.get(dst, 0):  # below: the stage computed it before the fault
+                    links[dst].put(Frame("data", self.run_id, epoch, seq, DRIVER, {x: arrays[x] for x in entries}, names))
 
     # ---- receiving -------------------------------------------------------------------------------
     def _accept_hello(self, peer: Peer) -> FrameLimits:
@@ -375,18 +400,25 @@ class Pipeline:
         return on_error
 
     # ---- wiring and recovery ---------------------------------------------------------------------
-    def _wire(self, epoch: int, first_seq: int) -> None:
-        """Connect every edge for `epoch`: all workers expect it first, then all connect."""
+    def _wire(self, epoch: int, first_seq: int, resume: list[int] | None = None) -> None:
+        """Connect every edge for `epoch`: all workers expect it first, then all connect. Stage i
+        computes from resume[i] (default: `first_seq`, the driver's first incomplete micro-batch)
+        and sends each consumer what it needs from that consumer's own resume point on."""
         topo = self.topology
+        resume = resume or [first_seq] * topo.num_stages
+        start = lambda i: first_seq if i == DRIVER else resume[i]  # noqa: E731
         addr = lambda i: self._listener.address if i == DRIVER else self._addresses[i]  # noqa: E731
-        wirings = [Wiring(self.run_id, epoch, first_seq, {e.src: e.entries for e in topo.inbound(i)},
+        retain = self.window if self.replay == "upstream" else 0
+        wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
-                          secret=self._secret)
+                          secret=self._secret, send_from={e.dst: start(e.dst) for e in topo.outbound(i)},
+                          retain=retain)
                    for i in range(topo.num_stages)]
+        self._feed_from = {i: resume[i] for i in range(topo.num_stages)}
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
         _raise_first(self.launcher.call_all("connect"))
-        hello = Frame("hello", self.run_id, epoch, first_seq, DRIVER)
         for e in topo.outbound(DRIVER):
+            hello = Frame("hello", self.run_id, epoch, resume[e.dst], DRIVER)
             try:
                 self._links[e.dst] = Link(self._addresses[e.dst], hello, self._secret, self._link_failed(epoch, e.dst),
                                           depth=self.window + 1)
@@ -505,10 +537,37 @@ class Pipeline:
             self._listener.drop_connections()
             for i in restart:
                 self._addresses[i] = self.launcher.restart(i)
-            self._wire(epoch, first)
+            # after the restarts: a stuck stage is gone, so no pause waits for its micro-batch to end
+            paused = self.launcher.call_all("pause") if self.replay == "upstream" else []
+            resume = self._resume_points(first, restart, paused)
+            self.replays.append(Replay(epoch, first, tuple(restart), tuple(resume)))
+            self._wire(epoch, first, resume)
             with self._cond:
                 self._last_progress = time.time()
             self._pump()
+
+    def _resume_points(self, first: int, restart: list[int], paused: list[Any]) -> list[int]:
+        """Where each stage computes from in the new epoch (see the module docstring).
+
+        Consumers come after their producers (stages are contiguous node ranges), so walking from the
+        last stage back, each one's needs are known: the earliest micro-batch any consumer of it takes
+        (the driver takes from `first`). A surviving stage resumes where it stopped if it still holds
+        its outputs back to that point; otherwise (and a restarted one always) it computes from there.
+        Surviving producers are never behind their consumers (a consumer computed only what they had
+        sent), so every edge is served from retained outputs or by a stage that computes."""
+        n = self.topology.num_stages
+        if self.replay != "upstream":
+            return [first] * n
+        resume = [first] * n
+        for i in reversed(range(n)):
+            need = min((first if e.dst == DRIVER else resume[e.dst] for e in self.topology.outbound(i)
+                        if e.carries_data), default=first)
+            p = paused[i] if i < len(paused) else None
+            if i in restart or not isinstance(p, Progress) or p.retained_from > need:
+                resume[i] = need
+            else:
+                resume[i] = max(p.next_seq, need)
+        return resume
 
     def _control_lost(self, why: str) -> None:
         """The cluster's head is gone (launcher's watch thread): nothing can be restarted, and Ray

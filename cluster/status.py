@@ -50,3 +50,14 @@ class WorkerStats:
     events: list[Span]
     bytes_out: dict[int, int]
     frames_out: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a paused worker stands, for the driver's replay plan (driver.py `_resume_points`): it has
+    computed every micro-batch below `next_seq` of the current run, and still holds the outputs it
+    sent for `retained_from` .. `next_seq` - 1 (none when the two are equal), ready to send again."""
+
+    stage: int
+    next_seq: int
+    retained_from: int

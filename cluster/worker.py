@@ -32,9 +32,10 @@ import numpy as np
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle import dtypes
+from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.status import Span, WorkerStats, WorkerStatus
+from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
 from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
@@ -73,6 +74,11 @@ class Wiring:
     outbound: list[tuple[Edge, Address]]  # edges from this stage, with the consumer's address
     queue_depth: int = 8
     secret: bytes = field(default=b"", repr=False)
+    # Upstream replay (driver.py): the first micro-batch each consumer (stage or DRIVER) takes from
+    # this stage in this epoch, where it is below `first_seq`: the outputs for send_from[c] ..
+    # first_seq - 1 are sent again from what this stage retained, before anything it computes.
+    send_from: dict[int, int] = field(default_factory=dict)
+    retain: int = 0  # how many of its last sends the stage keeps for that (0: none, driver replay)
 
 
 def read_bundle_files(path: str | Path) -> dict[str, bytes]:
@@ -134,6 +140,9 @@ class StageWorker:
         self._computing = False  # some thread holds the right to compute (one at a time, in order)
         self._busy: tuple[int, float] | None = None  # (seq, start time) while computing
         self._next_seq = 0
+        # (seq, outputs) of the last `wiring.retain` micro-batches computed, in order: what a consumer
+        # restarted after a fault takes again without this stage, or any before it, recomputing
+        self._retained: deque[tuple[int, dict[int, np.ndarray]]] = deque()
         self._error: str | None = None
         self._peer_errors: list[str] = []
         # (epoch, seq, start, end) per micro-batch, wall clock; the newest TIMELINE_KEPT only
@@ -153,6 +162,13 @@ class StageWorker:
         """
         self.stop()
         with self._cond:
+            have = self._retained_from()
+            missing = [c for c, s in wiring.send_from.items() if s < wiring.first_seq and s < have]
+            if missing:  # the driver's plan relies on outputs this stage no longer holds
+                raise TvmpipeError(f"stage {self.index} cannot send micro-batches {min(wiring.send_from[c] for c in missing)}"
+                                   f"..{wiring.first_seq - 1} again: it holds {have}..{self._next_seq - 1}")
+            kept = [r for r in self._retained if r[0] < wiring.first_seq][-wiring.retain:] if wiring.retain else []
+            self._retained = deque(kept, maxlen=wiring.retain or None)
             self._wiring = wiring
             self._pending.clear()
             self._next_from = {p: wiring.first_seq for p in wiring.inbound}
@@ -162,6 +178,21 @@ class StageWorker:
             self._next_seq = wiring.first_seq
             self._error = None
             self._peer_errors = []
+
+    def pause(self) -> Progress:
+        """Stop (see stop()) and say how far this stage got and what it can send again."""
+        self.stop()
+        with self._cond:
+            return Progress(self.index, self._next_seq, self._retained_from())
+
+    def _retained_from(self) -> int:
+        """The first micro-batch of the unbroken run of retained ones that ends at _next_seq - 1."""
+        first = self._next_seq
+        for seq, _ in reversed(self._retained):
+            if seq != first - 1:
+                break
+            first = seq
+        return first
 
     def connect(self) -> None:
         """Open the outbound links of the prepared wiring and start computing.
@@ -179,6 +210,11 @@ class StageWorker:
             self._links.append((edge, link, names))
             if edge.carries_data:
                 self._data_links.append((link, edge.entries, names))
+                start = w.send_from.get(edge.dst, w.first_seq)
+                for seq, outputs in self._retained:  # upstream replay: sent again, in order, before new ones
+                    if start <= seq < w.first_seq:
+                        link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in edge.entries},
+                                       names))
         inbound = sum(self.program.entry_specs[e].nbytes for es in w.inbound.values() for e in es)
         with self._cond:
             self._inline = inbound <= INLINE_BYTES
@@ -361,5 +397,7 @@ class StageWorker:
             self.events.append((w.epoch, seq, self._busy[1], end))
             self._busy = None
             self._next_seq = seq + 1
+            if w.retain:
+                self._retained.append((seq, outputs))
         for link, entries, names in self._data_links:
             link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names))
