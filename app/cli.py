@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "runtime; a JSON file of RuntimeCosts fields pins them")
     s.add_argument("--rounds", type=COUNT, default=3,
                    help="measured runs per plan, reported as median and min-max (default 3)")
+    s.add_argument("--measure-links", action="store_true",
+                   help="probe latency and bandwidth between the Ray cluster's nodes through the data plane "
+                        "(cluster/linkprobe.py), write links.json into the report and charge boundary frames "
+                        "with them (needs --local or --address)")
     s.add_argument("--cluster", metavar="CLUSTER.json", help="what-if cluster (devices, speeds, memory, links; "
                    "docs/partition.md): with --backend simulated, plans run in the event simulator, not here")
     s.add_argument("-o", "--output", required=True, metavar="REPORT_DIR", help="report directory")
@@ -163,9 +167,11 @@ def sweep_command(args: argparse.Namespace) -> int:
     else:
         options = cluster_options(args)
         check_where(options)
+        if args.measure_links and options.processes:
+            raise TvmpipeError("--measure-links probes the nodes of a Ray cluster: use it with --local or --address")
         cases, paths = run_sweep(bundle, args.output, options, stages=args.stages, strategies=args.strategies,
                                  micro_batches=args.micro_batches, profile=args.profile, time_scale=args.time_scale,
-                                 runtime=args.runtime, rounds=args.rounds, say=say)
+                                 runtime=args.runtime, rounds=args.rounds, measure_links=args.measure_links, say=say)
     for p in paths.values():
         print(f"wrote {p}")
     return 0 if any(c.measured for c in cases) else 1

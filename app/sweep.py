@@ -181,10 +181,11 @@ def prepare_report_dir(out: str | Path) -> Path:
 
 def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stages: tuple[int, int],
               strategies: tuple[str, ...], micro_batches: int | str = AUTO, profile: str | None = None,
-              time_scale: float = 1.0, runtime: str = AUTO, rounds: int = 3,
+              time_scale: float = 1.0, runtime: str = AUTO, rounds: int = 3, measure_links: bool = False,
               say: Callable[[str], None] = lambda line: None) -> tuple[list[Any], dict[str, Path]]:
     """Plan `bundle` for every stage count in `stages` (lo, hi) and strategy, run each plan `rounds`
-    times, and write the report under `out`. `say` receives one line per step as it happens. Returns
+    times, and write the report under `out`. `measure_links`: probe the Ray cluster's links first
+    (cluster/linkprobe.py), keep them in links.json and charge boundary frames with them. `say` receives one line per step as it happens. Returns
     the cases (a case that could not be planned or run has `error` set) and the report's files."""
     import statistics
 
@@ -207,7 +208,18 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     with open_cluster(options, hi + 1) as cluster:  # + 1: the calibration pipeline stays open
         backend = pick_backend(options.backend, cluster.gpus)
         prof = read_profile(profile) if profile else backend_profile(bundle, backend, time_scale)
-        model = PipelineModel.build(bundle, profile=prof)
+        links = None
+        if measure_links:
+            from tvmpipe.cluster.linkprobe import measure_links as probe, summarize
+
+            links = summarize(probe())
+            files.write_json(out / "links.json", links.to_json())
+            say(f"links measured through the data plane: {links.describe()}")
+        across = links is not None and links.network is not None and options.placement in ("SPREAD", "STRICT_SPREAD")
+        model = PipelineModel.build(bundle, profile=prof, **({"link": links.model_link(across)} if links else {}))
+        if links:
+            say(f"boundary frames charged {model.link.latency_us:.0f} us + bytes at {model.link.bandwidth / 1e9:.2f} GB/s "
+                + ("(stages spread over nodes: the network beyond loopback)" if across else "(stages on one node: loopback)"))
         n = sweep_micro_batches(micro_batches, model, hi)
         batches = random_micro_batches(bundle, n, seed=0)
         say(f"{n} micro-batches per plan" + (" (auto)" if micro_batches == AUTO else "") + f", {rounds} round(s)")
@@ -267,7 +279,12 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
     paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})", timeline=timeline,
                          timeline_title=f"{case_key(best[2])}, the fastest measured plan" if best else None,
-                         runtime=model.runtime)
+                         runtime=model.runtime,
+                         notes=[f"Links (measured, links.json): {links.describe()}; boundary frames charged "
+                                f"{model.link.latency_us:.0f} us + bytes at {model.link.bandwidth / 1e9:.2f} GB/s."]
+                         if links else None)
+    if links:
+        paths["links"] = out / "links.json"
     return cases, paths
 
 

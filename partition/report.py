@@ -305,7 +305,7 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
 def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmpipe sweep",
                  timeline: list[Span] | list[tuple] | None = None, timeline_unit: str = "ms",
                  timeline_title: str | None = None, runtime: RuntimeCosts | None = None,
-                 measured_label: str = "measured") -> dict[str, Path]:
+                 measured_label: str = "measured", notes: list[str] | None = None) -> dict[str, Path]:
     """sweep.md, sweep.csv, throughput.png (and gantt.png when a timeline is given) under `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -335,6 +335,8 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
                   if runtime.cores and runtime.cores_free is not None else "") + "."
                + (" These chose the plans; each row is predicted from calibration rounds interleaved with its own "
                   "rounds (figures in its plans/*.json)." if runtime.source == "calibrated" else ""), ""]
+    for note in notes or []:
+        md += [note, ""]
     loads = [c.measured.load for c in cases if c.measured and c.measured.load]
     if loads:
         md += [f"Load average during the runs: {min(lo for lo, _ in loads):.1f}-{max(hi for _, hi in loads):.1f}.", ""]
