@@ -27,8 +27,21 @@ from netbed import Host
 SSHD = "/usr/sbin/sshd"
 VENV = Path(sys.executable).parent.parent
 _REAL = Path(os.path.realpath(sys.executable))
-# Top-level entries of /root the interpreter needs (e.g. .pyenv), kept visible on every machine.
-SHARED_HOME = [_REAL.relative_to("/root").parts[0]] if _REAL.is_relative_to("/root") else []
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tops(under: str) -> list[str]:
+    """Top-level entries of `under` that hold what every machine must see where this one does: the
+    checkout (a fresh clone may well sit in /tmp), its venv, and the venv's interpreter (e.g. pyenv
+    under /root). Each machine's private /root and /tmp get them mounted back, like an NFS share."""
+    tops: list[str] = []
+    for path in (REPO, Path(os.path.realpath(VENV)), _REAL):
+        if path.is_relative_to(under) and path != Path(under) and path.relative_to(under).parts[0] not in tops:
+            tops.append(path.relative_to(under).parts[0])
+    return tops
+
+
+SHARED_HOME, SHARED_TMP = _tops("/root"), _tops("/tmp")
 
 
 def missing() -> str | None:
@@ -63,10 +76,11 @@ class Machine:
             os.chmod(self.home / ".ssh" / "authorized_keys", 0o600)
 
     def wrap(self, *argv: str) -> list[str]:
-        """argv run on this machine: its network, its own PIDs, /root and /tmp. What the venv's
-        interpreter lives in under /root (pyenv) is mounted into the private /root again."""
-        keep = "".join(f'mkdir -p "$0/home/{d}" && mount --bind "/root/{d}" "$0/home/{d}" && ' for d in SHARED_HOME)
-        script = keep + 'mount --rbind "$0/home" /root && mount --bind "$0/tmp" /tmp && exec "$@"'
+        """argv run on this machine: its network, its own PIDs, /root and /tmp. The checkout, its venv
+        and the interpreter (see `_tops`) are mounted into the private /root and /tmp again."""
+        keep = "".join(f'mkdir -p "$0/{mine}/{d}" && mount --bind "/{real}/{d}" "$0/{mine}/{d}" && '
+                       for mine, real, tops in (("home", "root", SHARED_HOME), ("tmp", "tmp", SHARED_TMP)) for d in tops)
+        script = keep + 'mount --rbind "$0/home" /root && mount --rbind "$0/tmp" /tmp && exec "$@"'
         return self.host.command("unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private",
                                  "sh", "-c", script, str(self.root), *argv)
 
