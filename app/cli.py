@@ -66,8 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--strategies", type=strategies, default="equal,optimal",
                    help="comma-separated: equal, optimal")
     s.add_argument("--micro-batches", "-n", type=count_or_auto(int, 1, "a count"), default="auto", metavar="N|auto",
-                   help="micro-batches per plan; 'auto' (default): enough for ~0.25 s of steady state at the "
-                        "fastest rate the op times allow, 32 to 2000")
+                   help="micro-batches per round of each plan; 'auto' (default): ~0.1 s at the 1-stage rate, "
+                        "32 to 2000")
     s.add_argument("--profile", metavar="PROFILE.json", help="per-node times (`tvmpipe profile --json`) for the "
                    "planner, and for the simulated backend")
     s.add_argument("--time-scale", type=POSITIVE, default=1.0,
@@ -76,8 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="runtime costs in predictions (receive, send, Stage.run, driver; docs/partition.md): 'auto' "
                         "(default) calibrates them with a 1-stage zero-compute run; 'none' predicts an ideal "
                         "runtime; a JSON file of RuntimeCosts fields pins them")
-    s.add_argument("--rounds", type=COUNT, default=3,
-                   help="measured runs per plan, reported as median and min-max (default 3)")
+    s.add_argument("--rounds", type=count_or_auto(int, 1, "a count"), default="auto", metavar="N|auto",
+                   help="measured rounds per plan, each paired with a calibration round, reported as median and "
+                        "min-max; 'auto' (default): ~3 s of rounds at the 1-stage rate, 5 to 40")
     s.add_argument("--measure-links", action="store_true",
                    help="probe latency and bandwidth between the Ray cluster's nodes through the data plane "
                         "(cluster/linkprobe.py), write links.json into the report and charge boundary frames "

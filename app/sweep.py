@@ -16,8 +16,10 @@ from tvmpipe.bundle import Bundle
 from tvmpipe.core import files
 from tvmpipe.core.errors import TvmpipeError
 
-CALIBRATION_MICRO_BATCHES = 500  # per calibration round, whatever the plans' count (a count of 74 read noise)
-SWEEP_STEADY_S = 0.25  # 'auto' micro-batch count: seconds of steady state at the fastest possible rate
+CALIBRATION_MICRO_BATCHES = 500  # per zero-compute calibration round (a count of 74 read noise)
+SWEEP_ROUND_S = 0.1  # 'auto' micro-batches per round: this long at the 1-stage rate
+SWEEP_MEASURE_S = 3.0  # 'auto' rounds: this long measured per plan at the 1-stage rate ...
+SWEEP_ROUNDS = (5, 40)  # ... within these bounds
 AUTO = "auto"
 
 
@@ -59,6 +61,40 @@ class Calibrator:
         from tvmpipe.cluster.experiment import measure_rounds
 
         return measure_rounds(self.pipe, self.batches, rounds, self.local, warmup) if self.pipe else []
+
+    def paired(self, pipe: Any, batches: list[dict[str, Any]], rounds: int, local: bool, warmup: int = 0) -> tuple[list[Any], list[Any]]:
+        """`rounds` rounds of `batches` through `pipe` (`local`: its workers are processes here), each paired with a calibration round run right
+        before or after it (alternating, so neither side always runs first): (plan rounds, calibration rounds).
+
+        Why pairs of short rounds: on the shared 2-core VM this was built on, the same 1-stage reference
+        pipeline ran at 1300/s in one 0.1 s stretch and 2200/s in the next, in phases lasting from a tenth
+        of a second to seconds. Three rounds of 0.6 s each, calibration before each, put a K = 1
+        prediction between -12 % and +43 % of what it predicted (six tries); 15 alternating pairs of
+        ~0.1 s, compared median to median, within 3 %; pooled over ten tries, 30 pairs give a spread
+        (one standard deviation) of 2.6 %. A plan and the calibration it is predicted from must see the
+        same stretches of the machine, so they take turns at the granularity of its noise."""
+        from tvmpipe.cluster.experiment import measure_rounds
+
+        measured: list[Any] = []
+        alongside: list[Any] = []
+        for r in range(rounds):
+            first = warmup if r == 0 else 0
+            if r % 2:
+                measured += measure_rounds(pipe, batches, 1, local, first)
+                alongside += self.measure()
+            else:
+                alongside += self.measure()
+                measured += measure_rounds(pipe, batches, 1, local, first)
+        return measured, alongside
+
+    def match(self, bundle: Bundle, count: int) -> None:
+        """Calibration rounds of `count` micro-batches when the calibration computes real ops: then a
+        calibration round lasts as long as a round of the 1-stage plan, and a pair's two halves see the
+        machine for equally long. A zero-compute calibration keeps CALIBRATION_MICRO_BATCHES."""
+        from tvmpipe.executor.inputs import random_micro_batches
+
+        if self.pipe is not None and self.fields.get("compute_us") is not None:
+            self.batches = random_micro_batches(bundle, count, seed=1)
 
     def costs(self, rounds: list[Any]) -> Any:
         """RuntimeCosts from the median of `rounds`, or the fixed ones."""
@@ -150,18 +186,31 @@ def backend_profile(bundle: Bundle, backend: str, time_scale: float, bursts: int
     return prof
 
 
-def sweep_micro_batches(value: int | str, model: Any, max_stages: int) -> int:
-    """Micro-batches per sweep plan. A fixed count is wrong at both ends: 32 micro-batches of a
-    sub-millisecond model are a few ms of steady state, all noise, while 2000 of a 35 ms model
-    take a minute per plan. 'auto' aims at SWEEP_STEADY_S for the fastest plan the op times allow
-    (K stages of the 1-stage rate, an upper bound), within 32..2000."""
+def one_stage_rate(model: Any) -> float:
+    """Micro-batches/s the model predicts for the whole graph on one stage."""
     from tvmpipe.partition.planners import make_plan
     from tvmpipe.partition.predict import predict
 
+    return predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
+
+
+def sweep_micro_batches(value: int | str, model: Any) -> int:
+    """Micro-batches per round of a sweep plan. A fixed count is wrong at both ends: 32 micro-batches
+    of a sub-millisecond model are a few ms, all noise, while 2000 of a 35 ms model take a minute.
+    'auto' aims at SWEEP_ROUND_S at the 1-stage rate (model: with the calibrated runtime costs), within
+    32..2000: rounds short enough to pair with calibration rounds at the machine's noise (Calibrator.paired)."""
     if value != AUTO:
         return int(value)
-    rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
-    return int(min(2000, max(32, rate * max_stages * SWEEP_STEADY_S)))
+    return int(min(2000, max(32, one_stage_rate(model) * SWEEP_ROUND_S)))
+
+
+def sweep_rounds(value: int | str, model: Any, micro_batches: int) -> int:
+    """Rounds per sweep plan. 'auto': SWEEP_MEASURE_S of measuring at the 1-stage rate, within
+    SWEEP_ROUNDS: with 'auto' micro-batches, 30 rounds of ~0.1 s (Calibrator.paired says why so many)."""
+    if value != AUTO:
+        return int(value)
+    lo, hi = SWEEP_ROUNDS
+    return int(min(hi, max(lo, round(SWEEP_MEASURE_S * one_stage_rate(model) / micro_batches))))
 
 
 def case_key(case: Any) -> str:
@@ -181,16 +230,16 @@ def prepare_report_dir(out: str | Path) -> Path:
 
 def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stages: tuple[int, int],
               strategies: tuple[str, ...], micro_batches: int | str = AUTO, profile: str | None = None,
-              time_scale: float = 1.0, runtime: str = AUTO, rounds: int = 3, measure_links: bool = False,
+              time_scale: float = 1.0, runtime: str = AUTO, rounds: int | str = AUTO, measure_links: bool = False,
               say: Callable[[str], None] = lambda line: None) -> tuple[list[Any], dict[str, Path]]:
     """Plan `bundle` for every stage count in `stages` (lo, hi) and strategy, run each plan `rounds`
-    times, and write the report under `out`. `measure_links`: probe the Ray cluster's links first
+    times (each paired with a calibration round: Calibrator.paired), and write the report under `out`. `measure_links`: probe the Ray cluster's links first
     (cluster/linkprobe.py), keep them in links.json and charge boundary frames with them. `say` receives one line per step as it happens. Returns
     the cases (a case that could not be planned or run has `error` set) and the report's files."""
     import statistics
 
     from tvmpipe.cluster import Pipeline
-    from tvmpipe.cluster.experiment import WARMUP_MICRO_BATCHES, measure_rounds, spreads
+    from tvmpipe.cluster.experiment import WARMUP_MICRO_BATCHES, spreads
     from tvmpipe.cluster.local import LOOPBACK
     from tvmpipe.cluster.timeline import gantt_spans, write_trace
     from tvmpipe.executor.inputs import random_micro_batches
@@ -200,7 +249,7 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     from tvmpipe.partition.report import noise_lines, write_report
     from tvmpipe.partition.sweep import Measured, sweep_plans
 
-    if rounds < 1:
+    if rounds != AUTO and int(rounds) < 1:
         raise TvmpipeError(f"--rounds must be >= 1, got {rounds}")
     lo, hi = stages
     out = prepare_report_dir(out)
@@ -220,15 +269,18 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
         if links:
             say(f"boundary frames charged {model.link.latency_us:.0f} us + bytes at {model.link.bandwidth / 1e9:.2f} GB/s "
                 + ("(stages spread over nodes: the network beyond loopback)" if across else "(stages on one node: loopback)"))
-        n = sweep_micro_batches(micro_batches, model, hi)
-        batches = random_micro_batches(bundle, n, seed=0)
-        say(f"{n} micro-batches per plan" + (" (auto)" if micro_batches == AUTO else "") + f", {rounds} round(s)")
         local = cluster.host == LOOPBACK
         with open_calibrator(runtime, bundle, backend, prof, options, cluster, CALIBRATION_MICRO_BATCHES) as cal:
             costs = cal.costs(cal.measure(3, WARMUP_MICRO_BATCHES))
             model = replace(model, runtime=costs)
             say(f"runtime costs for planning ({costs.source}): {describe_costs(costs)}"
-                + ("; each plan is predicted from calibration rounds interleaved with its own" if cal.calibrates else ""))
+                + ("; each plan is predicted from calibration rounds paired with its own" if cal.calibrates else ""))
+            n = sweep_micro_batches(micro_batches, model)
+            n_rounds = sweep_rounds(rounds, model, n)
+            batches = random_micro_batches(bundle, n, seed=0)
+            cal.match(bundle, n)
+            say(f"{n} micro-batches per round" + (" (auto)" if micro_batches == AUTO else "")
+                + f", {n_rounds} round(s) per plan" + (" (auto)" if rounds == AUTO else ""))
             cases = sweep_plans(model, hi, strategies, min_stages=lo, requests=n)
             for case in cases:
                 key = case_key(case)
@@ -239,12 +291,9 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
                 kw = pipeline_kwargs(options, cluster, backend, len(case.plan.stages))
                 if backend == "simulated":
                     kw["backend_opts"] = {"cost_profile": prof}
-                measured, alongside = [], []
                 try:
                     with Pipeline(bundle, case.plan, **kw) as pipe:
-                        for r in range(rounds):
-                            alongside += cal.measure()
-                            measured += measure_rounds(pipe, batches, 1, local, WARMUP_MICRO_BATCHES if r == 0 else 0)
+                        measured, alongside = cal.paired(pipe, batches, n_rounds, local, WARMUP_MICRO_BATCHES)
                 except TvmpipeError as exc:
                     case.error = f"run failed: {exc}"
                     say(f"[{key}] {case.error}")

@@ -1,10 +1,11 @@
 """Prediction accuracy: `tvmpipe sweep` predicted vs measured, side by side in one run (issue 18).
 
-Four sweeps of examples/cnn, K = 1..3, equal and optimal, 3 rounds each, on local processes:
-the reference backend (1000 micro-batches) and the simulated backend with `--time-scale` 7, 66 and
-660 (the whole graph ~0.1 ms, ~1 ms, ~10 ms). Each sweep calibrates its runtime costs in the same
-run (partition/runtime.py); the figures here are ratios of a prediction to the median of rounds
-measured minutes later by the same command, with the rounds' min-max next to them.
+Four sweeps of examples/cnn, K = 1..3, equal and optimal, with the sweep's defaults (rounds and
+micro-batches 'auto': ~30 rounds of ~0.1 s per plan), on local processes: the reference backend and
+the simulated backend with `--time-scale` 7, 66 and 660 (the whole graph ~0.1 ms, ~1 ms, ~10 ms).
+Each sweep calibrates its runtime costs in the same run (partition/runtime.py), a calibration round
+paired with each of a plan's rounds (app/sweep.py Calibrator.paired); the figures here are ratios of
+a prediction to the median of the plan's rounds, with the rounds' min-max next to them.
 
 Target (where it applies: stage processes + driver fit the cores, on 2 cores K = 1): predicted
 throughput within 10 % and bubble within 10 points. Rows with more processes than cores are reported
@@ -32,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "predict.json"
 SWEEPS = {
-    "reference": ["--backend", "reference", "-n", "1000"],
+    "reference": ["--backend", "reference"],
     "simulated-0.1ms": ["--backend", "simulated", "--time-scale", "7"],
     "simulated-1ms": ["--backend", "simulated", "--time-scale", "66"],
     "simulated-10ms": ["--backend", "simulated", "--time-scale", "660"],
@@ -67,7 +68,7 @@ def main() -> None:
     results = {}
     for name, extra in SWEEPS.items():
         cmd = [sys.executable, "-m", "tvmpipe.cli", "sweep", str(REPO / "examples" / "cnn"), "--stages", "1..3",
-               "--processes", "--rounds", "3", *extra, "-o", str(out / name)]
+               "--processes", *extra, "-o", str(out / name)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:

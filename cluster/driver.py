@@ -258,16 +258,17 @@ class Pipeline:
         """Data-plane addresses: every stage worker's listener, then the driver's."""
         return [*self._addresses, self._listener.address]
 
-    def record(self) -> RunRecord:
-        """Everything measured so far: driver timings and every worker's spans and byte counts."""
-        stats = self.launcher.call_all("stats")
+    def record(self, since: int = 0) -> RunRecord:
+        """What was measured so far: driver timings and every worker's spans of micro-batches `since`
+        on, and byte counts since the start."""
+        stats = self.launcher.call_all("stats", [(since,)] * self.topology.num_stages)
         with self._wire_lock:
             bytes_out, frames_out = dict(self.bytes_out), dict(self.frames_out)
             for dst, link in self._links.items():
                 bytes_out[dst] = bytes_out.get(dst, 0) + link.bytes_sent
                 frames_out[dst] = frames_out.get(dst, 0) + link.frames_sent
         with self._cond:
-            done = dict(self.done_times)
+            done = {s: t for s, t in self.done_times.items() if s >= since}
             submitted = {s: self.submit_times[s] for s in done}
         g = self.bundle.graph
         return RunRecord(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from tvmpipe.cluster.metrics import PipelineMetrics, RunRecord, compute_metrics
+from tvmpipe.cluster.status import WorkerStatus
 from tvmpipe.partition.runtime import Calibration
 
 
@@ -103,7 +104,7 @@ def local_cores() -> int:
 
 
 def _worker_pids(pipe: Any) -> list[int | None]:
-    return [st.pid if st else None for st in pipe.record().worker_stats]
+    return [st.pid if isinstance(st, WorkerStatus) else None for st in pipe.status()]
 
 
 def _slice(rec: RunRecord, seqs: range) -> RunRecord:
@@ -139,7 +140,7 @@ def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local:
             if m0 is not None and m1 is not None and w1 > w0:  # the machine's busy time that was not ours
                 ours = sum(b - a for a, b in zip(cpu0, cpu1)) + (d1 - d0)
                 others = max(0.0, (m1 - m0 - ours) / (w1 - w0))
-        rec = _slice(pipe.record(), range(first, first + n))
+        rec = _slice(pipe.record(since=first), range(first, first + n))
         out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec, others))
     return out
 

@@ -74,3 +74,44 @@ def test_rounds_measure_the_cores_other_processes_take():
             neighbour.wait()
     # the neighbour alone is up to a core; on a machine loaded by others too, they take at least as much
     assert busy.others_cores is not None and busy.others_cores >= 0.5, busy.others_cores
+
+
+def _span(rnd) -> tuple[float, float]:
+    rec = rnd.record
+    return min(rec.submit_times.values()), max(rec.done_times.values())
+
+
+def test_plan_rounds_take_turns_with_calibration_rounds():
+    """The shared machine's speed swings by tens of percent from one tenth of a second to the next, so a
+    prediction is taken from calibration rounds that ran right beside the plan's rounds: pair by pair,
+    in alternating order (calibration first, then the plan first), the warm-up run once, before the first."""
+    from tvmpipe.app.sweep import Calibrator
+
+    bundle = load_bundle(CNN)
+    kw = dict(backend="simulated", launcher="process", host="127.0.0.1", backend_opts={"time_scale": 0.0})
+    with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as cal_pipe, \
+            Pipeline(bundle, plan_equal_ops(bundle.graph, 2), **kw) as pipe:
+        cal = Calibrator(pipe=cal_pipe, batches=random_micro_batches(bundle, 5, seed=1))
+        measured, alongside = cal.paired(pipe, random_micro_batches(bundle, 6, seed=0), 4, True, warmup=3)
+        assert pipe.submitted == 3 + 4 * 6 and cal_pipe.submitted == 4 * 5
+    assert [r.metrics.micro_batches for r in measured] == [6] * 4 and [r.metrics.micro_batches for r in alongside] == [5] * 4
+    order = []
+    for i, (plan, calib) in enumerate(zip(measured, alongside)):
+        pair = [("plan", *_span(plan)), ("cal", *_span(calib))]
+        order += sorted(pair, key=lambda x: x[1])
+        assert [name for name, *_ in sorted(pair, key=lambda x: x[1])] == (["plan", "cal"] if i % 2 else ["cal", "plan"])
+    assert all(a[2] <= b[1] for a, b in zip(order, order[1:]))  # one pipeline at a time, never overlapping
+
+
+def test_real_op_calibration_rounds_last_as_long_as_the_plans():
+    """A pair's halves must see the machine for equally long: a calibration that computes the real ops
+    runs rounds of the plans' micro-batch count; a zero-compute one keeps its own count."""
+    from tvmpipe.app.sweep import CALIBRATION_MICRO_BATCHES, Calibrator
+
+    bundle = load_bundle(CNN)
+    real = Calibrator(pipe=object(), batches=[{}] * CALIBRATION_MICRO_BATCHES, fields={"compute_us": 300.0})
+    zero = Calibrator(pipe=object(), batches=[{}] * CALIBRATION_MICRO_BATCHES, fields={})
+    for c in (real, zero):
+        c.match(bundle, 217)
+    assert len(real.batches) == 217 and len(zero.batches) == CALIBRATION_MICRO_BATCHES
+    assert real.batches[0].keys() == random_micro_batches(bundle, 1, seed=1)[0].keys()

@@ -73,7 +73,7 @@ def test_sweep_simulated_writes_a_report(capsys, tmp_path, bundles):
     out_dir = tmp_path / "report"
     code, out, _ = run_cli(capsys, "sweep", str(bundles["skipnet"]), "--stages", "1..2", "--strategies", "equal",
                            "--processes", "--backend", "simulated", "--time-scale", "300", "-n", "12",
-                           "-o", str(out_dir))
+                           "--rounds", "2", "-o", str(out_dir))
     assert code == 0, out
     assert "[equal-k1] predicted" in out and "[equal-k2] predicted" in out
     for f in ("sweep.md", "sweep.csv", "throughput.png", "gantt.png", "plans/equal-k2.json",
@@ -159,32 +159,38 @@ def test_connect_ray_retries_only_the_client_server_start_race(monkeypatch, addr
     assert seen == [address] * calls
 
 
-def test_sweep_micro_batches_auto_scales_with_the_model(bundles):
-    """A fixed count is noise for fast models and minutes for slow ones: 'auto' aims at
-    SWEEP_STEADY_S of steady state at the fastest rate the op times allow, within 32..2000."""
+def test_sweep_round_counts_auto_scale_with_the_model(bundles):
+    """A fixed count is noise for fast models and minutes for slow ones: 'auto' micro-batches aim at
+    SWEEP_ROUND_S per round at the 1-stage rate, within 32..2000, and 'auto' rounds at SWEEP_MEASURE_S
+    per plan, within SWEEP_ROUNDS; given counts are kept."""
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.app.sweep import SWEEP_STEADY_S, simulated_profile
-    from tvmpipe.app.sweep import sweep_micro_batches as _sweep_micro_batches
+    from tvmpipe.app.sweep import SWEEP_MEASURE_S, SWEEP_ROUND_S, SWEEP_ROUNDS, simulated_profile, sweep_micro_batches, sweep_rounds
     from tvmpipe.partition.model import PipelineModel
     from tvmpipe.partition.planners import make_plan
     from tvmpipe.partition.predict import predict
 
     b = load_bundle(bundles["cnn"])
-    counts = {}
+    counts, rounds = {}, {}
     for scale in (1.0, 30.0, 1e5):
         model = PipelineModel.build(b, profile=simulated_profile(b, scale))
         rate = predict(model, make_plan(model, 1, "equal", requests=1), 1).throughput
-        counts[scale] = _sweep_micro_batches("auto", model, 3)
-        assert counts[scale] == int(min(2000, max(32, rate * 3 * SWEEP_STEADY_S)))
+        counts[scale] = sweep_micro_batches("auto", model)
+        assert counts[scale] == int(min(2000, max(32, rate * SWEEP_ROUND_S)))
+        rounds[scale] = sweep_rounds("auto", model, counts[scale])
+        assert SWEEP_ROUNDS[0] <= rounds[scale] <= SWEEP_ROUNDS[1]
+        assert rounds[scale] == int(min(SWEEP_ROUNDS[1], max(SWEEP_ROUNDS[0], round(SWEEP_MEASURE_S * rate / counts[scale]))))
     assert counts[1.0] > counts[30.0] > counts[1e5] == 32
-    assert _sweep_micro_batches("7", model, 3) == 7
+    assert rounds[1e5] == SWEEP_ROUNDS[0]  # 32 micro-batches of a slow model: as few rounds as allowed
+    assert rounds[30.0] == round(SWEEP_MEASURE_S / SWEEP_ROUND_S)  # ~0.1 s rounds: 30 of them
+    assert sweep_micro_batches("7", model) == 7 and sweep_rounds("4", model, 7) == 4
 
 
 def test_sweep_rejects_bad_micro_batch_counts(capsys, tmp_path, bundles):
-    for bad, message in (("0", "must be >= 1"), ("many", "expected a count or 'auto'")):
-        code, _, err = run_cli(capsys, "sweep", str(bundles["skipnet"]), "--stages", "1", "--processes",
-                               "--backend", "simulated", "-n", bad, "-o", str(tmp_path / "r"))
-        assert code == 2 and message in err and "Traceback" not in err
+    for option in ("-n", "--rounds"):
+        for bad, message in (("0", "must be >= 1"), ("many", "expected a count or 'auto'")):
+            code, _, err = run_cli(capsys, "sweep", str(bundles["skipnet"]), "--stages", "1", "--processes",
+                                   "--backend", "simulated", option, bad, "-o", str(tmp_path / "r"))
+            assert code == 2 and message in err and option in err and "Traceback" not in err
 
 
 @pytest.mark.ray

@@ -211,3 +211,19 @@ def test_close_leaves_no_process_or_socket(bundles):
     pipe.close()  # idempotent
     assert not ports & listening_ports()
     assert not any(alive(p) for p in pids)
+
+
+def test_record_since_returns_only_the_newer_micro_batches(bundles):
+    """A sweep reads the record after every round of a pipeline that stays open for tens of thousands of
+    micro-batches: `record(since=s)` carries the driver's and every worker's timings of micro-batches
+    s on only, and byte counts since the start."""
+    inputs, _ = case(bundles["skipnet"], 10)
+    with Pipeline(bundles["skipnet"], 2, launcher="process") as pipe:
+        pipe.run(inputs)
+        whole, recent = pipe.record(), pipe.record(since=7)
+    assert sorted(whole.done_times) == list(range(10)) and sorted(recent.done_times) == [7, 8, 9]
+    assert sorted(recent.submit_times) == [7, 8, 9]
+    for full, newer in zip(whole.worker_stats, recent.worker_stats):
+        assert sorted(e.seq for e in full.events) == list(range(10))
+        assert [e for e in full.events if e.seq >= 7] == newer.events
+        assert newer.bytes_out == full.bytes_out and sum(newer.bytes_out.values()) > 0
