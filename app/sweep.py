@@ -114,6 +114,7 @@ def open_calibrator(value: str, bundle: Bundle, backend: str, profile: Any, opti
     from tvmpipe.cluster import Pipeline
     from tvmpipe.cluster.experiment import local_cores
     from tvmpipe.cluster.local import LOOPBACK
+    from tvmpipe.cluster.transport import INLINE_BYTES
     from tvmpipe.executor.backend_simulated import SPIN_S
     from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition import plan_equal_ops
@@ -134,8 +135,9 @@ def open_calibrator(value: str, bundle: Bundle, backend: str, profile: Any, opti
         yield Calibrator(fixed=fixed)
         return
     local = cluster.host == LOOPBACK
-    real_ops = backend == "reference" and isinstance(profile, dict)
-    kw = pipeline_kwargs(options, cluster, "reference" if real_ops else "simulated", 1)
+    real_ops = backend in ("reference", "simulated") and isinstance(profile, dict)
+    kw = pipeline_kwargs(options, cluster, backend if real_ops else "simulated", 1)
+    kw["backend_opts"] = {"cost_profile": profile} if backend == "simulated" and real_ops else None
     if not real_ops:
         kw["backend_opts"] = {"time_scale": 0.0}
     extra: dict[str, Any] = {}
@@ -144,7 +146,7 @@ def open_calibrator(value: str, bundle: Bundle, backend: str, profile: Any, opti
         extra.update(compute_us=ops_us, run_us=max(0.0, profile.get("run_min_us", 0.0) - ops_us))
     cap = {"reference": None, "simulated": SPIN_S * 1e6}.get(backend, 0.0)
     extra.update(compute_cpu_cap_us=cap, cores=local_cores() if local else None, window=options.window,
-                 source="calibrated")
+                 inline_bytes=INLINE_BYTES, source="calibrated")
     with Pipeline(bundle, plan_equal_ops(bundle.graph, 1), **kw) as pipe:
         yield Calibrator(pipe=pipe, batches=random_micro_batches(bundle, n, seed=1), local=local, fields=extra)
 

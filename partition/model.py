@@ -101,7 +101,9 @@ class PipelineModel:
     def stage_time_us(self, i: int, j: int, speed: float, link: Link | None = None) -> float:
         """Cycle of stage [i, j) with one inbound and one outbound frame (what the planner weighs)."""
         transfer = (link or self.link).transfer_us(self.tables.recv[i, j])
-        return float(self.runtime.stage_cycle_us(self.tables.compute_us(i, j) / speed, transfer))
+        rt = self.runtime
+        return float(rt.stage_cycle_us(self.tables.compute_us(i, j) / speed, transfer,
+                                       inline_out=rt.inline_frames(self.tables.send[i, j])))
 
     def stage_memory(self, i: int, j: int) -> int:
         t = self.tables

@@ -26,7 +26,9 @@ def stage_time_table(model: PipelineModel, speed: float, link: Link | None = Non
     """(n+1, n+1) cycle of stage [i, j) at `speed` behind `link`; inf where i >= j."""
     t = model.tables
     n = t.n
-    times = model.runtime.stage_cycle_us(t.compute / speed, (link or model.link).transfer_us(t.recv))
+    rt = model.runtime
+    times = rt.stage_cycle_us(t.compute / speed, (link or model.link).transfer_us(t.recv),
+                              inline_out=rt.inline_frames(t.send))
     idx = np.arange(n + 1)
     return np.where(idx[:, None] < idx[None, :], times, np.inf)
 

@@ -118,14 +118,18 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
     stage_of_op = {op: s for s, (a, b) in enumerate(ranges) for op in range(a, b)}
     out_bytes = [0] * k
     senders: list[set[int]] = [set() for _ in range(k)]  # producer stages (-1: the driver) per stage
+    frames: list[dict[int, int]] = [{} for _ in range(k)]  # per stage: bytes of its frame to each consumer (-1: driver)
     for s, io in enumerate(ios):
         for e in io.recv:
             producer = stage_of_op[flow.entries[e].producer]
             out_bytes[producer] += flow.entries[e].nbytes
+            frames[producer][s] = frames[producer].get(s, 0) + flow.entries[e].nbytes
             senders[s].add(producer)
         if io.inputs:
             senders[s].add(-1)
         out_bytes[s] += io.nbytes(flow, "outputs")
+        if io.outputs:
+            frames[s][-1] = io.nbytes(flow, "outputs")
     receivers = [sum(1 for r in senders if s in r) + (1 if ios[s].outputs else 0) for s in range(k)]
     stages = []
     t = model.tables
@@ -136,7 +140,8 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
         shared = [flow.graph.nodes[flow.graph.entries[p].node].name for p in io.params if len(loaders[p]) > 1]
         stages.append(StagePrediction(
             stage=s, start=start, end=end, ops=(a, b), num_ops=b - a, speed=speeds[s], compute_us=compute,
-            transfer_us=transfer, time_us=float(rt.stage_cycle_us(compute, transfer, fin, fout)),
+            transfer_us=transfer,
+            time_us=float(rt.stage_cycle_us(compute, transfer, fin, fout, rt.inline_frames(list(frames[s].values())))),
             params_bytes=int(t.params[a, b]), memory_bytes=model.stage_memory(a, b), memory_cap=caps[s],
             in_bytes=int(t.recv[a, b]), out_bytes=out_bytes[s], shared_params=shared, frames_in=fin, frames_out=fout,
             busy_us=float(rt.busy_us(compute)), cpu_us=float(rt.stage_cpu_us(compute, fin, fout))))

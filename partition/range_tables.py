@@ -34,6 +34,7 @@ class RangeTables:
     params: np.ndarray  # bytes of params the stage loads
     workspace: np.ndarray  # bytes of workspaces the stage allocates
     activations: np.ndarray  # peak bytes of entries produced in the stage
+    send: np.ndarray | None = None  # bytes leaving the stage: its entries read after it, and graph outputs
 
     def compute_us(self, i: int, j: int) -> float:
         return float(self.time_prefix[j] - self.time_prefix[i])
@@ -61,7 +62,28 @@ class RangeTables:
             if workspace_by_func.get(fn):
                 calls.setdefault(fn, []).append(k)
         workspace = _union_table(n, [(workspace_by_func[fn], -1, tuple(us)) for fn, us in calls.items()])
-        return cls(n, prefix, recv, params, workspace, _peak_activations(flow))
+        return cls(n, prefix, recv, params, workspace, _peak_activations(flow), _send_table(flow))
+
+
+def _send_table(flow: GraphFlow) -> np.ndarray:
+    """send[i, j]: bytes of entries produced in [i, j) that an op at j or later reads, or that are graph
+    outputs: what the stage writes to its consumers. An entry produced at p and last read at u counts
+    for i <= p < j <= u (j <= n for a graph output): one rectangle each in a 2-D difference array."""
+    n = flow.num_ops
+    d = np.zeros((n + 2, n + 2))
+    for e in flow.entries:
+        if e.kind != "activation" or not e.nbytes:
+            continue
+        p = e.producer
+        last = n if e.is_head else (e.uses[-1] if e.uses else -1)
+        if last <= p:
+            continue
+        # i in [0, p], j in [p + 1, last]
+        d[0, p + 1] += e.nbytes
+        d[p + 1, p + 1] -= e.nbytes
+        d[0, last + 1] -= e.nbytes
+        d[p + 1, last + 1] += e.nbytes
+    return d.cumsum(axis=0).cumsum(axis=1)[: n + 1, : n + 1]
 
 
 def _union_table(n: int, items: Iterable[tuple[int, int, tuple[int, ...]]]) -> np.ndarray:

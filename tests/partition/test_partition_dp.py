@@ -35,6 +35,7 @@ def test_tables_match_naive_reference(seed):
     for a in range(n):
         for b in range(a + 1, n + 1):
             assert model.tables.recv[a, b] == ref.nbytes(ref.recv(a, b)), (a, b)
+            assert model.tables.send[a, b] == ref.nbytes(ref.send(a, b)), (a, b)
             assert model.stage_memory(a, b) == ref.memory(a, b), (a, b)
             assert isclose(model.stage_time_us(a, b, 0.5), ref.time(a, b, 0.5))
 

@@ -120,6 +120,11 @@ class Reference:
                     out.add(eid)
         return out
 
+    def send(self, a: int, b: int) -> set[int]:
+        """Entries produced by ops in [a, b) that an op after the stage reads, or graph outputs."""
+        return {eid for nid in self.ops[a:b] for eid in self.g.node_entry_ids(nid)
+                if eid in self.heads or any(u >= b for u in self.uses(eid))}
+
     def nbytes(self, eids) -> int:
         return sum(self.g.entries[e].nbytes for e in eids)
 
