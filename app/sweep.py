@@ -38,13 +38,14 @@ class Calibrator:
     RuntimeCosts fields.
 
     'auto' keeps a 1-stage pipeline of this bundle open for the whole sweep and reads what its stage
-    process and the driver spend per micro-batch. On the simulated backend every op time is 0 there, so it
-    measures only the runtime. On the reference backend it computes the real ops: a stage worker that
-    pipelines runs them slower than the single-process profile (measured: ~15 % on examples/cnn, more
-    when the machine is loaded), and only a run of real ops in a worker shows by how much
-    (`compute_scale`). A shared machine's speed drifts by tens of percent within a minute, so a plan's
-    prediction takes the calibration rounds run alongside its own rounds, interleaved (`measure`), not
-    the ones from the start of the sweep, which only choose the plans."""
+    process and the driver spend per micro-batch. It runs the backend's own ops: on the reference backend
+    a stage worker that pipelines runs them slower than the single-process profile (measured: ~15 % on
+    examples/cnn, more when the machine is loaded), on the simulated backend a sleep overshoots under
+    load, and only a run in a worker shows by how much (`compute_scale`). Other backends (cuda: no
+    profile of its own) calibrate with every op time 0, which measures the runtime alone. A shared
+    machine's speed swings by tens of percent within a second, so a plan's prediction takes the
+    calibration rounds paired with its own rounds (`paired`), not the ones from the start of the sweep,
+    which only choose the plans."""
 
     fixed: Any = None  # RuntimeCosts when not calibrated
     pipe: Any = None

@@ -333,8 +333,8 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
                + (f", {runtime.cores} cores shared by the stage processes and the driver" if runtime.cores else "")
                + (f", of which {runtime.cores_free:.2f} left by other processes during the calibration"
                   if runtime.cores and runtime.cores_free is not None else "") + "."
-               + (" These chose the plans; each row is predicted from calibration rounds interleaved with its own "
-                  "rounds (figures in its plans/*.json)." if runtime.source == "calibrated" else ""), ""]
+               + (" These chose the plans; each row is predicted from the calibration rounds paired with its own "
+                  "rounds, one right before or after each (figures in its plans/*.json)." if runtime.source == "calibrated" else ""), ""]
     for note in notes or []:
         md += [note, ""]
     loads = [c.measured.load for c in cases if c.measured and c.measured.load]
