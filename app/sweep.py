@@ -157,6 +157,7 @@ def describe_costs(costs: Any) -> str:
     return (f"receive {costs.recv_us:.1f} us and send {costs.send_us:.1f} us per frame, Stage.run {costs.run_us:.1f} us, "
             f"driver {costs.driver_us:.1f} us" + (f", op times x{costs.compute_scale:.2f} in a worker"
                                                    if costs.compute_scale != 1.0 else "")
+            + (f", CPU {100 * costs.cpu_share:.0f} % of the stage's wall time" if costs.cpu_share < 1 else "")
             + (f", {costs.cores} cores shared" if costs.cores else "")
             + (f" ({costs.cores_free:.2f} left by other processes)" if costs.cores and costs.cores_free is not None
                else ""))
@@ -249,14 +250,14 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     from tvmpipe.partition.cost import read_profile
     from tvmpipe.partition.model import PipelineModel
     from tvmpipe.partition.predict import attach, predict
-    from tvmpipe.partition.report import noise_lines, write_report
+    from tvmpipe.partition.report import fastest, noise_lines, write_report
     from tvmpipe.partition.sweep import Measured, sweep_plans
 
     if rounds != AUTO and int(rounds) < 1:
         raise TvmpipeError(f"--rounds must be >= 1, got {rounds}")
     lo, hi = stages
     out = prepare_report_dir(out)
-    best: tuple[float, Any, Any] | None = None
+    records: dict[str, Any] = {}  # per case: the record of its median round, for the report's Gantt chart
     with open_cluster(options, hi + 1) as cluster:  # + 1: the calibration pipeline stays open
         backend = pick_backend(options.backend, cluster.gpus)
         prof = read_profile(profile) if profile else backend_profile(bundle, backend, time_scale)
@@ -314,23 +315,28 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
                     latency_p99_us=sp["latency_p99_us"].median, bubble=sp["bubble"].median, rounds=len(measured),
                     throughput_range=(sp["throughput"].lo, sp["throughput"].hi),
                     bubble_range=(sp["bubble"].lo, sp["bubble"].hi), load=(sp["load"].lo, sp["load"].hi),
-                    utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages])
+                    utilisation=[(s.busy or 0.0, s.bubble or 0.0, s.idle or 0.0) for s in m.stages],
+                    cpu_us=sp["cpu_us"].median if "cpu_us" in sp else None,
+                    cores_busy=sp["cores_busy"].median if "cores_busy" in sp else None)
                 write_trace(mid.record, out / "traces" / f"{key}.json")
                 files.write_json(out / "traces" / f"{key}.metrics.json", m.to_json())
-                if best is None or case.measured.throughput > best[0]:
-                    best = (case.measured.throughput, mid.record, case)
+                records[key] = mid.record
                 pred, meas = case.prediction.throughput, case.measured
                 say(f"[{key}] predicted {pred:.1f}/s, measured {meas.throughput:.1f}/s "
                     f"({100 * (pred / meas.throughput - 1):+.1f}%; {meas.rounds} rounds {meas.throughput_range[0]:.1f}-"
                     f"{meas.throughput_range[1]:.1f}), bubble {100 * meas.bubble:.0f}% (predicted "
                     f"{100 * case.prediction.bubble:.0f}%), p50 {meas.latency_p50_us / 1e3:.2f} ms, load "
-                    f"{meas.load[1]:.1f}" + (" [CPU-bound]" if case.prediction.cpu_bound else "")
+                    f"{meas.load[1]:.1f}" + (f", CPU {meas.cpu_us:.0f} us per micro-batch (predicted "
+                                             f"{case.prediction.cpu_us:.0f})" if meas.cpu_us is not None else "")
+                    + (" [CPU-bound]" if case.prediction.cpu_bound else "")
                     + (f"; runtime alongside: {describe_costs(here)}" if alongside else ""))
     for line in noise_lines(cases):
         say(line)
-    timeline = [sp for sp in gantt_spans(best[1]) if sp[3] in best[1].done_times] if best else None
+    best = fastest(cases)
+    rec = records[case_key(best)] if best else None
+    timeline = [sp for sp in gantt_spans(rec) if sp[3] in rec.done_times] if rec else None
     paths = write_report(cases, out, title=f"tvmpipe sweep: {bundle.name} ({backend})", timeline=timeline,
-                         timeline_title=f"{case_key(best[2])}, the fastest measured plan" if best else None,
+                         timeline_title=f"{case_key(best)}, the fastest measured plan" if best else None,
                          runtime=model.runtime,
                          notes=[f"Links (measured, links.json): {links.describe()}; boundary frames charged "
                                 f"{model.link.latency_us:.0f} us + bytes at {model.link.bandwidth / 1e9:.2f} GB/s."]
@@ -350,7 +356,7 @@ def whatif_sweep(bundle: Bundle, out: str | Path, cluster_file: str, *, stages: 
     from tvmpipe.partition.cost import read_profile
     from tvmpipe.partition.hardware import load_cluster
     from tvmpipe.partition.model import PipelineModel
-    from tvmpipe.partition.report import write_report
+    from tvmpipe.partition.report import fastest, write_report
     from tvmpipe.partition.sweep import simulate_cases, sweep_plans
 
     lo, hi = stages
@@ -370,7 +376,7 @@ def whatif_sweep(bundle: Bundle, out: str | Path, cluster_file: str, *, stages: 
                 f"{100 * case.measured.bubble:.1f}%)")
         else:
             say(f"[{case_key(case)}] not planned: {(case.error or '').splitlines()[0]}")
-    best = max((c for c in cases if c.measured), key=lambda c: c.measured.throughput, default=None)
+    best = fastest(cases)
     paths = write_report(cases, Path(out), title=f"what-if: {bundle.name} on {spec.name}",
                          timeline=runs[id(best)].spans() if best else None, timeline_unit="us",
                          timeline_title=f"{case_key(best)} (event simulation)" if best else None,

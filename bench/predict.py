@@ -2,7 +2,10 @@
 
 Four sweeps of examples/cnn, K = 1..3, equal and optimal, with the sweep's defaults (rounds and
 micro-batches 'auto': ~30 rounds of ~0.1 s per plan), on local processes: the reference backend and
-the simulated backend with `--time-scale` 7, 66 and 660 (the whole graph ~0.1 ms, ~1 ms, ~10 ms).
+the simulated backend with `--time-scale` 7, 66 and 660 (the whole graph ~0.1 ms, ~1 ms, ~10 ms);
+and the reference backend, K = 1..2, beside a neighbour process that spins on one core for the whole
+sweep: a shared machine, where the calibration must leave the pipeline the cores the neighbour takes
+without charging the stage's wait for a core twice (partition/runtime.py `cpu_share`).
 Each sweep calibrates its runtime costs in the same run (partition/runtime.py), a calibration round
 paired with each of a plan's rounds (app/sweep.py Calibrator.paired); the figures here are ratios of
 a prediction to the median of the plan's rounds, with the rounds' min-max next to them.
@@ -34,15 +37,22 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "predict.json"
 SWEEPS = {
     "reference": ["--backend", "reference"],
+    # a shared machine: a neighbour process spins on one of the cores for the whole sweep (NEIGHBOURS)
+    "reference-neighbour": ["--backend", "reference", "--stages", "1..2"],
     "simulated-0.1ms": ["--backend", "simulated", "--time-scale", "7"],
     "simulated-1ms": ["--backend", "simulated", "--time-scale", "66"],
     "simulated-10ms": ["--backend", "simulated", "--time-scale", "660"],
 }
+NEIGHBOURS = {"reference-neighbour": 1}  # sweeps run beside this many busy-looping processes
 THROUGHPUT_PCT, BUBBLE_POINTS = 10.0, 10.0
 
 
 def _f(row: dict[str, str], key: str) -> float | None:
     return float(row[key]) if row.get(key) else None
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def judge(row: dict[str, str]) -> dict[str, object]:
@@ -58,7 +68,9 @@ def judge(row: dict[str, str]) -> dict[str, object]:
             "rounds": int(row["rounds"]) if row.get("rounds") else None, "error_pct": err,
             "pred_bubble": pb, "meas_bubble": mb, "meas_bubble_min": _f(row, "meas_bubble_min"),
             "meas_bubble_max": _f(row, "meas_bubble_max"), "bubble_error_points": bubble_pts,
-            "limit": row["limit"], "cpu_bound": not applies, "target_applies": applies,
+            "limit": row["limit"], "pred_cpu_us": _f(row, "pred_cpu_us"), "meas_cpu_us": _f(row, "meas_cpu_us"),
+            "pred_cores_busy": _f(row, "pred_cores_busy"), "meas_cores_busy": _f(row, "meas_cores_busy"),
+            "cpu_bound": not applies, "target_applies": applies,
             "in_target": ok if applies else None, "load_max": _f(row, "load_max")}
 
 
@@ -68,16 +80,23 @@ def main() -> None:
     results = {}
     for name, extra in SWEEPS.items():
         cmd = [sys.executable, "-m", "tvmpipe.cli", "sweep", str(REPO / "examples" / "cnn"), "--stages", "1..3",
-               "--processes", *extra, "-o", str(out / name)]
+               "--processes", *extra, "-o", str(out / name)]  # a later --stages wins
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(NEIGHBOURS.get(name, 0))]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        finally:
+            for p in spin:
+                p.kill()
+                p.wait()
         if proc.returncode:
             raise SystemExit(f"{name}: {proc.stderr or proc.stdout}")
         runtime_line = next((line for line in proc.stdout.splitlines() if line.startswith("runtime costs")), "")
         with open(out / name / "sweep.csv") as f:
             rows = [judge(r) for r in csv.DictReader(f)]
         noise = [line for line in proc.stdout.splitlines() if line.startswith("Same plan measured")]
-        results[name] = {"command": " ".join(cmd[2:]), "wall_s": time.perf_counter() - t0, "runtime": runtime_line,
+        results[name] = {"command": " ".join(cmd[2:]), "neighbours": len(spin), "wall_s": time.perf_counter() - t0,
+                         "runtime": runtime_line,
                          "rows": rows, "noise_floor": noise}
         print(f"{name}: {runtime_line}")
         for line in noise:
@@ -87,7 +106,8 @@ def main() -> None:
             print(f"  K={r['stages']} {r['strategy']:>7}: predicted {r['predicted']:.0f}/s, measured "
                   f"{r['measured_median']:.0f}/s ({r['rounds']} rounds {r['measured_min']:.0f}-{r['measured_max']:.0f}), "
                   f"{r['error_pct']:+.1f} %; bubble {100 * r['pred_bubble']:.0f} % vs {100 * r['meas_bubble']:.0f} % "
-                  f"({r['bubble_error_points']:+.1f} pts); load {r['load_max']:.1f}; {verdict}")
+                  f"({r['bubble_error_points']:+.1f} pts); CPU {_us(r['meas_cpu_us'])} us per micro-batch "
+                  f"(predicted {_us(r['pred_cpu_us'])}); load {r['load_max']:.1f}; {verdict}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                                    "targets": {"throughput_pct": THROUGHPUT_PCT, "bubble_points": BUBBLE_POINTS},

@@ -37,6 +37,12 @@ class Round:
     load: float  # 1-minute load average at the end of the round
     record: RunRecord = field(repr=False)
     others_cores: float | None = None  # cores other processes (and the hypervisor) took during the round
+    cores_busy: float | None = None  # cores the pipeline's own processes (stages + driver) kept busy
+
+    @property
+    def cpu_us(self) -> float | None:
+        """CPU per micro-batch of the whole pipeline (stage processes + driver), or None if unreadable."""
+        return None if self.stage_cpu_us is None else sum(self.stage_cpu_us) + self.driver_cpu_us
 
     @property
     def throughput(self) -> float:
@@ -134,14 +140,15 @@ def measure_rounds(pipe: Any, batches: list[dict[str, Any]], rounds: int, local:
         d1, w1, m1 = time.process_time(), time.perf_counter(), machine_busy_s()
         cpu1 = [process_cpu_s(p) if p else None for p in pids]
         n = len(batches)
-        stage_cpu, others = None, None
+        stage_cpu, others, busy = None, None, None
         if pids and all(a is not None and b is not None for a, b in zip(cpu0, cpu1)):
             stage_cpu = [(b - a) / n * 1e6 for a, b in zip(cpu0, cpu1)]
+            ours = sum(b - a for a, b in zip(cpu0, cpu1)) + (d1 - d0)
+            busy = ours / (w1 - w0) if w1 > w0 else None
             if m0 is not None and m1 is not None and w1 > w0:  # the machine's busy time that was not ours
-                ours = sum(b - a for a, b in zip(cpu0, cpu1)) + (d1 - d0)
                 others = max(0.0, (m1 - m0 - ours) / (w1 - w0))
         rec = _slice(pipe.record(since=first), range(first, first + n))
-        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec, others))
+        out.append(Round(compute_metrics(rec), stage_cpu, (d1 - d0) / n * 1e6, os.getloadavg()[0], rec, others, busy))
     return out
 
 
@@ -158,8 +165,14 @@ def calibration_of(rounds: list[Round]) -> Calibration:
 
 
 def spreads(rounds: list[Round]) -> dict[str, Spread]:
-    """Throughput, latency p50/p99 (us) and bubble over rounds."""
-    return {"throughput": Spread.of([r.throughput for r in rounds]),
+    """Throughput, latency p50/p99 (us), bubble and load over rounds; CPU per micro-batch and cores
+    busy where every round could read them."""
+    cpu = [r.cpu_us for r in rounds]
+    cores = [r.cores_busy for r in rounds]
+    readable = {"cpu_us": Spread.of(cpu)} if rounds and None not in cpu else {}
+    if rounds and None not in cores:
+        readable["cores_busy"] = Spread.of(cores)
+    return readable | {"throughput": Spread.of([r.throughput for r in rounds]),
             "latency_p50_us": Spread.of([r.metrics.latency_p50_ms * 1e3 for r in rounds]),
             "latency_p99_us": Spread.of([r.metrics.latency_p99_ms * 1e3 for r in rounds]),
             "bubble": Spread.of([r.metrics.bubble or 0.0 for r in rounds]),

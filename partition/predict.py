@@ -63,7 +63,8 @@ class Prediction:
     requests: int | None = None
     period_us: float = 0.0  # interval between completions: max(bottleneck, driver, CPU share, latency / window)
     limit: str = "stage"  # what sets the period: "stage" | "driver" | "cpu" | "window"
-    driver_us: float = 0.0
+    driver_us: float = 0.0  # the driver's cycle per micro-batch (wall time)
+    driver_cpu_us: float = 0.0  # the driver's CPU time per micro-batch
     cpu_demand: float = 0.0  # CPU cores busy at the predicted throughput (stages + driver)
     processes: int = 1  # stage processes + the driver
     cores: int | None = None
@@ -84,10 +85,16 @@ class Prediction:
     def fits_memory(self) -> bool:
         return all(s.fits for s in self.stages)
 
+    @property
+    def cpu_us(self) -> float:
+        """Host CPU per micro-batch of the whole pipeline: every stage process plus the driver."""
+        return sum(s.cpu_us for s in self.stages) + self.driver_cpu_us
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["fits_memory"] = self.fits_memory
         d["cpu_bound"] = self.cpu_bound
+        d["cpu_us"] = self.cpu_us
         return d
 
 
@@ -146,7 +153,9 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
             in_bytes=int(t.recv[a, b]), out_bytes=out_bytes[s], shared_params=shared, frames_in=fin, frames_out=fout,
             busy_us=float(rt.busy_us(compute)), cpu_us=float(rt.stage_cpu_us(compute, fin, fout))))
     bottleneck = max(st.time_us for st in stages)
-    driver = rt.driver_cycle_us(sum(1 for r in senders if -1 in r), sum(1 for io in ios if io.outputs))
+    driver_frames = (sum(1 for r in senders if -1 in r), sum(1 for io in ios if io.outputs))
+    driver = rt.driver_cycle_us(*driver_frames)
+    driver_cpu = rt.driver_cpu_us(*driver_frames)
     head_bytes = sum(flow.entries[e].nbytes for e in flow.graph.head_entries)
     finish: list[float] = []  # one micro-batch alone: when each stage has sent it (longest path over stages)
     for s, st in enumerate(stages):
@@ -154,7 +163,7 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
         finish.append(ready + st.transfer_us + st.frames_in * rt.recv_us + st.busy_us + st.frames_out * rt.send_us)
     outputs = [finish[s] for s, io in enumerate(ios) if io.outputs]
     latency = max(max(outputs, default=0.0) + links[-1].transfer_us(head_bytes), max(finish))
-    cpu_total = sum(st.cpu_us for st in stages) + driver
+    cpu_total = sum(st.cpu_us for st in stages) + driver_cpu
     window = rt.window or 2 * k
     bounds = {"stage": bottleneck, "driver": driver, "window": latency / window}
     if rt.cpu_cores is not None:
@@ -173,7 +182,7 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
         strategy=plan.strategy, cost_model=model.costs.source, stages=stages, bottleneck_us=bottleneck,
         throughput=model.batch * 1e6 / period if period > 0 else float("inf"),
         latency_us=latency, bubble=max(0.0, bubble), bytes_moved=sum(st.in_bytes for st in stages),
-        requests=requests, period_us=period, limit=limit, driver_us=driver,
+        requests=requests, period_us=period, limit=limit, driver_us=driver, driver_cpu_us=driver_cpu,
         cpu_demand=cpu_total / period if period > 0 else 0.0, processes=k + 1, cores=rt.cores, runtime=rt.source,
         cores_free=rt.cores_free)
 

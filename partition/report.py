@@ -18,7 +18,8 @@ from tvmpipe.partition.sweep import SweepCase
 COLUMNS = ["stages", "strategy", "cuts", "pred_throughput", "meas_throughput", "throughput_error_pct",
            "pred_latency_us", "meas_latency_p50_us", "meas_latency_p99_us", "pred_bubble", "meas_bubble",
            "pred_bottleneck_us", "bytes_moved", "error", "rounds", "meas_throughput_min", "meas_throughput_max",
-           "meas_bubble_min", "meas_bubble_max", "pred_period_us", "limit", "oversubscribed", "load_max", "measured_by"]
+           "meas_bubble_min", "meas_bubble_max", "pred_period_us", "limit", "oversubscribed", "load_max", "measured_by",
+           "pred_cpu_us", "meas_cpu_us", "pred_cores_busy", "meas_cores_busy"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,20 @@ class Span:
     label: str | int = ""  # an int is a micro-batch number
 
 
+TIE = 1e-3  # measured throughputs this close (relative) are one rate: float noise, or a shared bottleneck op
+
+
+def fastest(cases: list[SweepCase], tie: float = TIE) -> SweepCase | None:
+    """The plan a report draws: the highest measured throughput, and among plans within `tie` of it the
+    one with the fewest stages (on a what-if cluster K = 56..64 can all reach one bottleneck op's rate;
+    the Gantt chart then shows K = 56, not whichever K float noise put first)."""
+    done = [c for c in cases if c.measured and c.measured.throughput]
+    if not done:
+        return None
+    top = max(c.measured.throughput for c in done)
+    return min((c for c in done if c.measured.throughput >= top * (1 - tie)), key=lambda c: (c.stages, -c.measured.throughput))
+
+
 def case_row(case: SweepCase) -> dict[str, object]:
     p, m = case.prediction, case.measured
     row: dict[str, object] = {c: None for c in COLUMNS}
@@ -40,11 +55,12 @@ def case_row(case: SweepCase) -> dict[str, object]:
     if p is not None:
         row.update(pred_throughput=p.throughput, pred_latency_us=p.latency_us, pred_bubble=p.bubble,
                    pred_bottleneck_us=p.bottleneck_us, bytes_moved=p.bytes_moved, pred_period_us=p.period_us,
-                   limit=p.limit, oversubscribed=p.oversubscribed)
+                   limit=p.limit, oversubscribed=p.oversubscribed, pred_cpu_us=p.cpu_us, pred_cores_busy=p.cpu_demand)
     if m is not None:
         row.update(meas_throughput=m.throughput, meas_latency_p50_us=m.latency_p50_us,
                    meas_latency_p99_us=m.latency_p99_us, meas_bubble=m.bubble, rounds=m.rounds,
-                   measured_by=m.source, load_max=m.load[1] if m.load else None)
+                   measured_by=m.source, load_max=m.load[1] if m.load else None, meas_cpu_us=m.cpu_us,
+                   meas_cores_busy=m.cores_busy)
         if m.throughput_range:
             row.update(meas_throughput_min=m.throughput_range[0], meas_throughput_max=m.throughput_range[1])
         if m.bubble_range:
@@ -89,7 +105,7 @@ def within_target(case: SweepCase, throughput_pct: float = 10.0, bubble_points: 
 def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
     ml = measured_label
     head = ["K", "strategy", "pred thr/s", f"{ml} thr/s (median)", "min-max", "rounds", "err %", "pred bubble %",
-            f"{ml} bubble %", "bubble min-max", "limit", "CPU", "in target", "stages [start,end)"]
+            f"{ml} bubble %", "bubble min-max", "limit", "CPU cores", "CPU us/mb", "in target", "stages [start,end)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
         row, p, m = case_row(c), c.prediction, c.measured
@@ -101,14 +117,51 @@ def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
                  "-" if m is None or m.bubble is None else f"{100 * m.bubble:.1f}",
                  _range(m.bubble_range, 100, "{:.0f}") if m else "-",
                  p.limit if p else "-",
-                 "-" if p is None else (f"{p.cpu_demand:.2f}/{p.cores}" if p.cores else f"{p.cpu_demand:.2f}")
-                 + (f" ({p.cores_free:.2f} free)" if p.cores and p.cores_free is not None else "")
-                 + (" oversubscribed" if p and p.oversubscribed else ""),
+                 _cpu_cores(p, m), _cpu_per_batch(p, m),
                  {None: "n/a", True: "yes", False: "no"}[ok], _fmt(row["cuts"])]
         if c.error:
             cells[-1] = f"not planned: {c.error.splitlines()[0]}"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cpu_cores(p, m) -> str:
+    """Cores busy: predicted, then measured where read, of the machine's cores (free: what other processes left)."""
+    if p is None:
+        return "-"
+    text = f"{p.cpu_demand:.2f}" + (f", meas {m.cores_busy:.2f}" if m is not None and m.cores_busy is not None else "")
+    if p.cores:
+        text += f" of {p.cores}" + (f" ({p.cores_free:.2f} free)" if p.cores_free is not None else "")
+    return text + (" oversubscribed" if p.oversubscribed else "")
+
+
+def _cpu_per_batch(p, m) -> str:
+    """Host CPU per micro-batch of the whole pipeline (stages + driver), predicted / measured."""
+    if p is None or not p.cpu_us:
+        return "-"
+    return f"{p.cpu_us:.0f}" + (f" / {m.cpu_us:.0f}" if m is not None and m.cpu_us is not None else "")
+
+
+def cpu_bound_lines(cases: list[SweepCase]) -> list[str]:
+    """What the report says of rows with more processes than cores: why they are not judged, and, where
+    the CPU was read, how much CPU per micro-batch they really took against the prediction's, and how many
+    cores they kept busy: the evidence for why such a row's prediction misses."""
+    bound = [c for c in cases if c.prediction and c.prediction.oversubscribed]
+    if not bound:
+        return []
+    text = (f"**CPU-bound runs**: {len(bound)} row(s) run more processes (stages + driver) than cores; their "
+            "predictions assume an even share of the cores at the CPU per micro-batch the 1-stage calibration "
+            "measured, so they are not held to the targets.")
+    read = [c for c in bound if c.measured and c.measured.cpu_us is not None and c.prediction.cpu_us > 0]
+    if read:
+        text += " Measured CPU per micro-batch (stages + driver) against the predicted: " + "; ".join(
+            f"K={c.stages} {c.strategy} {c.measured.cpu_us:.0f} vs {c.prediction.cpu_us:.0f} us "
+            f"(x{c.measured.cpu_us / c.prediction.cpu_us:.2f}"
+            + (f", {c.measured.cores_busy:.2f} of {c.prediction.cores} cores busy" if c.measured.cores_busy is not None else "")
+            + ")" for c in read) + ". The model's even share of the cores fails both ways: above x1, processes that " \
+            "take turns on a core spend more CPU on the same work than the calibration, whose stage had a core to " \
+            "itself; and fewer cores busy than there are means the processes waited on each other with a core idle."
+    return [text]
 
 
 @dataclass(frozen=True)
@@ -172,13 +225,20 @@ def plot_throughput(cases: list[SweepCase], path: str | Path, title: str = "thro
                 lo = [y - (rng(c.measured)[0] * scale if rng(c.measured) else y) for c, y in zip(meas, ys)]
                 hi = [(rng(c.measured)[1] * scale if rng(c.measured) else y) - y for c, y in zip(meas, ys)]
                 axis.errorbar(xs, ys, yerr=[lo, hi], fmt="s", color=color, capsize=4, label=f"{s} {measured_label}")
+    bound = sorted({c.stages for c in cases if c.prediction and c.prediction.oversubscribed})
+    shaded = ""
+    if bound:  # the stage counts not held to the targets, shaded so the eye does not judge them as the others
+        cores = next(c.prediction.cores for c in cases if c.prediction and c.prediction.oversubscribed)
+        for axis in (ax, bx):
+            axis.axvspan(bound[0] - 0.4, bound[-1] + 0.4, color="0.9", zorder=0, lw=0)
+        shaded = f"\nshaded: CPU-bound, stages + driver > {cores} cores"
     ax.set_ylabel("throughput (samples/s)")
     bx.set_ylabel("bubble (% of stage time not computing)")
     bx.set_ylim(0, 100)
     ks = sorted({c.stages for c in cases})
     for axis, sub in ((ax, "throughput"), (bx, "bubble")):
         axis.set_xlabel("pipeline stages")
-        axis.set_title(sub, fontsize="medium")
+        axis.set_title(sub + shaded, fontsize="medium")
         axis.grid(alpha=0.3)
         if ks:
             axis.set_xticks(ks if len(ks) <= 16 else ks[:: max(1, len(ks) // 12)])
@@ -266,9 +326,20 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
     extent = (clip[1] if clip else max((s.end for s in shown), default=1.0)) - t0 or 1.0
     ax.barh([pos[s.stage] for s in shown], [s.end - s.start for s in shown], left=[s.start - t0 for s in shown],
             height=0.6, color=[color[s.label] for s in shown], edgecolor="black", linewidth=0.4)
-    for s in shown:
+    gap = 0.012 * extent  # a rotated label's width at fontsize 6 on this figure, in the window's time unit
+    last: dict[int, float] = {}  # per row: where its last drawn label ends
+    bunched = False
+    for s in sorted(shown, key=lambda s: s.start):
         mid = (max(s.start, t0) + min(s.end, t0 + extent)) / 2 - t0
         wide = (s.end - s.start) / extent > 0.011 * len(str(s.label))
+        half = (0.0055 * len(str(s.label)) * extent) if wide else gap / 2
+        visible = min(s.end, t0 + extent) - max(s.start, t0)
+        if visible < 2 * half and (s.start < t0 or s.end > t0 + extent):
+            continue  # a sliver cut by the window's edge: its label would stand on the next bar's
+        if mid - half < last.get(s.stage, float("-inf")):  # bars bunched closer than their labels: the colour
+            bunched = True  # says which micro-batch it is (the same colour in every row), a label would overprint
+            continue
+        last[s.stage] = mid + half
         ax.text(mid, pos[s.stage], str(s.label), ha="center", va="center", fontsize=7 if wide else 6,
                 rotation=0 if wide else 90, clip_on=True)
     if clip:
@@ -282,7 +353,8 @@ def plot_gantt(spans: list[Span] | list[tuple], path: str | Path, unit: str = "m
                f"{max(s.label for s in mine)})"
     else:
         what = f"micro-batches {min(ints)}-{max(ints)}" if ints else "spans"
-    ax.set_xlabel(f"time ({unit}) from the window's start; bars labelled with their micro-batch")
+    ax.set_xlabel(f"time ({unit}) from the window's start; bars labelled with their micro-batch"
+                  + ("\n(bunched bars by colour alone: one colour per micro-batch in every row)" if bunched else ""))
     subset = f"; {len(stages)} of {len(every)} stages ({', '.join(map(str, stages[:3]))}, ..., {stages[-1]})" \
         if len(stages) < len(every) else ""
     ax.set_title(_wrap(f"{title}: {what}{subset}", 80), fontsize="medium")
@@ -313,7 +385,7 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
              "throughput_png": plot_throughput(cases, out / "throughput.png", title, measured_label)}
     util = None
     if timeline:
-        best = max((c for c in cases if c.measured), key=lambda c: c.measured.throughput, default=None)
+        best = fastest(cases)
         util = dict(enumerate(best.measured.utilisation)) if best and best.measured.utilisation else None
         paths["gantt_png"] = plot_gantt(timeline, out / "gantt.png", unit=timeline_unit,
                                         title=timeline_title or "timeline", utilisation=util)
@@ -323,13 +395,15 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
              else "the pipeline runs."),
           "thr = throughput in samples/s, median over rounds with min-max; err % = (predicted - measured) / measured; "
           "bubble = % of stage time not computing; limit = what sets the predicted pace (stage, driver, cpu: the "
-          "shared cores, window); CPU = cores busy at the predicted rate / cores (free: left by other processes); in target = throughput within 10 % "
+          "shared cores, window); CPU cores = cores busy at the predicted rate, then as measured, of the cores (free: left by other processes); CPU us/mb = host CPU per micro-batch of the stage processes and the driver, predicted / measured; in target = throughput within 10 % "
           "and bubble within 10 points (n/a where stage processes + driver outnumber the cores).", ""]
     if runtime is not None and not runtime.is_zero:
         md += [f"Runtime costs ({runtime.source}): receive {runtime.recv_us:.1f} us and send {runtime.send_us:.1f} us "
                f"per frame, Stage.run {runtime.run_us:.1f} us, driver {runtime.driver_us:.1f} us per micro-batch"
                + (f", op times x{runtime.compute_scale:.2f} in a pipelining worker than in the profile"
                   if runtime.compute_scale != 1.0 else "")
+               + (f", of which the stage spent {100 * runtime.cpu_share:.0f} % on a core (the rest waiting for one)"
+                  if runtime.cpu_share < 1 else "")
                + (f", {runtime.cores} cores shared by the stage processes and the driver" if runtime.cores else "")
                + (f", of which {runtime.cores_free:.2f} left by other processes during the calibration"
                   if runtime.cores and runtime.cores_free is not None else "") + "."
@@ -340,10 +414,8 @@ def write_report(cases: list[SweepCase], out_dir: str | Path, title: str = "tvmp
     loads = [c.measured.load for c in cases if c.measured and c.measured.load]
     if loads:
         md += [f"Load average during the runs: {min(lo for lo, _ in loads):.1f}-{max(hi for _, hi in loads):.1f}.", ""]
-    bound = [c for c in cases if c.prediction and c.prediction.oversubscribed]
-    if bound:
-        md += [f"**CPU-bound runs**: {len(bound)} row(s) run more processes (stages + driver) than cores; their "
-               "predictions assume an even share of the cores, so they are not held to the targets.", ""]
+    for line in cpu_bound_lines(cases):
+        md += [line, ""]
     noise = noise_lines(cases) if measured_label == "measured" else []
     if noise:
         md += ["**Noise floor**: " + " ".join(noise), ""]

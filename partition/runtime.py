@@ -22,6 +22,13 @@ charges it where the runtime spends it:
 - the driver's cycle is `driver_us` + a send per input frame + a receive per output frame;
 - when `cores` is given, every process shares them: the period is at least the total CPU per
   micro-batch / cores (oversubscription: K stage processes + the driver on fewer cores);
+- the figures above are calibrated in wall time (what a frame or an op delays the stage by), and on a
+  loaded machine that includes waiting for a core. For the CPU bound that wait is already the other
+  processes' share, which `cores_free` takes away, so a stage's CPU is its wall-time work x `cpu_share`
+  (its CPU time over that work in the calibration: 1 on a quiet machine) and the driver's frames are
+  charged likewise. Measured on examples/cnn with a neighbour spinning on one of the 2 cores: charging
+  the wait twice put K = 1 at -18 and -20 % of what it measured (bubble 14-16 points high); once,
+  +1.7 and -8.2 % (bubble within 0.5 points);
 - with `window` micro-batches in flight, the period is at least one micro-batch's latency / window.
 
 With every figure 0 (the default) the stage cycle is compute + link time, the model of an ideal
@@ -52,6 +59,8 @@ class RuntimeCosts:
     cores_free: float | None = None  # of `cores`, what other processes left (measured); None: all of them
     window: int | None = None  # micro-batches in flight; None: 2 x stages (the Pipeline's default)
     inline_bytes: int | None = None  # frames up to this size are sent by the computing thread; None: all overlap
+    cpu_share: float = 1.0  # CPU time per wall-time unit of modelled stage work (below 1: the calibration waited for a core)
+    driver_frame_us: float | None = None  # driver CPU per frame it sends or receives; None: send_us/recv_us x cpu_share
     source: str = "none"  # how the figures were obtained (for reports)
 
     def __post_init__(self) -> None:
@@ -66,6 +75,11 @@ class RuntimeCosts:
             raise PartitionError(f"cores must be >= 1, got {self.cores}")
         if self.cores_free is not None and not (isinstance(self.cores_free, (int, float)) and self.cores_free > 0):
             raise PartitionError(f"cores_free must be a positive number, got {self.cores_free!r}")
+        if self.driver_frame_us is not None and not (isinstance(self.driver_frame_us, (int, float))
+                                                     and np.isfinite(self.driver_frame_us) and self.driver_frame_us >= 0):
+            raise PartitionError(f"runtime cost driver_frame_us must be a non-negative number, got {self.driver_frame_us!r}")
+        if not (isinstance(self.cpu_share, (int, float)) and 0 < self.cpu_share <= 1):
+            raise PartitionError(f"runtime cpu_share must be in (0, 1], got {self.cpu_share!r}")
         if self.window is not None and self.window < 1:
             raise PartitionError(f"window must be >= 1, got {self.window}")
         if self.inline_bytes is not None and not (isinstance(self.inline_bytes, int) and self.inline_bytes >= 0):
@@ -93,7 +107,9 @@ class RuntimeCosts:
         return compute_us * self.compute_scale + self.run_us
 
     def stage_cpu_us(self, compute_us: np.ndarray | float, frames_in: int = 1, frames_out: int = 1) -> np.ndarray | float:
-        return self.compute_cpu(compute_us) + self.run_us + frames_in * self.recv_us + frames_out * self.send_us
+        """CPU time of one stage process per micro-batch: its CPU work, at `cpu_share` of its wall time."""
+        work = self.compute_cpu(compute_us) + self.run_us + frames_in * self.recv_us + frames_out * self.send_us
+        return work * self.cpu_share
 
     def inline_frames(self, frame_bytes: np.ndarray | float | list[float]) -> np.ndarray | int:
         """How many of these outbound frames the computing thread sends itself (vectorised: 0 or 1 per
@@ -117,6 +133,16 @@ class RuntimeCosts:
         if self.is_zero:
             return 0.0
         return self.driver_us + frames_out * self.send_us + frames_in * self.recv_us
+
+    def driver_cpu_us(self, frames_out: int, frames_in: int) -> float:
+        """The driver's CPU time per micro-batch: its own work and its frames, at `driver_frame_us` each where
+        calibrated, else at the stage's cost x `cpu_share` (a frame's wall time on a loaded machine includes
+        waiting for a core, which is not CPU)."""
+        if self.is_zero:
+            return 0.0
+        if self.driver_frame_us is not None:
+            return self.driver_us + (frames_out + frames_in) * self.driver_frame_us
+        return self.driver_us + (frames_out * self.send_us + frames_in * self.recv_us) * self.cpu_share
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,9 +189,21 @@ class Calibration:
         else:
             hop = max(0.0, self.period_us - self.busy_us)
         frame = hop / 2
-        driver = max(0.0, (self.driver_cpu_us or 0.0) - 2 * frame)
-        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=driver, compute_scale=scale)
+        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=0.0, compute_scale=scale)
         fields.update(kw)
+        share = 1.0
+        if self.stage_cpu_us is not None:
+            # the wall-time figures above model the stage's work; its CPU time over that work is what a core
+            # gave it: below 1 where it waited for one (a loaded machine), which the CPU bound must not charge
+            work = RuntimeCosts(**fields).stage_cpu_us(compute_us)
+            if work > 0 and self.stage_cpu_us > 0:
+                share = min(1.0, self.stage_cpu_us / work)
+        fields.setdefault("cpu_share", share)
+        if self.driver_cpu_us is not None:
+            # the driver sent one frame and received one: each costs it what it costs the stage in CPU, or less
+            # (it measured less in all: its frames are cheaper than the stage's), and its own work the rest
+            fields.setdefault("driver_frame_us", min(frame * fields["cpu_share"], self.driver_cpu_us / 2))
+            fields["driver_us"] = max(0.0, self.driver_cpu_us - 2 * fields["driver_frame_us"])
         if self.others_cores is not None and fields.get("cores"):
             # a shared machine: other processes took these cores while the calibration ran beside the plan
             fields.setdefault("cores_free", max(0.1, fields["cores"] - self.others_cores))

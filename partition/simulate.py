@@ -92,7 +92,7 @@ def simulate(model: PipelineModel, plan: Plan, micro_batches: int, prediction: P
     outputs_from = [s for s, io in enumerate(ios) if io.outputs]
     head_bytes = sum(flow.entries[e].nbytes for e in flow.graph.head_entries)
     head_link = model.stage_links(k)[-1].transfer_us(head_bytes)
-    cpu_per_mb = sum(st.cpu_us for st in pred.stages) + pred.driver_us
+    cpu_per_mb = pred.cpu_us
     submit, done = np.zeros(n), np.zeros(n)
     out = np.zeros((k, n))  # when stage s's frame for m has been sent
     free = np.zeros(k)

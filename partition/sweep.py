@@ -27,6 +27,10 @@ class Measured:
     report shows how far one run can be from the next on the same plan. `utilisation` is per stage
     (busy, bubble, idle) of the median round; `load` the 1-minute load average during the rounds;
     `source` says whether a real pipeline or the event simulator (simulate.py) produced the numbers.
+    `cpu_us` is the CPU every stage process and the driver spent per micro-batch and `cores_busy` the
+    cores they kept busy (medians over rounds; None where the workers' CPU cannot be read, e.g. on
+    remote nodes): set beside the prediction's, they show whether a CPU-bound row missed because the
+    work cost more CPU than calibrated or because the cores were not kept busy.
     """
 
     throughput: float
@@ -39,6 +43,8 @@ class Measured:
     load: tuple[float, float] | None = None
     utilisation: list[tuple[float, float, float]] | None = None
     source: str = "pipeline"
+    cpu_us: float | None = None
+    cores_busy: float | None = None
 
 
 @dataclass

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from pathlib import Path
 
 from tvmpipe.app.sweep import backend_profile
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster import Pipeline
-from tvmpipe.cluster.experiment import measure_rounds
+from tvmpipe.cluster.experiment import measure_rounds, spreads
 from tvmpipe.executor import GraphRunner
 from tvmpipe.executor.inputs import random_micro_batches
 from tvmpipe.partition import plan_equal_ops
@@ -52,6 +54,14 @@ def test_rounds_start_after_unmeasured_warm_up():
         assert pipe.submitted == 4 + 2 * 6
     assert [r.metrics.micro_batches for r in rounds] == [6, 6]
     assert all(r.stage_cpu_us and r.stage_cpu_us[0] > 0 for r in rounds)  # per-thread CPU read from /proc
+    for r in rounds:  # the whole pipeline's CPU per micro-batch, and the cores its processes kept busy
+        assert r.cpu_us == sum(r.stage_cpu_us) + r.driver_cpu_us and r.cpu_us > r.stage_cpu_us[0]
+        assert r.cores_busy is not None and 0 < r.cores_busy <= len(os.sched_getaffinity(0)) + 0.05
+    sp = spreads(rounds)
+    assert sp["cpu_us"].median == statistics.median(r.cpu_us for r in rounds) and sp["cpu_us"].rounds == 2
+    assert sp["cores_busy"].lo == min(r.cores_busy for r in rounds)
+    rounds[0].stage_cpu_us = None  # a remote worker: its CPU cannot be read, so no figure at all
+    assert "cpu_us" not in spreads(rounds) and "throughput" in spreads(rounds)
 
 
 def test_rounds_measure_the_cores_other_processes_take():

@@ -73,7 +73,10 @@ def test_skip_edges_replay_from_every_producer(bundles):
     assert_bit_identical(got, want)
     assert {s: max(counts[s].values()) for s in (0, 1, 3)} == {0: 1, 1: 1, 3: 1}
     assert all(set(counts[s]) == set(range(30)) for s in (0, 1, 3))
-    assert rp.restarted == (2,) and rp.resume[2] == rp.first == 7
+    # the new stage 2 starts at the micro-batch the old one failed on. The driver's first incomplete one can
+    # be earlier: stage 3's output of micro-batch 6 may still be on its way when the fault is seen (seen once
+    # in a fresh-clone run: first = 6); stage 3 then sends it again from what it kept, computing nothing twice
+    assert rp.restarted == (2,) and rp.first <= rp.resume[2] == 7
 
 
 def test_a_plan_that_needs_outputs_no_longer_held_is_refused(bundles):

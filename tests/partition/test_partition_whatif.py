@@ -160,3 +160,20 @@ def test_gantt_window_and_spread_in_the_report(tmp_path, fixtures_dir):
     assert "\n" in title and max(len(line) for line in title.splitlines()) <= 70  # wrapped: it fits
     errorbars = [c for c in fig.axes[0].containers if type(c).__name__ == "ErrorbarContainer"]
     assert errorbars, "measured throughput is drawn with its min-max bars"
+
+
+def test_report_draws_the_fewest_stages_that_reach_the_best_rate():
+    """On a what-if cluster many stage counts can reach one bottleneck op's rate (K = 56..64 of the 64-A10
+    sweep, equal to the last bits): the report's Gantt chart and busy bars are the plan with the fewest
+    stages among those, not whichever K float noise put highest; a plan clearly faster still wins."""
+    from tvmpipe.partition.report import fastest
+    from tvmpipe.partition.sweep import SweepCase
+
+    def case(k, t):
+        return SweepCase(k, "optimal", None, None, measured=Measured(t, 1.0, 2.0) if t else None)
+
+    tied = [case(k, 2234.1696827850 + (1e-11 * (k % 3))) for k in range(56, 65)]
+    assert fastest(tied).stages == 56
+    assert fastest([case(8, 100.0), case(9, 100.05), case(10, 120.0), case(11, None)]).stages == 10
+    assert fastest([case(8, 100.0), case(9, 100.05)]).stages == 8  # within 0.1 %: one rate
+    assert fastest([case(3, None)]) is None and fastest([]) is None
