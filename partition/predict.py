@@ -70,6 +70,7 @@ class Prediction:
     cores: int | None = None
     runtime: str = "none"  # RuntimeCosts.source
     cores_free: float | None = None  # of `cores`, what other processes left (measured; RuntimeCosts.cores_free)
+    host_cpu: bool = False  # the runtime models host CPU (costs or shared cores); the ideal runtime does not
 
     @property
     def cpu_bound(self) -> bool:
@@ -184,7 +185,7 @@ def predict(model: PipelineModel, plan: Plan, requests: int | None = None) -> Pr
         latency_us=latency, bubble=max(0.0, bubble), bytes_moved=sum(st.in_bytes for st in stages),
         requests=requests, period_us=period, limit=limit, driver_us=driver, driver_cpu_us=driver_cpu,
         cpu_demand=cpu_total / period if period > 0 else 0.0, processes=k + 1, cores=rt.cores, runtime=rt.source,
-        cores_free=rt.cores_free)
+        cores_free=rt.cores_free, host_cpu=not rt.is_zero or rt.cores is not None)
 
 
 def attach(plan: Plan, prediction: Prediction) -> Plan:

@@ -55,7 +55,9 @@ def case_row(case: SweepCase) -> dict[str, object]:
     if p is not None:
         row.update(pred_throughput=p.throughput, pred_latency_us=p.latency_us, pred_bubble=p.bubble,
                    pred_bottleneck_us=p.bottleneck_us, bytes_moved=p.bytes_moved, pred_period_us=p.period_us,
-                   limit=p.limit, oversubscribed=p.oversubscribed, pred_cpu_us=p.cpu_us, pred_cores_busy=p.cpu_demand)
+                   limit=p.limit, oversubscribed=p.oversubscribed)
+        if p.host_cpu:  # the ideal runtime models no host CPU
+            row.update(pred_cpu_us=p.cpu_us, pred_cores_busy=p.cpu_demand)
     if m is not None:
         row.update(meas_throughput=m.throughput, meas_latency_p50_us=m.latency_p50_us,
                    meas_latency_p99_us=m.latency_p99_us, meas_bubble=m.bubble, rounds=m.rounds,
@@ -126,8 +128,9 @@ def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
 
 
 def _cpu_cores(p, m) -> str:
-    """Cores busy: predicted, then measured where read, of the machine's cores (free: what other processes left)."""
-    if p is None:
+    """Cores busy: predicted, then measured where read, of the machine's cores (free: what other processes left).
+    Nothing without runtime costs: the ideal runtime (what-if clusters) models no host CPU."""
+    if p is None or not p.host_cpu:
         return "-"
     text = f"{p.cpu_demand:.2f}" + (f", meas {m.cores_busy:.2f}" if m is not None and m.cores_busy is not None else "")
     if p.cores:
@@ -137,7 +140,7 @@ def _cpu_cores(p, m) -> str:
 
 def _cpu_per_batch(p, m) -> str:
     """Host CPU per micro-batch of the whole pipeline (stages + driver), predicted / measured."""
-    if p is None or not p.cpu_us:
+    if p is None or not p.host_cpu or not p.cpu_us:
         return "-"
     return f"{p.cpu_us:.0f}" + (f" / {m.cpu_us:.0f}" if m is not None and m.cpu_us is not None else "")
 

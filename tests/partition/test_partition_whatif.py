@@ -177,3 +177,20 @@ def test_report_draws_the_fewest_stages_that_reach_the_best_rate():
     assert fastest([case(8, 100.0), case(9, 100.05), case(10, 120.0), case(11, None)]).stages == 10
     assert fastest([case(8, 100.0), case(9, 100.05)]).stages == 8  # within 0.1 %: one rate
     assert fastest([case(3, None)]) is None and fastest([]) is None
+
+
+def test_whatif_report_claims_no_host_cpu(tmp_path, fixtures_dir):
+    """A what-if sweep plans with the ideal runtime: no host CPU is modelled, so the report's CPU columns stay
+    empty rather than passing GPU op time off as CPU."""
+    import csv
+
+    from tvmpipe.bundle import load_bundle
+
+    model = PipelineModel.build(load_bundle(fixtures_dir / "resnet18_nnvm.json"))
+    cases = sweep_plans(model, 2, ("optimal",))
+    simulate_cases(model, cases, 50)
+    paths = write_report(cases, tmp_path, measured_label="simulated")
+    rows = list(csv.DictReader(open(paths["csv"])))
+    assert all(r["pred_cpu_us"] == r["pred_cores_busy"] == r["meas_cpu_us"] == "" for r in rows)
+    table = [line for line in paths["markdown"].read_text().splitlines() if line.startswith("| 1 |")]
+    assert table and table[0].split(" | ")[11:13] == ["-", "-"]
