@@ -247,7 +247,8 @@ def plot_throughput(cases: list[SweepCase], path: str | Path, title: str = "thro
             axis.set_xticks(ks if len(ks) <= 16 else ks[:: max(1, len(ks) // 12)])
     if strategies:
         ax.legend(fontsize="small")
-    fig.suptitle(_wrap(title + f" (markers: median, bars: min-max over rounds)"), fontsize="medium")
+    spread = any(c.measured and c.measured.throughput_range for c in cases)  # one simulated run has no rounds
+    fig.suptitle(_wrap(title + (" (markers: median, bars: min-max over rounds)" if spread else "")), fontsize="medium")
     return _save(fig, path)
 
 

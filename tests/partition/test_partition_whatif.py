@@ -194,3 +194,20 @@ def test_whatif_report_claims_no_host_cpu(tmp_path, fixtures_dir):
     assert all(r["pred_cpu_us"] == r["pred_cores_busy"] == r["meas_cpu_us"] == "" for r in rows)
     table = [line for line in paths["markdown"].read_text().splitlines() if line.startswith("| 1 |")]
     assert table and table[0].split(" | ")[11:13] == ["-", "-"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seen = []
+    real_close = plt.close
+    plt.close = lambda fig: (seen.append(fig), real_close(fig))
+    try:
+        plot_throughput(cases, tmp_path / "t.png", "what-if")
+        t = cases[0].measured.throughput
+        cases[0].measured.throughput_range = (0.9 * t, 1.1 * t)
+        plot_throughput(cases, tmp_path / "u.png", "sweep")
+    finally:
+        plt.close = real_close
+    # one simulated run per plan has no rounds to spread: the title claims no min-max bars
+    assert seen[0]._suptitle.get_text() == "what-if" and "min-max over rounds" in seen[1]._suptitle.get_text()
