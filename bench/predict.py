@@ -36,12 +36,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "predict.json"
 SWEEPS = {
-    "reference": ["--backend", "reference"],
+    "reference": ["--stages", "1..3", "--backend", "reference"],
     # a shared machine: a neighbour process spins on one of the cores for the whole sweep (NEIGHBOURS)
-    "reference-neighbour": ["--backend", "reference", "--stages", "1..2"],
-    "simulated-0.1ms": ["--backend", "simulated", "--time-scale", "7"],
-    "simulated-1ms": ["--backend", "simulated", "--time-scale", "66"],
-    "simulated-10ms": ["--backend", "simulated", "--time-scale", "660"],
+    "reference-neighbour": ["--stages", "1..2", "--backend", "reference"],
+    "simulated-0.1ms": ["--stages", "1..3", "--backend", "simulated", "--time-scale", "7"],
+    "simulated-1ms": ["--stages", "1..3", "--backend", "simulated", "--time-scale", "66"],
+    "simulated-10ms": ["--stages", "1..3", "--backend", "simulated", "--time-scale", "660"],
 }
 NEIGHBOURS = {"reference-neighbour": 1}  # sweeps run beside this many busy-looping processes
 THROUGHPUT_PCT, BUBBLE_POINTS = 10.0, 10.0
@@ -79,8 +79,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, extra in SWEEPS.items():
-        cmd = [sys.executable, "-m", "tvmpipe.cli", "sweep", str(REPO / "examples" / "cnn"), "--stages", "1..3",
-               "--processes", *extra, "-o", str(out / name)]  # a later --stages wins
+        cmd = [sys.executable, "-m", "tvmpipe.cli", "sweep", str(REPO / "examples" / "cnn"), "--processes", *extra,
+               "-o", str(out / name)]
         t0 = time.perf_counter()
         spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(NEIGHBOURS.get(name, 0))]
         try:

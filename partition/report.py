@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tvmpipe.core import files
+from tvmpipe.partition.predict import Prediction
 from tvmpipe.partition.runtime import RuntimeCosts
-from tvmpipe.partition.sweep import SweepCase
+from tvmpipe.partition.sweep import Measured, SweepCase
 
 COLUMNS = ["stages", "strategy", "cuts", "pred_throughput", "meas_throughput", "throughput_error_pct",
            "pred_latency_us", "meas_latency_p50_us", "meas_latency_p99_us", "pred_bubble", "meas_bubble",
@@ -127,7 +128,12 @@ def markdown_table(cases: list[SweepCase], measured_label: str = "meas") -> str:
     return "\n".join(lines)
 
 
-def _cpu_cores(p, m) -> str:
+def cpu_bound_cases(cases: list[SweepCase]) -> list[SweepCase]:
+    """Rows with more processes (stages + driver) than cores: not held to the targets (within_target)."""
+    return [c for c in cases if c.prediction and c.prediction.oversubscribed]
+
+
+def _cpu_cores(p: Prediction | None, m: Measured | None) -> str:
     """Cores busy: predicted, then measured where read, of the machine's cores (free: what other processes left).
     Nothing without runtime costs: the ideal runtime (what-if clusters) models no host CPU."""
     if p is None or not p.host_cpu:
@@ -138,7 +144,7 @@ def _cpu_cores(p, m) -> str:
     return text + (" oversubscribed" if p.oversubscribed else "")
 
 
-def _cpu_per_batch(p, m) -> str:
+def _cpu_per_batch(p: Prediction | None, m: Measured | None) -> str:
     """Host CPU per micro-batch of the whole pipeline (stages + driver), predicted / measured."""
     if p is None or not p.host_cpu or not p.cpu_us:
         return "-"
@@ -149,7 +155,7 @@ def cpu_bound_lines(cases: list[SweepCase]) -> list[str]:
     """What the report says of rows with more processes than cores: why they are not judged, and, where
     the CPU was read, how much CPU per micro-batch they really took against the prediction's, and how many
     cores they kept busy: the evidence for why such a row's prediction misses."""
-    bound = [c for c in cases if c.prediction and c.prediction.oversubscribed]
+    bound = cpu_bound_cases(cases)
     if not bound:
         return []
     text = (f"**CPU-bound runs**: {len(bound)} row(s) run more processes (stages + driver) than cores; their "
@@ -228,13 +234,13 @@ def plot_throughput(cases: list[SweepCase], path: str | Path, title: str = "thro
                 lo = [y - (rng(c.measured)[0] * scale if rng(c.measured) else y) for c, y in zip(meas, ys)]
                 hi = [(rng(c.measured)[1] * scale if rng(c.measured) else y) - y for c, y in zip(meas, ys)]
                 axis.errorbar(xs, ys, yerr=[lo, hi], fmt="s", color=color, capsize=4, label=f"{s} {measured_label}")
-    bound = sorted({c.stages for c in cases if c.prediction and c.prediction.oversubscribed})
+    bound = cpu_bound_cases(cases)
     shaded = ""
     if bound:  # the stage counts not held to the targets, shaded so the eye does not judge them as the others
-        cores = next(c.prediction.cores for c in cases if c.prediction and c.prediction.oversubscribed)
+        ks = [c.stages for c in bound]
         for axis in (ax, bx):
-            axis.axvspan(bound[0] - 0.4, bound[-1] + 0.4, color="0.9", zorder=0, lw=0)
-        shaded = f"\nshaded: CPU-bound, stages + driver > {cores} cores"
+            axis.axvspan(min(ks) - 0.4, max(ks) + 0.4, color="0.9", zorder=0, lw=0)
+        shaded = f"\nshaded: CPU-bound, stages + driver > {bound[0].prediction.cores} cores"
     ax.set_ylabel("throughput (samples/s)")
     bx.set_ylabel("bubble (% of stage time not computing)")
     bx.set_ylim(0, 100)

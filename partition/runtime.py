@@ -189,7 +189,7 @@ class Calibration:
         else:
             hop = max(0.0, self.period_us - self.busy_us)
         frame = hop / 2
-        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, driver_us=0.0, compute_scale=scale)
+        fields: dict[str, Any] = dict(recv_us=frame, send_us=frame, run_us=run_us, compute_scale=scale)
         fields.update(kw)
         share = 1.0
         if self.stage_cpu_us is not None:
@@ -203,7 +203,7 @@ class Calibration:
             # the driver sent one frame and received one: each costs it what it costs the stage in CPU, or less
             # (it measured less in all: its frames are cheaper than the stage's), and its own work the rest
             fields.setdefault("driver_frame_us", min(frame * fields["cpu_share"], self.driver_cpu_us / 2))
-            fields["driver_us"] = max(0.0, self.driver_cpu_us - 2 * fields["driver_frame_us"])
+            fields.setdefault("driver_us", max(0.0, self.driver_cpu_us - 2 * fields["driver_frame_us"]))
         if self.others_cores is not None and fields.get("cores"):
             # a shared machine: other processes took these cores while the calibration ran beside the plan
             fields.setdefault("cores_free", max(0.1, fields["cores"] - self.others_cores))
