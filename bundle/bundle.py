@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -23,13 +23,18 @@ from tvmpipe.bundle.errors import BundleError, GraphError, Problem, ProblemColle
 from tvmpipe.bundle.graph import Graph
 from tvmpipe.bundle.graph_reader import read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
-from tvmpipe.bundle.params import check_params, generate_params, load_params_file, save_npz
+from tvmpipe.bundle.params import check_param_specs, check_params, generate_params, load_params_file, save_npz
+from tvmpipe.bundle.state import GenerationSpec, StatePair, check_state, parse_generation, parse_state
+from tvmpipe.bundle.weights import LazyParams, WeightsFile, save_safetensors
 
 FORMAT = "tvmpipe-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what write_bundle writes; version 1 bundles (no state, npz/.params weights) still load
+READ_VERSIONS = (1, 2)
 MANIFEST_KEYS = {"format", "version", "model", "source", "target", "batch", "dtype", "tvm_version",
-                 "created_by", "params", "inputs", "files"}
-PARAMS_KEYS = {"file", "generated", "names"}
+                 "created_by", "params", "inputs", "files", "state", "generation"}
+V2_KEYS = {"state", "generation"}
+PARAMS_KEYS = {"file", "generated", "names", "sha256"}
+PARAMS_SUFFIXES = (".safetensors", ".npz", ".params")
 # Generated weights are for small shipped examples; a graph asking for more is corrupt or hostile.
 MAX_GENERATED_PARAM_BYTES = 4 << 30
 REQUIRED_FILES = ("graph.json", "kernels.cu", "kernels.json", "ops.json")
@@ -64,15 +69,30 @@ class Manifest:
     tvm_version: str | None = None
     created_by: str = "tvmpipe"
     files: dict[str, str] = field(default_factory=dict)
+    params_sha256: dict[str, str] | None = None  # per tensor, for a .safetensors weights file
+    state: list[StatePair] = field(default_factory=list)
+    generation: GenerationSpec | None = None
+    version: int = FORMAT_VERSION
+
+    @property
+    def streams_params(self) -> bool:
+        """Whether the weights file is read by tensor (safetensors), checked per tensor."""
+        return bool(self.params_file) and self.params_file.endswith(".safetensors")
 
     def to_json(self) -> dict[str, Any]:
         params: dict[str, Any] = {"file": self.params_file,
                                   "generated": None if self.params_seed is None else {"seed": self.params_seed}}
         if self.param_names is not None:
             params["names"] = self.param_names
-        return {"format": FORMAT, "version": FORMAT_VERSION, "model": self.model, "source": self.source,
-                "target": self.target, "batch": self.batch, "dtype": self.dtype, "tvm_version": self.tvm_version,
-                "created_by": self.created_by, "params": params, "inputs": self.inputs, "files": self.files}
+        if self.params_sha256 is not None:
+            params["sha256"] = self.params_sha256
+        out = {"format": FORMAT, "version": self.version, "model": self.model, "source": self.source,
+               "target": self.target, "batch": self.batch, "dtype": self.dtype, "tvm_version": self.tvm_version,
+               "created_by": self.created_by, "params": params, "inputs": self.inputs, "files": self.files}
+        if self.version >= 2:
+            out["state"] = [p.to_json() for p in self.state]
+            out["generation"] = None if self.generation is None else self.generation.to_json()
+        return out
 
 
 @dataclass
@@ -87,8 +107,31 @@ class Bundle:
     kernels: dict[str, KernelFunction] = field(default_factory=dict)
     ops: dict[str, FusedFunction] = field(default_factory=dict)
     cuda_source: str = ""
-    params: dict[str, np.ndarray] = field(default_factory=dict)
+    # Name -> array. A safetensors bundle's is a LazyParams: a tensor is read (and its checksum
+    # verified) when it is looked up, so a stage reads only its own weights.
+    params: Mapping[str, np.ndarray] = field(default_factory=dict)
     params_path: Path | None = None  # the params file a bare graph.json was loaded with
+
+    @property
+    def state(self) -> list[StatePair]:
+        return list(self.manifest.state) if self.manifest else []
+
+    @property
+    def generation(self) -> GenerationSpec | None:
+        return self.manifest.generation if self.manifest else None
+
+    def param_nbytes(self, name: str) -> int:
+        """A weight's bytes from the graph (no data read)."""
+        return self.graph.entry_of(name).nbytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.param_nbytes(n) for n in self.param_names)
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of state one sequence slot holds (a micro-batch of `batch` sequences): the KV cache."""
+        return sum(self.graph.entry_of(p.input).nbytes for p in self.state)
 
     @property
     def is_bare(self) -> bool:
@@ -179,6 +222,8 @@ def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | P
     ops = _parse_file(path / "ops.json", parse_ops, problems)
     params = {} if graph is None else _load_params(path, graph, manifest, problems)
     _cross_check(path, graph, kernels, ops, cuda_source, problems)
+    if graph is not None and (manifest.state or manifest.generation):
+        check_state(graph, manifest.inputs, manifest.state, manifest.generation, str(path / "bundle.json"), problems)
     if problems:
         raise BundleError(problems)
     return Bundle(path=path, graph=graph, manifest=manifest, kernels=kernels, ops=ops,
@@ -201,6 +246,10 @@ def _check_files(path: Path, m: Manifest, verify_checksums: bool, problems: list
     for name in needed:
         if not (path / name).is_file():
             problems.append(Problem(str(path / name), "", "", "missing required bundle file"))
+        elif name == m.params_file and m.streams_params:
+            if m.params_sha256 is None:  # checked per tensor, when a stage reads it: never whole in every process
+                problems.append(Problem(str(path / "bundle.json"), "", "params.sha256",
+                                        "a .safetensors weights file needs a sha256 per tensor"))
         elif name not in m.files:
             problems.append(Problem(str(path / "bundle.json"), "", f"files.{name}", "no sha256 for this bundle file"))
     for name, want in m.files.items():
@@ -245,8 +294,13 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
     collector.unknown_keys(obj, MANIFEST_KEYS, "")
     if obj.get("format") != FORMAT:
         problems.append(Problem(f, "", "format", f"must be {FORMAT!r}, got {obj.get('format')!r}"))
-    if obj.get("version") != FORMAT_VERSION:
-        problems.append(Problem(f, "", "version", f"unsupported format version {obj.get('version')!r} (this tvmpipe reads {FORMAT_VERSION})"))
+    version = obj.get("version")
+    if version not in READ_VERSIONS:
+        problems.append(Problem(f, "", "version", f"unsupported format version {version!r} "
+                                                  f"(this tvmpipe reads {', '.join(map(str, READ_VERSIONS))})"))
+    elif version == 1:
+        for k in sorted(V2_KEYS & set(obj)):
+            problems.append(Problem(f, "", k, "needs format version 2"))
     before = len(problems)  # problems from here on leave no usable manifest
     for k, typ in (("model", str), ("source", dict), ("target", dict), ("dtype", str), ("inputs", list), ("files", dict), ("params", dict)):
         if not isinstance(obj.get(k), typ):
@@ -266,21 +320,28 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
     before = len(problems)
     if not all(isinstance(n, str) for n in obj["inputs"]):
         problems.append(Problem(f, "", "inputs", f"must be a list of node names, got {obj['inputs']!r}"))
-    pfile, names, gen = p.get("file"), p.get("names"), p.get("generated")
-    if pfile is not None and not (_plain_file_name(pfile) and pfile.endswith((".npz", ".params"))):
-        problems.append(Problem(f, "", "params.file", f"must be null or a .npz / .params file name inside the bundle, got {pfile!r}"))
+    pfile, names, gen, sums = p.get("file"), p.get("names"), p.get("generated"), p.get("sha256")
+    if pfile is not None and not (_plain_file_name(pfile) and pfile.endswith(PARAMS_SUFFIXES)):
+        problems.append(Problem(f, "", "params.file", f"must be null or a .safetensors / .npz / .params file name "
+                                                      f"inside the bundle, got {pfile!r}"))
+    if sums is not None and not (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())):
+        problems.append(Problem(f, "", "params.sha256", "must map tensor names to sha256 hex digests"))
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         problems.append(Problem(f, "", "params.names", f"must be null or a list of node names, got {names!r}"))
     if gen is not None and not (isinstance(gen, dict) and set(gen) == {"seed"} and _is_count(gen["seed"])):
         problems.append(Problem(f, "", "params.generated", 'must be null or {"seed": <non-negative int>}'))
     if pfile is None and gen is None:
         problems.append(Problem(f, "", "params", "neither a params file nor generated weights"))
+    state = parse_state(obj.get("state"), f, problems)
+    generation = parse_generation(obj.get("generation"), f, problems)
     if len(problems) > before:
         return None
     return Manifest(model=obj["model"], source=obj["source"], target=obj["target"], batch=obj["batch"],
                     dtype=obj["dtype"], inputs=obj["inputs"], params_file=pfile,
                     params_seed=None if gen is None else gen["seed"], param_names=names,
-                    tvm_version=obj.get("tvm_version"), created_by=obj.get("created_by", ""), files=files)
+                    tvm_version=obj.get("tvm_version"), created_by=obj.get("created_by", ""), files=files,
+                    params_sha256=sums, state=state, generation=generation,
+                    version=version if version in READ_VERSIONS else FORMAT_VERSION)
 
 
 def _is_count(v: Any) -> bool:
@@ -317,6 +378,8 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
         return generate_params(graph, names, m.params_seed or 0)
     if not (path / m.params_file).is_file():
         return {}  # reported by _check_files
+    if m.streams_params:
+        return _open_weights(path / m.params_file, graph, names, m.params_sha256 or {}, problems)
     try:
         params = load_params_file(path / m.params_file)
     except BundleError as exc:
@@ -324,6 +387,26 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
         return {}
     problems.extend(check_params(graph, params, names, str(path / m.params_file)))
     return params
+
+
+def _open_weights(file: Path, graph: Graph, names: list[str], sums: dict[str, str],
+                  problems: list[Problem]) -> Mapping[str, np.ndarray]:
+    """A safetensors weights file opened, its header checked against the graph (names, shapes,
+    dtypes, offsets, size) and against bundle.json's checksums; no tensor data is read here."""
+    try:
+        wf = WeightsFile(file, sums)
+    except BundleError as exc:
+        problems.extend(exc.problems)
+        return {}
+    specs = {n: (t.dtype, t.shape) for n, t in wf.tensors.items()}
+    problems.extend(check_param_specs(graph, specs, names, str(file)))
+    for n in names:
+        if n in specs and n not in sums:
+            problems.append(Problem(str(file.parent / "bundle.json"), "", f"params.sha256.{n}", "no checksum for this tensor"))
+    for n in sums:
+        if n not in specs:
+            problems.append(Problem(str(file.parent / "bundle.json"), "", f"params.sha256.{n}", "names no tensor of the weights file"))
+    return LazyParams(wf, names)
 
 
 def _cross_check(path: Path, graph: Graph | None, kernels: dict[str, KernelFunction] | None,
@@ -369,9 +452,15 @@ def _cross_check(path: Path, graph: Graph | None, kernels: dict[str, KernelFunct
 
 def write_bundle(out_dir: str | Path, *, model: str, source: dict, target: dict, batch: int, dtype: str,
                  graph: dict, kernels: dict, ops: dict, cuda_source: str, inputs: list[str],
-                 params: dict[str, np.ndarray] | None, params_seed: int | None = None,
-                 tvm_version: str | None = None, overwrite: bool = False) -> Path:
-    """Write a bundle atomically: build and validate it in a temporary sibling, then rename."""
+                 params: Mapping[str, np.ndarray] | None, params_seed: int | None = None,
+                 tvm_version: str | None = None, overwrite: bool = False,
+                 weights: tuple[Path, dict[str, str]] | None = None, params_format: str = "safetensors",
+                 state: list[StatePair] | None = None, generation: GenerationSpec | None = None) -> Path:
+    """Write a bundle atomically: build and validate it in a temporary sibling, then rename.
+
+    Weights come as `params` (a dict, written here as safetensors, or .npz with
+    `params_format="npz"`), or as `weights`: a safetensors file the caller already streamed tensor
+    by tensor (WeightsWriter) and its per-tensor checksums; it is moved into the bundle, not copied."""
     from tvmpipe import __version__
 
     out = Path(out_dir).resolve()
@@ -385,14 +474,23 @@ def write_bundle(out_dir: str | Path, *, model: str, source: dict, target: dict,
         (tmp / "kernels.json").write_text(json.dumps(kernels, indent=1))
         (tmp / "ops.json").write_text(json.dumps(ops, indent=1))
         (tmp / "kernels.cu").write_text(cuda_source)
-        params_file = None
-        if params is not None:
+        params_file, sums = None, None
+        if weights is not None:
+            params_file = "params.safetensors"
+            shutil.move(str(weights[0]), tmp / params_file)
+            sums = dict(weights[1])
+        elif params is not None and params_format == "npz":
             params_file = "params.npz"
-            save_npz(tmp / params_file, params)
-        files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir())}
+            save_npz(tmp / params_file, dict(params))
+        elif params is not None:
+            params_file = "params.safetensors"
+            sums = save_safetensors(tmp / params_file, params)
+        files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.name != params_file or sums is None}
         manifest = Manifest(model=model, source=source, target=target, batch=batch, dtype=dtype, inputs=list(inputs),
-                            params_file=params_file, params_seed=params_seed if params is None else None,
-                            tvm_version=tvm_version, created_by=f"tvmpipe {__version__}", files=files)
+                            params_file=params_file,
+                            params_seed=params_seed if params is None and weights is None else None,
+                            tvm_version=tvm_version, created_by=f"tvmpipe {__version__}", files=files,
+                            params_sha256=sums, state=list(state or []), generation=generation)
         (tmp / "bundle.json").write_text(json.dumps(manifest.to_json(), indent=1))
         try:
             load_bundle(tmp)  # never rename an invalid bundle into place

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# TVM dltype strings we can hold in NumPy. bfloat16 is absent on purpose: NumPy cannot compute it,
-# and a silent fallback would break the reference backend's role as oracle.
+# TVM dltype strings we can hold in NumPy. bfloat16 comes from ml_dtypes (what JAX and TVM use):
+# published LLM checkpoints are bf16, and a bf16 bundle must be stored and shipped at 2 bytes a
+# value. NumPy holds it; the reference backend says how it computes with it (executor/reference_ops.py).
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
     for name in (
@@ -15,6 +16,12 @@ DTYPES: dict[str, np.dtype] = {
         "bool",
     )
 }
+try:
+    import ml_dtypes as _ml_dtypes
+
+    DTYPES["bfloat16"] = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a runtime dependency
+    pass
 
 # NNVM-era `dtype` attribute codes (mshadow TypeFlag), written beside `dltype` in 2018-19 graphs.
 NNVM_TYPE_CODES: dict[int, str] = {

@@ -94,7 +94,8 @@ def tiny_params(seed: int = 0) -> dict[str, np.ndarray]:
 def write_tiny(out: Path, **overrides) -> Path:
     kw = dict(model="tiny", source={"kind": "handmade", "name": "tiny", "sha256": None},
               target={"kind": "cuda", "arch": "sm_90"}, batch=1, dtype="float32", graph=tiny_graph(),
-              kernels=tiny_kernels(), ops=tiny_ops(), cuda_source=TINY_CU, inputs=["x"], params=tiny_params())
+              kernels=tiny_kernels(), ops=tiny_ops(), cuda_source=TINY_CU, inputs=["x"], params=tiny_params(),
+              params_format="npz")
     kw.update(overrides)
     return write_bundle(out, **kw)
 

@@ -1,0 +1,135 @@
+"""Declared state: which graph input a program's state is read from and which output replaces it.
+
+A decode step reads its KV caches as inputs and returns the updated caches as outputs. Without a
+declaration those are ordinary tensors, and a runtime would ship them through the driver every
+token; declared as pairs, a stage keeps them resident (one set per sequence slot) and feeds the
+output back as the next step's input without sending it anywhere. `generation` names the inputs a
+generation loop feeds (token, position) and the logits output it samples from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tvmpipe.bundle.errors import Problem
+from tvmpipe.bundle.graph import Graph
+
+
+@dataclass(frozen=True)
+class StatePair:
+    """State `name` is read from graph input `input` and replaced by graph output `output` (an
+    index into graph.json `heads`); before the first step it holds `fill` (0.0: an empty cache)."""
+
+    name: str
+    input: str
+    output: int
+    fill: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "input": self.input, "output": self.output, "init": {"fill": self.fill}}
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What a generation loop feeds and reads: `token` (ids, [batch, 1]) and `position` (the
+    step's position in the sequence) inputs, the `logits` output (head index, [batch, 1 or more,
+    vocab]: the last position is sampled), the static `max_context` of the caches, `vocab_size`."""
+
+    token: str
+    position: str
+    logits: int
+    max_context: int
+    vocab_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "position": self.position, "logits": self.logits,
+                "max_context": self.max_context, "vocab_size": self.vocab_size}
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def parse_state(raw: Any, file: str, problems: list[Problem]) -> list[StatePair]:
+    """bundle.json `state`: a list of pairs (shape only; graph checks come in check_state)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        problems.append(Problem(file, "", "state", "must be a list of state pairs"))
+        return []
+    out = []
+    for i, p in enumerate(raw):
+        fld = f"state[{i}]"
+        if not isinstance(p, dict) or not {"name", "input", "output"} <= set(p) or set(p) - {"name", "input", "output", "init"}:
+            problems.append(Problem(file, "", fld, 'must be {"name", "input", "output"[, "init"]}'))
+            continue
+        init = p.get("init", {"fill": 0.0})
+        ok_init = isinstance(init, dict) and set(init) == {"fill"} and isinstance(init["fill"], (int, float)) \
+            and not isinstance(init["fill"], bool)
+        if not (isinstance(p["name"], str) and isinstance(p["input"], str) and _is_count(p["output"]) and ok_init):
+            problems.append(Problem(file, "", fld, "name and input are strings, output a head index, "
+                                                   'init {"fill": <number>}'))
+            continue
+        out.append(StatePair(p["name"], p["input"], p["output"], float(init["fill"])))
+    return out
+
+
+def parse_generation(raw: Any, file: str, problems: list[Problem]) -> GenerationSpec | None:
+    if raw is None:
+        return None
+    keys = {"token", "position", "logits", "max_context", "vocab_size"}
+    if not isinstance(raw, dict) or set(raw) != keys:
+        problems.append(Problem(file, "", "generation", f"must have exactly the keys {sorted(keys)}"))
+        return None
+    if not (isinstance(raw["token"], str) and isinstance(raw["position"], str) and _is_count(raw["logits"])
+            and _is_count(raw["max_context"]) and raw["max_context"] > 0 and _is_count(raw["vocab_size"])
+            and raw["vocab_size"] > 0):
+        problems.append(Problem(file, "", "generation", "token and position are input names; logits a head index; "
+                                                        "max_context and vocab_size positive integers"))
+        return None
+    return GenerationSpec(raw["token"], raw["position"], raw["logits"], raw["max_context"], raw["vocab_size"])
+
+
+def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: GenerationSpec | None,
+                file: str, problems: list[Problem]) -> None:
+    """Every pair reads a graph input and is replaced by a head of the same shape and dtype; no
+    input, head or name is in two pairs; the generation inputs and logits are not state."""
+    seen_in: set[str] = set()
+    seen_out: set[int] = set()
+    names: set[str] = set()
+    for i, p in enumerate(state):
+        fld = f"state[{i}]"
+        if p.name in names:
+            problems.append(Problem(file, "", fld, f"state name '{p.name}' is used twice"))
+        names.add(p.name)
+        if p.input not in inputs:
+            problems.append(Problem(file, "", f"{fld}.input", f"'{p.input}' is not one of the bundle's inputs"))
+            continue
+        if p.output >= len(graph.heads):
+            problems.append(Problem(file, "", f"{fld}.output", f"head {p.output} does not exist "
+                                                               f"(graph.json has {len(graph.heads)} outputs)"))
+            continue
+        if p.input in seen_in or p.output in seen_out:
+            problems.append(Problem(file, "", fld, "its input or output is already in another state pair"))
+        seen_in.add(p.input)
+        seen_out.add(p.output)
+        ein, eout = graph.entry_of(p.input), graph.entries[graph.head_entries[p.output]]
+        if (ein.shape, ein.dtype) != (eout.shape, eout.dtype):
+            problems.append(Problem(file, "", fld, f"input '{p.input}' is {ein.dtype}{list(ein.shape)} but output "
+                                                   f"{p.output} is {eout.dtype}{list(eout.shape)}"))
+    if gen is None:
+        return
+    for key in ("token", "position"):
+        name = getattr(gen, key)
+        if name not in inputs:
+            problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is not one of the bundle's inputs"))
+        elif name in seen_in:
+            problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is a state input"))
+    if gen.logits >= len(graph.heads):
+        problems.append(Problem(file, "", "generation.logits", f"head {gen.logits} does not exist"))
+    elif gen.logits in seen_out:
+        problems.append(Problem(file, "", "generation.logits", f"head {gen.logits} is a state output"))
+    elif graph.entries[graph.head_entries[gen.logits]].shape[-1:] != (gen.vocab_size,):
+        problems.append(Problem(file, "", "generation.vocab_size", f"logits head {gen.logits} is "
+                                f"{list(graph.entries[graph.head_entries[gen.logits]].shape)}, not [..., {gen.vocab_size}]"))

@@ -1,0 +1,344 @@
+"""The weights file: safetensors, written one tensor at a time and read one tensor at a time.
+
+A stage must hold only its own weights, so the file is read by byte range (`os.pread` into the
+destination: a NumPy array, or a page-locked staging buffer on the way to the GPU), never loaded
+whole, and integrity is checked per tensor (sha256 of its bytes, kept in bundle.json) instead of
+re-hashing the whole file in every process. Every byte a reader takes is counted (`bytes_read`),
+so a test can prove a stage never touched another stage's tensors.
+
+The layout is the ecosystem's (https://github.com/huggingface/safetensors): an 8-byte
+little-endian header length N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [a, b]},
+"__metadata__": {...}}` padded with spaces, then the data; offsets are relative to the data start,
+the data has no holes. Files written here load with `safetensors.numpy.load_file`, and files
+written by the `safetensors` package load here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import numpy as np
+
+from tvmpipe.bundle import dtypes
+from tvmpipe.bundle.errors import BundleError, Problem
+
+# safetensors dtype tags <-> TVM dltype names (the whitelist of bundle.dtypes).
+ST_DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}
+TVM_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+MAX_HEADER = 100 << 20  # the safetensors package's own limit
+CHUNK = 64 << 20  # hashing / copying granularity: bounded temporary memory
+
+
+def _fail(file: str, where: str, msg: str) -> BundleError:
+    return BundleError([Problem(file, where, "", msg)])
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's place in the file: dtype (TVM name), shape, absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def tensor_sha256(data: bytes | memoryview | np.ndarray) -> str:
+    """The checksum bundle.json keeps per tensor: sha256 of its bytes as stored (C order, little endian)."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return dtypes.np_dtype(name)
+
+
+class WeightsFile:
+    """A safetensors file opened for reading by tensor. The header is parsed and checked against
+    the file size at open (a truncated file is refused at once, naming the first tensor it cuts);
+    data is read only when asked for, and each tensor's checksum (when bundle.json has one) is
+    verified on its first read."""
+
+    def __init__(self, path: str | Path, checksums: Mapping[str, str] | None = None):
+        self.path = Path(path)
+        self.checksums = dict(checksums or {})
+        self.bytes_read = 0
+        self.reads: dict[str, int] = {}  # name -> bytes read for it (per process: what a test counts)
+        self._verified: set[str] = set()
+        f = str(self.path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise _fail(f, "", "file not found") from None
+        except OSError as exc:
+            raise _fail(f, "", f"cannot open: {exc.strerror}") from None
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self.tensors, self.metadata = self._read_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        self.bytes_read += len(data)
+        return data
+
+    def _read_header(self) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+        f = str(self.path)
+        if self.size < 8:
+            raise _fail(f, "", f"truncated: {self.size} bytes, not even a safetensors header length")
+        (n,) = struct.unpack("<Q", self._pread(8, 0))
+        if n > MAX_HEADER or 8 + n > self.size:
+            raise _fail(f, "", f"not a safetensors file: header length {n} does not fit the {self.size}-byte file")
+        try:
+            obj = json.loads(self._pread(n, 8).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise _fail(f, "header", f"not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise _fail(f, "header", "must be a JSON object")
+        meta = obj.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise _fail(f, "header", "__metadata__ must map strings to strings")
+        base = 8 + n
+        tensors: dict[str, TensorInfo] = {}
+        spans = []
+        for name, t in obj.items():
+            where = f"tensor '{name}'"
+            if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+                raise _fail(f, where, "needs exactly dtype, shape and data_offsets")
+            dt = ST_DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None
+            if dt is None:
+                raise _fail(f, where, f"unsupported dtype {t['dtype']!r}")
+            shape, offs = t["shape"], t["data_offsets"]
+            if not (isinstance(shape, list) and len(shape) <= 32 and all(_count(d) for d in shape)):
+                raise _fail(f, where, f"bad shape {shape!r}")
+            if not (isinstance(offs, list) and len(offs) == 2 and all(_count(o) for o in offs) and offs[0] <= offs[1]):
+                raise _fail(f, where, f"bad data_offsets {offs!r}")
+            want = math.prod(shape) * (1 if dt == "bool" else dtypes.itemsize(dt))
+            if offs[1] - offs[0] != want:
+                raise _fail(f, where, f"data_offsets span {offs[1] - offs[0]} bytes but {t['dtype']}{shape} needs {want}")
+            if base + offs[1] > self.size:
+                raise _fail(f, where, f"truncated: the tensor ends at byte {base + offs[1]} of a {self.size}-byte file")
+            tensors[name] = TensorInfo(name, dt, tuple(shape), base + offs[0], base + offs[1])
+            spans.append((offs[0], offs[1], name))
+        spans.sort()
+        pos = 0
+        for a, b, name in spans:
+            if a != pos:
+                raise _fail(f, f"tensor '{name}'", f"data starts at {a}, not {pos}: overlapping tensors or a hole")
+            pos = b
+        if base + pos != self.size:
+            raise _fail(f, "", f"{self.size - base - pos} trailing bytes after the last tensor")
+        return tensors, meta
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise _fail(str(self.path), f"tensor '{name}'", "not in the file") from None
+
+    def read_into(self, name: str, out: np.ndarray | memoryview, offset: int = 0, length: int | None = None) -> int:
+        """Copy bytes [offset, offset+length) of tensor `name` into `out` (a writable buffer of at
+        least that size): the one place data leaves the file. Returns the bytes copied."""
+        t = self.info(name)
+        length = t.nbytes - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > t.nbytes:
+            raise _fail(str(self.path), f"tensor '{name}'", f"range [{offset}, {offset + length}) outside its {t.nbytes} bytes")
+        dst = memoryview(out).cast("B") if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8).data
+        done = 0
+        while done < length:
+            n = os.preadv(self._fd, [dst[done:length]], t.begin + offset + done)
+            if n <= 0:
+                raise _fail(str(self.path), f"tensor '{name}'", "truncated: the file shrank while reading")
+            done += n
+        self.bytes_read += length
+        self.reads[name] = self.reads.get(name, 0) + length
+        return length
+
+    def chunks(self, name: str, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
+        """(offset, length) pieces of a tensor, for bounded staging copies."""
+        n = self.info(name).nbytes
+        for off in range(0, n, chunk):
+            yield off, min(chunk, n - off)
+
+    def verify(self, name: str, digest_of: "hashlib._Hash") -> None:
+        """Compare a running sha256 of the tensor's bytes with bundle.json's; once per tensor."""
+        want = self.checksums.get(name)
+        if want is not None and digest_of.hexdigest() != want:
+            raise _fail(str(self.path), f"tensor '{name}'", "sha256 differs from bundle.json: the weights changed after export")
+        self._verified.add(name)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a new array (checksum verified on the first read)."""
+        t = self.info(name)
+        arr = np.empty(t.shape, dtype=_np_dtype(t.dtype))
+        self.read_into(name, arr)
+        if name not in self._verified:
+            h = hashlib.sha256()
+            flat = arr.reshape(-1).view(np.uint8)
+            for off in range(0, flat.size, CHUNK):
+                h.update(flat[off:off + CHUNK])
+            self.verify(name, h)
+        return arr
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+class WeightsWriter:
+    """Writes a safetensors file tensor by tensor. The header is fixed up front from the tensors'
+    specs (names, dtypes, shapes), so each tensor can be written as soon as it is final and then
+    dropped: the writer holds none of them. `close()` refuses a file with a tensor never written,
+    fsyncs, and returns the per-tensor sha256 for bundle.json."""
+
+    def __init__(self, path: str | Path, specs: Iterable[tuple[str, str, tuple[int, ...]]],
+                 metadata: Mapping[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        pos = 0
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dt, shape in specs:
+            if dt not in TVM_TO_ST:
+                raise _fail(str(self.path), f"tensor '{name}'", f"dtype {dt} has no safetensors tag")
+            if name in self.tensors:
+                raise _fail(str(self.path), f"tensor '{name}'", "listed twice")
+            n = math.prod(shape) * (1 if dt == "bool" else dtypes.itemsize(dt))
+            header[name] = {"dtype": TVM_TO_ST[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            self.tensors[name] = TensorInfo(name, dt, tuple(shape), pos, pos + n)
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-(8 + len(raw)) % 8)  # data 8-byte aligned, as the safetensors package writes it
+        self.base = 8 + len(raw)
+        self.checksums: dict[str, str] = {}
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.truncate(self.base + pos)
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        t = self.tensors.get(name)
+        if t is None:
+            raise _fail(str(self.path), f"tensor '{name}'", "not declared when the file was opened")
+        arr = np.ascontiguousarray(value)
+        if tuple(arr.shape) != t.shape or arr.dtype != _np_dtype(t.dtype):
+            raise _fail(str(self.path), f"tensor '{name}'",
+                        f"is {arr.dtype}{list(arr.shape)} but was declared {t.dtype}{list(t.shape)}")
+        flat = arr.reshape(-1).view(np.uint8)
+        h = hashlib.sha256()
+        self._f.seek(self.base + t.begin)
+        for off in range(0, flat.size, CHUNK):
+            piece = flat[off:off + CHUNK]
+            h.update(piece)
+            self._f.write(piece)
+        self.checksums[name] = h.hexdigest()
+
+    def close(self) -> dict[str, str]:
+        missing = [n for n in self.tensors if n not in self.checksums]
+        if missing:
+            self._f.close()
+            raise _fail(str(self.path), f"tensor '{missing[0]}'", f"never written ({len(missing)} tensors missing)")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return dict(self.checksums)
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+def save_safetensors(path: str | Path, params: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """Write a dict of arrays (small bundles, tests); big models go through WeightsWriter directly."""
+    specs = [(n, _tvm_name(a.dtype), tuple(a.shape)) for n, a in params.items()]
+    w = WeightsWriter(path, specs)
+    try:
+        for n, a in params.items():
+            w.write(n, a)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()
+
+
+def _tvm_name(dt: np.dtype) -> str:
+    for name in ST_DTYPES.values():
+        try:
+            if dtypes.np_dtype(name) == dt:
+                return name
+        except KeyError:
+            continue
+    raise KeyError(f"no TVM dtype for {dt}")
+
+
+class LazyParams(Mapping[str, np.ndarray]):
+    """bundle.params for a safetensors bundle: a mapping that reads a tensor when it is looked up.
+
+    Looking names up is free (the header is parsed); values are read, checksummed and cached on
+    first access, so a stage that touches only its own names reads only their bytes. `release()`
+    drops cached arrays (the streamed single-process check releases each stage's weights)."""
+
+    def __init__(self, file: WeightsFile, names: Iterable[str]):
+        self.file = file
+        self._names = list(names)
+        self._set = set(self._names)
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._set:
+            raise KeyError(name)
+        arr = self._cache.get(name)
+        if arr is None:
+            arr = self._cache[name] = self.file.read(name)
+        return arr
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+    def info(self, name: str) -> TensorInfo:
+        return self.file.info(name)
+
+    def nbytes(self, name: str) -> int:
+        return self.file.info(name).nbytes
+
+    def release(self, names: Iterable[str] | None = None) -> None:
+        for n in list(self._cache) if names is None else names:
+            self._cache.pop(n, None)

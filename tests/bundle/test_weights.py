@@ -1,0 +1,142 @@
+"""The safetensors weights file (bundle format 2): interop with the safetensors package, reads by
+tensor with every byte counted, per-tensor checksums, truncation and corruption named, state pairs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.support.tiny_bundle import tiny_params, write_tiny
+from tvmpipe.bundle import BundleError, load_bundle
+from tvmpipe.bundle.state import GenerationSpec, StatePair
+from tvmpipe.bundle.weights import LazyParams, WeightsFile, WeightsWriter, save_safetensors
+
+
+def _arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": np.arange(7, dtype=np.int64),
+            "c": rng.standard_normal(9).astype(np.float16), "d": np.array([True, False])}
+
+
+def test_written_file_loads_with_the_safetensors_package_and_back(tmp_path: Path):
+    arrays = _arrays()
+    save_safetensors(tmp_path / "w.safetensors", arrays)
+    theirs = load_file(tmp_path / "w.safetensors")
+    assert set(theirs) == set(arrays)
+    for k in arrays:
+        np.testing.assert_array_equal(theirs[k], arrays[k])
+    save_file(arrays, str(tmp_path / "theirs.safetensors"))
+    wf = WeightsFile(tmp_path / "theirs.safetensors")
+    for k in arrays:
+        np.testing.assert_array_equal(wf.read(k), arrays[k])
+
+
+def test_bfloat16_is_two_bytes_a_value(tmp_path: Path):
+    x = np.linspace(-2, 2, 12, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(3, 4)
+    save_safetensors(tmp_path / "w.safetensors", {"x": x})
+    wf = WeightsFile(tmp_path / "w.safetensors")
+    assert wf.info("x").dtype == "bfloat16" and wf.info("x").nbytes == 24
+    np.testing.assert_array_equal(wf.read("x"), x)
+
+
+def test_reading_one_tensor_reads_only_its_bytes(tmp_path: Path):
+    arrays = {f"t{i}": np.full((256, 256), i, np.float32) for i in range(4)}
+    save_safetensors(tmp_path / "w.safetensors", arrays)
+    wf = WeightsFile(tmp_path / "w.safetensors")
+    header = wf.bytes_read
+    lazy = LazyParams(wf, list(arrays))
+    assert "t3" in lazy and len(lazy) == 4 and wf.bytes_read == header  # names cost nothing
+    np.testing.assert_array_equal(lazy["t2"], arrays["t2"])
+    assert wf.bytes_read - header == arrays["t2"].nbytes
+    assert wf.reads == {"t2": arrays["t2"].nbytes}
+
+
+def test_streamed_writer_holds_no_tensor_and_refuses_a_missing_one(tmp_path: Path):
+    w = WeightsWriter(tmp_path / "w.safetensors", [("x", "float32", (2, 2)), ("y", "float32", (3,))])
+    w.write("y", np.ones(3, np.float32))  # any order
+    with pytest.raises(BundleError, match="tensor 'x'.*never written"):
+        w.close()
+    w = WeightsWriter(tmp_path / "w2.safetensors", [("x", "float32", (2, 2))])
+    with pytest.raises(BundleError, match="tensor 'x'.*declared float32\\[2, 2\\]"):
+        w.write("x", np.ones((2, 3), np.float32))
+    w.abort()
+
+
+def _st_bundle(tmp_path: Path, **kw) -> Path:
+    return write_tiny(tmp_path / "tiny", params_format="safetensors", **kw)
+
+
+def test_bundle_writes_safetensors_with_per_tensor_checksums(tmp_path: Path):
+    b = _st_bundle(tmp_path)
+    m = json.loads((b / "bundle.json").read_text())
+    assert m["version"] == 2 and m["params"]["file"] == "params.safetensors"
+    assert set(m["params"]["sha256"]) == {"w", "b"} and "params.safetensors" not in m["files"]
+    loaded = load_bundle(b)
+    assert isinstance(loaded.params, LazyParams) and loaded.params.file.bytes_read < 200  # header only
+    np.testing.assert_array_equal(loaded.params["w"], tiny_params()["w"])
+
+
+def test_one_tensor_corrupted_is_named_when_read(tmp_path: Path):
+    b = _st_bundle(tmp_path)
+    wf = WeightsFile(b / "params.safetensors")
+    at = wf.info("b").begin
+    wf.close()
+    data = bytearray((b / "params.safetensors").read_bytes())
+    data[at] ^= 0xFF
+    (b / "params.safetensors").write_bytes(bytes(data))
+    bundle = load_bundle(b)  # the header is intact: loading reads no data
+    np.testing.assert_array_equal(bundle.params["w"], tiny_params()["w"])  # other tensors still read
+    with pytest.raises(BundleError) as info:
+        bundle.params["b"]
+    msg = str(info.value.problems[0])
+    assert str(b / "params.safetensors") in msg and "tensor 'b'" in msg and "sha256" in msg
+
+
+def test_truncated_weights_file_names_file_and_tensor(tmp_path: Path):
+    b = _st_bundle(tmp_path)
+    data = (b / "params.safetensors").read_bytes()
+    (b / "params.safetensors").write_bytes(data[:-5])
+    with pytest.raises(BundleError) as info:
+        load_bundle(b)
+    msg = "\n".join(map(str, info.value.problems))
+    assert str(b / "params.safetensors") in msg and "truncated" in msg and "tensor '" in msg
+
+
+def test_header_lies_are_refused(tmp_path: Path):
+    b = _st_bundle(tmp_path)
+    raw = (b / "params.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["w"]["data_offsets"] = [0, 4]  # claims fewer bytes than float32[4, 3]
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    new += b" " * (n - len(new))
+    (b / "params.safetensors").write_bytes(raw[:8] + new[:n] + raw[8 + n:])
+    with pytest.raises(BundleError, match="tensor 'w'.*data_offsets span 4 bytes"):
+        load_bundle(b)
+
+
+def test_npz_and_legacy_params_bundles_still_load(tmp_path: Path):
+    npz = write_tiny(tmp_path / "npz")  # the test helper writes format-1-style .npz weights
+    assert load_bundle(npz).params["w"].shape == (4, 3)
+    m = json.loads((npz / "bundle.json").read_text())
+    m["version"] = 1
+    for k in ("state", "generation"):
+        m.pop(k)
+    (npz / "bundle.json").write_text(json.dumps(m))
+    np.testing.assert_array_equal(load_bundle(npz).params["w"], tiny_params()["w"])
+
+
+def test_state_pairs_round_trip_and_bad_pairs_are_named(tmp_path: Path):
+    # the tiny graph has one input x float32[1, 4] and one output float32[3]: no pair can match it
+    with pytest.raises(BundleError, match=r"state\[0\]: input 'x' is float32\[1, 4\] but output 0 is float32\[3\]"):
+        _st_bundle(tmp_path, state=[StatePair("kv", "x", 0)])
+    with pytest.raises(BundleError, match=r"state\[0\].output: head 4 does not exist"):
+        _st_bundle(tmp_path, state=[StatePair("kv", "x", 4)])
+    with pytest.raises(BundleError, match=r"generation.vocab_size"):
+        _st_bundle(tmp_path, generation=GenerationSpec("x", "x", 0, 8, 5))
