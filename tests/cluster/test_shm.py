@@ -1,0 +1,220 @@
+"""Shared-memory rings (cluster/shm.py): the same-node path of an edge, checked like the TCP one."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tvmpipe.cluster import shm
+from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.handshake import greet
+from tvmpipe.cluster.transport import Link, Listener, PolledListener
+
+SECRET = b"k" * 32
+LISTENERS = pytest.mark.parametrize("kind", [Listener, PolledListener], ids=["threaded", "polled"])
+LIMITS = FrameLimits.exact([(4, "float32", (1024,)), (5, "int8", (3,))])
+
+
+def segments(run: str) -> list[str]:
+    return shm.segment_names(run)
+
+
+class Sink:
+    """A listener whose frames land in a queue; frames are released when the test says."""
+
+    def __init__(self, kind=Listener, limits=LIMITS, retains=False):
+        self.events: queue.Queue = queue.Queue()
+        self.listener = kind("127.0.0.1", lambda peer: limits, lambda p, f: self.events.put(("frame", f)),
+                             lambda p, e: self.events.put(("close", e)), retains_frames=retains, secret=SECRET)
+
+    def next(self, timeout=10):
+        return self.events.get(timeout=timeout)
+
+
+def frame(seq: int, run="shmtest", epoch=0) -> Frame:
+    return Frame("data", run, epoch, seq, 1, {4: np.arange(1024, dtype=np.float32) + seq,
+                                              5: np.array([seq, 2, 3], np.int8)})
+
+
+def test_choose_takes_shm_only_on_one_node():
+    assert shm.choose("auto", False, 1 << 30) == "tcp"
+    assert shm.choose("shm", False, 1 << 30) == "tcp"
+    assert shm.choose("tcp", True, 1 << 30) == "tcp"
+    assert shm.choose("shm", True, 16) == "shm"
+    assert shm.choose("auto", True, 16) == "tcp" and shm.choose("auto", True, shm.AUTO_MIN_BYTES) == "shm"
+    with pytest.raises(ValueError):
+        shm.choose("udp", True, 1)
+
+
+@LISTENERS
+@pytest.mark.parametrize("retains", [False, True], ids=["in-place", "copied"])
+def test_frames_cross_a_ring_in_order_and_the_name_is_gone(kind, retains):
+    sink = Sink(kind, retains=retains)
+    run = "shmtest"
+    try:
+        link = Link(sink.listener.address, Frame("hello", run, 0, 0, 1), SECRET, lambda e: None, ring_slots=2,
+                    frame_bytes=8192)
+        assert link.path == "shm" and segments(run) == [link._ring.name]
+        st = os.stat(link._ring.path)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+        got = []
+        for seq in range(6):  # 3x the slots: every slot is reused only after its release
+            link.put(frame(seq))
+            kind_, f = sink.next()
+            assert kind_ == "frame" and f.kind == "data"
+            np.testing.assert_array_equal(f.tensors[4], np.arange(1024, dtype=np.float32) + seq)
+            assert f.tensors[5].tolist() == [seq, 2, 3]
+            assert (f.release is None) == retains
+            if f.release:
+                f.release()
+            got.append(f.seq)
+            assert segments(run) == []  # the consumer unlinked it once mapped
+        assert got == list(range(6))
+        assert link.bytes_sent > 6 * 4096
+        link.close()
+        assert sink.next() == ("close", None)
+    finally:
+        sink.listener.close()
+    assert segments(run) == []
+
+
+def test_an_unreleased_slot_holds_the_producer_back():
+    sink = Sink()
+    try:
+        link = Link(sink.listener.address, Frame("hello", "shmtest", 0, 0, 1), SECRET, lambda e: None, ring_slots=2,
+                    frame_bytes=8192)
+        link.put(frame(0))
+        link.put(frame(1))
+        f0, f1 = sink.next()[1], sink.next()[1]
+        third = threading.Thread(target=link.put, args=(frame(2),))
+        third.start()
+        time.sleep(0.2)
+        assert third.is_alive() and sink.events.empty()  # both slots held: no overwrite of frame 0
+        assert f0.tensors[4][0] == 0
+        f0.release()
+        third.join(5)
+        assert not third.is_alive()
+        assert sink.next()[1].seq == 2
+        assert f1.tensors[4][0] == 1  # slot 1 untouched
+        link.close(flush=False)
+    finally:
+        sink.listener.close()
+
+
+def _liar(addr, run="shmtest"):
+    """A run's peer (it holds the secret) with a real ring, that sends notifications by hand."""
+    ring = shm.RingWriter(run, 0, 2, 8192)
+    s = socket.create_connection(addr)
+    greet(s, SECRET, Frame("hello", run, 0, 0, 1), 10)
+    return ring, s
+
+
+@pytest.mark.parametrize("slot, why", [
+    (lambda r: (r.name, shm.HEADER_BYTES + 4096, 4160), "is not the next slot's"),
+    (lambda r: (r.name, r.geometry.size - 64, 4160), "is not the next slot's"),
+    (lambda r: (r.name, shm.HEADER_BYTES, 1 << 40), "does not fit"),
+    (lambda r: (r.name, shm.HEADER_BYTES, 64), "does not fit"),
+    (lambda r: ("tvmpipe-otherrun-0-" + "0" * 32, shm.HEADER_BYTES, 4160), "is not a segment of run shmtest"),
+    (lambda r: ("../../etc/passwd", shm.HEADER_BYTES, 4160), "is not a segment of run"),
+])
+def test_a_lying_notification_gets_a_one_line_refusal(slot, why):
+    from tvmpipe.cluster.frames import _pack_notification
+
+    sink = Sink()
+    ring, s = _liar(sink.listener.address)
+    try:
+        note = frame(0)
+        note.kind, note.slot = "shm", slot(ring)
+        s.sendall(_pack_notification(note))
+        kind, err = sink.next()
+        assert kind == "close" and isinstance(err, FrameError) and why in str(err) and "\n" not in str(err)
+    finally:
+        s.close()
+        ring.close()
+        sink.listener.close()
+
+
+def test_a_ring_too_small_for_the_layout_is_refused():
+    sink = Sink()
+    ring = shm.RingWriter("shmtest", 0, 2, 64)
+    s = socket.create_connection(sink.listener.address)
+    greet(s, SECRET, Frame("hello", "shmtest", 0, 0, 1), 10)
+    try:
+        note = frame(0)
+        note.kind, note.slot = "shm", (ring.name, shm.HEADER_BYTES, 4160)
+        os.truncate(ring.path, shm.HEADER_BYTES + 64)  # a peer shrinking its segment under the geometry
+        from tvmpipe.cluster.frames import _pack_notification
+
+        s.sendall(_pack_notification(note))
+        kind, err = sink.next()
+        assert kind == "close" and "bad geometry" in str(err)
+    finally:
+        s.close()
+        ring.close()
+        sink.listener.close()
+
+
+def test_a_notification_without_shared_memory_is_refused():
+    """A run id that cannot name a segment: its connections take no notifications at all."""
+    sink = Sink()
+    s = socket.create_connection(sink.listener.address)
+    greet(s, SECRET, Frame("hello", "not-a-shm-run", 0, 0, 1), 10)
+    try:
+        from tvmpipe.cluster.frames import _pack_notification
+
+        note = frame(0, run="not-a-shm-run")
+        note.kind, note.slot = "shm", ("tvmpipe-x-0-" + "0" * 32, shm.HEADER_BYTES, 4160)
+        s.sendall(_pack_notification(note))
+        kind, err = sink.next()
+        assert kind == "close" and "takes no shared memory" in str(err)
+    finally:
+        s.close()
+        sink.listener.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another uid")
+def test_another_user_cannot_open_a_runs_segment():
+    """Mode 0600 and the owner keep other uids out (root itself is not: it is kept out by the
+    name's 128 random bits and by the consumer unlinking the name at its first frame)."""
+    ring = shm.RingWriter("shmtest", 0, 2, 4096)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: become nobody, try to open and map it
+            os.close(r)
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                try:
+                    fd = os.open(ring.path, os.O_RDONLY)
+                    os.write(w, b"opened")
+                    os.close(fd)
+                except PermissionError:
+                    os.write(w, b"refused")
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        assert os.read(r, 100) == b"refused"
+        os.close(r)
+    finally:
+        ring.close()
+    assert not os.path.exists(ring.path)
+
+
+def test_sweep_removes_only_older_epochs_of_the_run():
+    a, b, c = shm.RingWriter("shmtest", 0, 2, 64), shm.RingWriter("shmtest", 1, 2, 64), shm.RingWriter("other", 0, 2, 64)
+    try:
+        assert shm.sweep("shmtest", below_epoch=1) == 1
+        assert sorted(segments("shmtest")) == [b.name] and segments("other") == [c.name]
+        assert shm.sweep("shmtest") == 1 and segments("shmtest") == []
+    finally:
+        for r in (a, b, c):
+            r.close()
+    assert segments("other") == []
