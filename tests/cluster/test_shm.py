@@ -218,3 +218,66 @@ def test_sweep_removes_only_older_epochs_of_the_run():
         for r in (a, b, c):
             r.close()
     assert segments("other") == []
+
+
+# ---- pipelines ---------------------------------------------------------------------------------------
+
+from tests.support.pipeline_harness import assert_bit_identical, case  # noqa: E402
+
+from tvmpipe.cluster.control import Timeouts  # noqa: E402
+from tvmpipe.cluster.driver import Pipeline  # noqa: E402
+from tvmpipe.cluster.frames import DRIVER  # noqa: E402
+
+
+def data_edges(pipe: Pipeline) -> set[tuple[int, int]]:
+    return {(e.src, e.dst) for e in pipe.topology.edges if e.carries_data}
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_shm_and_tcp_give_byte_identical_outputs(bundles, model, k):
+    """Every data edge of a process pipeline on one host takes the path forced, and the outputs of
+    both paths are byte for byte those of a single process."""
+    inputs, want = case(bundles[model], 10)
+    got = {}
+    for transport in ("tcp", "shm"):
+        with Pipeline(bundles[model], k, launcher="process", transport=transport) as pipe:
+            got[transport] = pipe.run(inputs)
+            paths = pipe.edge_paths()
+            assert set(paths) == data_edges(pipe) and set(paths.values()) == {transport}, paths
+            run = pipe.run_id
+        assert segments(run) == []
+    assert_bit_identical(got["tcp"], want)
+    assert_bit_identical(got["shm"], want)
+
+
+def test_auto_takes_shm_for_large_frames_only(bundles):
+    with Pipeline(bundles["cnn"], 3, launcher="process", transport="auto") as pipe:
+        pipe.run(case(bundles["cnn"], 2)[0])
+        paths = pipe.edge_paths()
+        for e in pipe.topology.edges:
+            if e.carries_data:
+                assert paths[(e.src, e.dst)] == shm.choose("auto", True, pipe._edge_payload(e)), (e, paths)
+
+
+def test_a_stage_killed_mid_run_leaves_no_segment_and_the_run_recovers(bundles):
+    """cnn in 3 stage processes on shared memory, stage 1 SIGKILLed while frames stream: every
+    output once, equal to a clean run; no segment of the run is left in /dev/shm, during the run
+    (consumers unlink at open) or after it."""
+    inputs, want = case(bundles["cnn"], 80)
+    with Pipeline(bundles["cnn"], 3, launcher="process", window=6, transport="shm",
+                  timeouts=Timeouts(progress=20)) as pipe:
+        run = pipe.run_id
+        got = []
+        for i, x in enumerate(inputs):
+            pipe.submit(x)
+            if i == 30:
+                pipe.launcher.kill(1)
+            while pipe.ready:
+                got.append(pipe.get())
+        got += list(pipe.results())
+        assert pipe.restarts == [0, 1, 0]
+        assert set(pipe.edge_paths().values()) == {"shm"}
+        assert segments(run) == []
+    assert segments(run) == []
+    assert_bit_identical(got, want)
