@@ -281,3 +281,29 @@ def test_a_stage_killed_mid_run_leaves_no_segment_and_the_run_recovers(bundles):
         assert segments(run) == []
     assert segments(run) == []
     assert_bit_identical(got, want)
+
+
+def test_the_reaper_unlinks_the_segments_a_killed_run_had_mapped(tmp_path):
+    """A run's process SIGKILLed between creating a ring and its consumer opening it: the name
+    would stay in /dev/shm. The reaper finds it in the process's maps and unlinks it."""
+    import subprocess
+    import sys
+
+    from tvmpipe.cluster import reaper
+
+    home = str(tmp_path / "tvp-home-test")
+    os.makedirs(home)
+    code = ("import sys, time; from tvmpipe.cluster import shm; r = shm.RingWriter('reapertest', 0, 2, 4096); "
+            "print(r.name, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                             env={**os.environ, "HOME": home, "PYTHONPATH": os.getcwd()}, cwd=os.getcwd())
+    try:
+        name = child.stdout.readline().decode().strip()
+        assert segments("reapertest") == [name]
+        killed = reaper.sweep(home, str(tmp_path / "tvp-ray-none"), [], spare=os.getpid(), budget_s=3)
+        assert child.pid in killed
+        assert segments("reapertest") == []
+    finally:
+        child.kill()
+        child.wait()
+        shm.sweep("reapertest")
