@@ -430,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
                 "memcpy_gbps": v["median_memcpy_gbps"]} for k, v in results["shm"].items() if isinstance(v, dict)},
                 indent=1), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.exists() and set(args.only) != {"latency", "throughput", "efficiency", "shm"}:
+        try:  # a partial run replaces only its own sections of the last results
+            kept = json.loads(args.out.read_text())
+            results = {**kept, **results, "sections_updated": sorted(args.only)}
+        except (OSError, ValueError):
+            pass
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
