@@ -356,7 +356,7 @@ def bench_shm(tmp: Path, n: int, rounds: int = 3, sizes_mb: tuple[int, ...] = (4
     for mb in sizes_mb:
         elems = mb * MB4 // 4
         nbytes = elems * 4
-        count = max(4, n * 4 // mb) if mb > 4 else n
+        count = max(12, n * 4 // mb) if mb > 4 else n
         window = 8 if mb <= 4 else 4
         row: dict = {"frame_bytes": nbytes, "micro_batches_per_round": count, "window": window}
         shapes = {"single_hop": load_bundle(chain_bundle(tmp / f"shm-hop{mb}", [16, elems, 16])),
