@@ -237,9 +237,14 @@ class RingWriter:
         return Frame("shm", frame.run, frame.epoch, frame.seq, frame.stage, frame.tensors, frame.names,
                      slot=(self.name, at, size))
 
-    def close(self) -> None:
-        """Unlink the name if the consumer has not (it never opened it). The mapping goes with this
-        object: a put still in progress on another thread may be touching it."""
+    def close(self, grace_s: float = 0.0) -> None:
+        """Unlink the name if the consumer has not (it never opened it), after waiting up to
+        `grace_s` for it to do so (a link closed after flushing: its first notification may still
+        be on its way to a consumer that will open the ring). The mapping goes with this object: a
+        put still in progress on another thread may be touching it."""
+        end = time.monotonic() + (grace_s if self.ticket else 0.0)
+        while os.path.exists(self.path) and time.monotonic() < end:
+            time.sleep(0.005)
         try:
             os.unlink(self.path)
         except OSError:

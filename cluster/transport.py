@@ -518,7 +518,7 @@ class Link:
         self._thread.join(timeout=5)
         self._sock.close()
         if self._ring is not None:
-            self._ring.close()
+            self._ring.close(grace_s=2.0 if flush else 0.0)
 
 
 def _connect(address: Address, hello: Frame, secret: bytes, timeout_s: float) -> socket.socket:
