@@ -12,7 +12,7 @@ side by side in this run. Writes bench/results/cluster_bench.json.
   / 5, which also counts the four stages' own Stage.run overhead (reported without it too).
   Targets: <= 100 us p50 per hop, >= 10x better than Ray actor calls. Also measured alongside: a
   raw relay chain (4 processes doing only recv_into/sendall), the machine's own floor at the time.
-- throughput: one stage -> stage hop carrying a 4 MB tensor per micro-batch (simulated backend:
+- throughput: (TCP forced) one stage -> stage hop carrying a 4 MB tensor per micro-batch (simulated backend:
   no compute, no copies in the stages), many micro-batches in flight; against a raw loopback TCP
   socket between two processes (sendall / recv_into), rounds interleaved. Also a 4-stage chain with
   4 MB on each of its three stage -> stage hops at once. Targets: >= 1.2 GB/s and >= 0.65x raw.
@@ -301,8 +301,9 @@ def steady_rate(pipe, x: dict, n: int) -> float:
 
 
 def bench_throughput(tmp: Path, n: int, rounds: int = 3) -> dict:
-    """Stage -> stage hops carrying 4 MB; the driver's own frames are small, so what is measured is
-    the worker-to-worker data plane (the driver keeps graph outputs, which costs fresh pages)."""
+    """Stage -> stage hops carrying 4 MB over TCP (transport="tcp": on one node "auto" would take
+    shared memory, which the shm section measures); the driver's own frames are small, so what is
+    measured is the worker-to-worker data plane (the driver keeps graph outputs, which costs fresh pages)."""
     from tvmpipe.bundle import load_bundle
 
     nbytes = MB4 * 4
@@ -310,8 +311,8 @@ def bench_throughput(tmp: Path, n: int, rounds: int = 3) -> dict:
     chain = load_bundle(chain_bundle(tmp / "chain4", [16, MB4, MB4, MB4, 16]))  # 3 concurrent 4 MB hops
     small = {"x": np.ones(16, np.float32)}
     raw, hop, hop3 = [], [], []
-    with pipeline(one_hop, 2, op_profile(one_hop, 0.0), window=8) as p1, \
-            pipeline(chain, 4, op_profile(chain, 0.0), window=8) as p4:
+    with pipeline(one_hop, 2, op_profile(one_hop, 0.0), window=8, transport="tcp") as p1, \
+            pipeline(chain, 4, op_profile(chain, 0.0), window=8, transport="tcp") as p4:
         steady_rate(p1, small, 8)
         steady_rate(p4, small, 8)
         for _ in range(rounds):
