@@ -307,3 +307,35 @@ def test_the_reaper_unlinks_the_segments_a_killed_run_had_mapped(tmp_path):
         child.kill()
         child.wait()
         shm.sweep("reapertest")
+
+
+def test_a_stage_killed_while_8_mb_frames_stream_through_rings(tmp_path):
+    """Frames of 8 MB (the producer's copy into a slot takes milliseconds, so the SIGKILL lands
+    while slots are being written and read): the run recovers with every output once, in order,
+    and no segment of the run is left in /dev/shm."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    from cluster_bench import chain_bundle, op_profile
+
+    from tvmpipe.bundle import load_bundle
+
+    b = load_bundle(chain_bundle(tmp_path / "big", [16, 2 << 20, 2 << 20, 16]))
+    x = {"x": np.arange(16, dtype=np.float32)}
+    with Pipeline(b, 3, launcher="process", backend="simulated", backend_opts={"cost_profile": op_profile(b, 2000.0)},
+                  window=4, transport="shm", warmup=0, timeouts=Timeouts(progress=20)) as pipe:
+        run = pipe.run_id
+        assert set(pipe.edge_paths().values()) == {"shm"}
+        got = []
+        for i in range(40):
+            pipe.submit(x)
+            if i == 15:
+                pipe.launcher.kill(1)
+            while pipe.ready:
+                got.append(pipe.get())
+        got += list(pipe.results())
+        assert pipe.restarts == [0, 1, 0]
+        assert set(pipe.edge_paths().values()) == {"shm"}
+    assert len(got) == 40 and all(o[0].shape == (16,) for o in got)
+    assert segments(run) == []
