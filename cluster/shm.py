@@ -325,11 +325,11 @@ class Inbox:
 
     def release(self, ticket: int) -> None:
         """Give slot `ticket` back to the producer; nudge it if it sleeps waiting for one."""
-        released = self._released
-        if released is None:
+        released, waiting = self._released, self._waiting  # close() may run on another thread
+        if released is None or waiting is None:
             return
         released[ticket % len(released)] = ticket + 1
-        if self._waiting[0] and self.sock is not None:
+        if waiting[0] and self.sock is not None:
             try:
                 self.sock.send(b"\x01", socket.MSG_DONTWAIT)
             except OSError:  # closed, or a full buffer of nudges: the producer looks again soon anyway

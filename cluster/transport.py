@@ -393,7 +393,7 @@ class Link:
                  depth: int = 8, connect_timeout_s: float = 10.0, inline_bytes: int = INLINE_BYTES,
                  ring_slots: int = 0, frame_bytes: int = 0):
         """`ring_slots` > 0: the consumer runs on this node, so data frames go through a shared-memory
-        ring of that many slots of `frame_bytes` (shm.py); if the ring cannot be made (no /dev/shm,
+        ring of that many slots of `frame_bytes` (shm.py; at least 2, at most shm.RING_BYTES); if the ring cannot be made (no /dev/shm,
         no room) the link says so in the log and stays on TCP. `path` says which it took."""
         self.address = address
         self.bytes_sent = 0
@@ -414,7 +414,8 @@ class Link:
         self._ring_lock = threading.Lock()  # a ticket's slot, copy and notification go out in order
         if ring_slots:
             try:
-                self._ring = shm.RingWriter(hello.run, hello.epoch, ring_slots, frame_bytes)
+                self._ring = shm.RingWriter(hello.run, hello.epoch, shm.slot_count(ring_slots, frame_bytes),
+                                            frame_bytes)
             except (OSError, ValueError) as exc:
                 log.warning("edge from stage %d to %s:%d stays on TCP: no shared-memory ring (%s)", hello.stage,
                             *address, exc)
