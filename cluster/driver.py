@@ -164,7 +164,7 @@ class Pipeline:
         self._feed_from: dict[int, int] = {}  # stage -> first micro-batch it takes inputs for, this epoch
         self._links: dict[int, Link] = {}
         self._node = shm.node_identity()
-        self._nodes: list[str] = []  # each stage worker's, as of the last wiring
+        self._nodes: list[shm.Node] = []  # each stage worker's, as of the last wiring
         self.bytes_out: dict[int, int] = {}  # per stage, of links already closed
         self.frames_out: dict[int, int] = {}
         self._signals: queue.Queue[_Signal | None] = queue.Queue()
@@ -461,11 +461,11 @@ class Pipeline:
     def _edge_payload(self, edge: Edge) -> int:
         return payload_bytes([self.topology.specs[x].nbytes for x in edge.entries])
 
-    def _path(self, edge: Edge, node: Callable[[int], str]) -> str:
+    def _path(self, edge: Edge, node: Callable[[int], shm.Node]) -> str:
         """"shm" or "tcp" for `edge`, from the transport option and the two ends' node ids."""
         if not edge.carries_data or not shm.usable(self.run_id):
             return "tcp"
-        return shm.choose(self.transport, node(edge.src) == node(edge.dst), self._edge_payload(edge))
+        return shm.choose(self.transport, node(edge.src).same(node(edge.dst)), self._edge_payload(edge))
 
     def _close_links(self) -> None:
         """Close the driver's outbound links (_wire_lock held), keeping their byte counts."""

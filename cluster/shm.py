@@ -70,21 +70,38 @@ SPIN_S = 50e-6  # a released slot is looked for this long before the producer sl
 WAKE_S = 0.005  # the longest a producer sleeps between looks (a lost nudge costs at most this)
 
 
-def node_identity() -> str:
-    """Which node this process runs on: Ray's node id inside a Ray cluster, otherwise this host's
-    boot id (the same kernel, hence the same /dev/shm). Never guessed from addresses."""
+@dataclass(frozen=True)
+class Node:
+    """Where a process runs: its Ray node id when it is part of a Ray cluster (None otherwise), and
+    its host's boot id (the same kernel, hence the same /dev/shm). Never guessed from addresses."""
+
+    host: str
+    ray: str | None = None
+
+    def same(self, other: Node) -> bool:
+        """Two processes share a node: by Ray node id when both have one (Ray may run several nodes
+        on one kernel, as the multi-host bed does: those are different nodes), else by host."""
+        if self.ray is not None and other.ray is not None:
+            return self.ray == other.ray
+        return self.host == other.host
+
+
+def node_identity() -> Node:
+    """This process's Node."""
+    ray_id = None
     try:
         import ray
 
         if ray.is_initialized():
-            return "ray:" + ray.get_runtime_context().get_node_id()
+            ray_id = ray.get_runtime_context().get_node_id()
     except Exception:  # no Ray, or not connected: a plain process
         pass
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return "host:" + f.read().strip()
+            host = f.read().strip()
     except OSError:
-        return "host:" + socket.gethostname()
+        host = socket.gethostname()
+    return Node(host, ray_id)
 
 
 def usable(run: str) -> bool:

@@ -176,7 +176,7 @@ class StageWorker:
     def address(self) -> Address:
         return self._listener.address
 
-    def node(self) -> str:
+    def node(self) -> shm.Node:
         """Which node this worker runs on (shm.node_identity): the driver puts same-node edges on
         shared memory."""
         return shm.node_identity()

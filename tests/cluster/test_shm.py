@@ -42,6 +42,15 @@ def frame(seq: int, run="shmtest", epoch=0) -> Frame:
                                               5: np.array([seq, 2, 3], np.int8)})
 
 
+def test_nodes_compare_by_ray_id_when_both_have_one_else_by_host():
+    a, b = shm.Node("boot1", "rayA"), shm.Node("boot1", "rayB")
+    assert not a.same(b)  # two Ray nodes on one kernel (the multi-host bed): different nodes
+    assert a.same(shm.Node("boot1", None)) and shm.Node("boot1").same(shm.Node("boot1"))
+    assert not shm.Node("boot1").same(shm.Node("boot2"))
+    here = shm.node_identity()
+    assert here.host and here.same(shm.node_identity())
+
+
 def test_choose_takes_shm_only_on_one_node():
     assert shm.choose("auto", False, 1 << 30) == "tcp"
     assert shm.choose("shm", False, 1 << 30) == "tcp"
@@ -233,11 +242,11 @@ def data_edges(pipe: Pipeline) -> set[tuple[int, int]]:
     return {(e.src, e.dst) for e in pipe.topology.edges if e.carries_data}
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("model,k", [("mlp", 2), ("mlp", 3), ("cnn", 2), ("cnn", 3), ("skipnet", 3)])
 def test_shm_and_tcp_give_byte_identical_outputs(bundles, model, k):
     """Every data edge of a process pipeline on one host takes the path forced, and the outputs of
-    both paths are byte for byte those of a single process."""
+    both paths are byte for byte those of a single process (skipnet: a stage reading from two
+    producers, and skip edges past a stage)."""
     inputs, want = case(bundles[model], 10)
     got = {}
     for transport in ("tcp", "shm"):
