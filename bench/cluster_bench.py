@@ -387,7 +387,8 @@ def bench_shm(tmp: Path, n: int, rounds: int = 3, sizes_mb: tuple[int, ...] = (4
     big = out.get("64MB")
     if big:
         out["target"] = "64 MB: single hop >= 3x TCP loopback, 4-stage chain >= 3x TCP per hop (medians over rounds)"
-        out["met"] = big["single_hop"]["median"]["shm_vs_tcp"] >= 3 and big["four_stage_chain"]["median"]["shm_vs_tcp"] >= 3
+        out["met"] = (big["single_hop"]["median"]["shm_vs_tcp"] >= 3
+                      and big["four_stage_chain"]["median"]["shm_vs_tcp"] >= 3)
     return out
 
 

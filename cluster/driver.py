@@ -442,7 +442,8 @@ class Pipeline:
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
                           secret=self._secret, send_from={e.dst: start(e.dst) for e in topo.outbound(i)},
-                          retain=retain, shm_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "shm"),
+                          retain=retain,
+                          shm_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "shm"),
                           ring_slots=self.window)
                    for i in range(topo.num_stages)]
         self._feed_from = {i: resume[i] for i in range(topo.num_stages)}

@@ -262,7 +262,8 @@ def _unpack_options(limits: FrameLimits) -> dict:
     """msgpack's own bounds, so a hostile header cannot make the unpacker allocate either."""
     return dict(raw=False, use_list=True, strict_map_key=True, max_bin_len=0, max_ext_len=0,
                 max_str_len=max(limits.max_name_len, limits.max_error_len),
-                max_array_len=max(limits.max_tensors, limits.max_ndim, 5), max_map_len=max(len(HELLO_KEYS), len(SHM_KEYS)))
+                max_array_len=max(limits.max_tensors, limits.max_ndim, 5),
+                max_map_len=max(len(HELLO_KEYS), len(SHM_KEYS)))
 
 
 class Layout(NamedTuple):

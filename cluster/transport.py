@@ -393,8 +393,9 @@ class Link:
                  depth: int = 8, connect_timeout_s: float = 10.0, inline_bytes: int = INLINE_BYTES,
                  ring_slots: int = 0, frame_bytes: int = 0):
         """`ring_slots` > 0: the consumer runs on this node, so data frames go through a shared-memory
-        ring of that many slots of `frame_bytes` (shm.py; at least 2, at most shm.RING_BYTES); if the ring cannot be made (no /dev/shm,
-        no room) the link says so in the log and stays on TCP. `path` says which it took."""
+        ring of that many slots of `frame_bytes` (shm.py; at least 2, at most shm.RING_BYTES); if
+        the ring cannot be made (no /dev/shm, no room) the link says so in the log and stays on
+        TCP. `path` says which it took."""
         self.address = address
         self.bytes_sent = 0
         self.frames_sent = 0

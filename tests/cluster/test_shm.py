@@ -218,7 +218,8 @@ def test_another_user_cannot_open_a_runs_segment():
 
 
 def test_sweep_removes_only_older_epochs_of_the_run():
-    a, b, c = shm.RingWriter("shmtest", 0, 2, 64), shm.RingWriter("shmtest", 1, 2, 64), shm.RingWriter("other", 0, 2, 64)
+    a, b = shm.RingWriter("shmtest", 0, 2, 64), shm.RingWriter("shmtest", 1, 2, 64)
+    c = shm.RingWriter("other", 0, 2, 64)
     try:
         assert shm.sweep("shmtest", below_epoch=1) == 1
         assert sorted(segments("shmtest")) == [b.name] and segments("other") == [c.name]
