@@ -236,7 +236,6 @@ from tests.support.pipeline_harness import assert_bit_identical, case  # noqa: E
 
 from tvmpipe.cluster.control import Timeouts  # noqa: E402
 from tvmpipe.cluster.driver import Pipeline  # noqa: E402
-from tvmpipe.cluster.frames import DRIVER  # noqa: E402
 
 
 def data_edges(pipe: Pipeline) -> set[tuple[int, int]]:
