@@ -111,7 +111,8 @@ def pipeline_kwargs(opts: ClusterOptions, cluster: Cluster, backend: str, k: int
         raise TvmpipeError("the cuda backend needs a GPU, and this cluster has none (use --backend reference)")
     timeouts = Timeouts(progress=opts.progress_timeout)
     kw: dict[str, Any] = dict(backend=backend, window=opts.window, launcher=cluster.launcher, host=cluster.host,
-                              ship_bundle=cluster.ship_bundle, max_restarts=opts.max_restarts, timeouts=timeouts)
+                              ship_bundle=cluster.ship_bundle, max_restarts=opts.max_restarts, timeouts=timeouts,
+                              transport=opts.transport)
     if cluster.launcher == "ray":
         kw["placement"] = Placement(strategy=opts.placement, gpus=gpus, cpus=opts.cpus_per_stage)
     elif backend == "cuda":  # processes: stage i on GPU i, round robin when stages outnumber GPUs

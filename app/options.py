@@ -22,6 +22,7 @@ class ClusterOptions:
     gpus_per_stage: float | None = None  # default 1 on cuda (a share when stages outnumber GPUs), else 0
     cpus_per_stage: float = 0.5
     max_restarts: int = 3
+    transport: str = "auto"  # same-node edges: auto, shm or tcp (Pipeline's `transport`)
     progress_timeout: float = 60.0
     ray_temp_dir: str | None = None
     ship_bundle: bool | None = None  # send the bundle's files through Ray; None: when the cluster has >1 node

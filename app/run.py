@@ -48,6 +48,7 @@ class PipelineRun:
     window: int | None = None
     restarts: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    edge_paths: dict[str, str] = field(default_factory=dict)  # "producer->consumer" -> "shm" | "tcp"
 
     def _enter(self, phase: str) -> None:
         self.phase = phase
@@ -82,6 +83,10 @@ class PipelineRun:
         except Exception as exc:  # noqa: BLE001 - a failed run may have no workers left to ask
             log.warning("no run record (metrics, timeline): %s", exc)
         self.restarts, self.errors = list(pipe.restarts), list(pipe.errors)
+        try:
+            self.edge_paths = {f"{s}->{d}": p for (s, d), p in sorted(pipe.edge_paths().items())}
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("no edge paths: %s", exc)
 
 
 def stream(pipe: Any, batches: list[Batch], delivered: Callable[[Outputs], None]) -> None:
@@ -153,6 +158,7 @@ class CheckedRun:
                 "strategy": run.plan.strategy, "backend": run.backend, "cluster": run.cluster.description,
                 "micro_batches": len(run.batches), "window": run.window, "match": not self.mismatches,
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
+                "edge_paths": run.edge_paths,
                 "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
 
 

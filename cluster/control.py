@@ -24,7 +24,7 @@ from tvmpipe.cluster.transport import Address
 from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
 
 # The worker methods the driver may call; anything else is refused on the worker side.
-CONTROL_METHODS = frozenset({"address", "prepare", "connect", "stop", "pause", "status", "stats"})
+CONTROL_METHODS = frozenset({"address", "node", "prepare", "connect", "stop", "pause", "status", "stats"})
 
 
 @dataclass(frozen=True)

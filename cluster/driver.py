@@ -30,18 +30,19 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous
+from tvmpipe.cluster import shm
+from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
-from tvmpipe.cluster.topology import Topology, build_topology
+from tvmpipe.cluster.topology import Edge, Topology, build_topology
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
 from tvmpipe.executor.checks import check_inputs
@@ -94,13 +95,18 @@ class Pipeline:
     processes on this machine, no Ray) or a Launcher instance. `host` is the interface the driver and
     (with the process launcher, or in local mode) the workers bind; None means this node's address
     and each worker's own node address, for multi-node clusters.
+
+    `transport`: how frames cross an edge whose two ends run on one node (Ray node id, or the same
+    host for processes): "auto" (shared memory for frames of shm.AUTO_MIN_BYTES and more), "shm"
+    (shared memory for every such edge), "tcp" (never). Edges between nodes are always TCP.
+    `edge_paths()` says what each edge took.
     """
 
     def __init__(self, bundle: Bundle | str | Path, plan: Plan | int, *, backend: str = "reference",
                  backend_opts: dict[str, Any] | None = None, window: int | None = None,
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
-                 ship_bundle: bool = False, replay: str = "upstream"):
+                 ship_bundle: bool = False, replay: str = "upstream", transport: str = "auto"):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = plan_equal_ops(self.bundle.graph, plan) if isinstance(plan, int) else plan
         self.topology: Topology = build_topology(self.bundle, self.plan)
@@ -110,6 +116,9 @@ class Pipeline:
         if replay not in REPLAY_MODES:
             raise TvmpipeError(f"replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
         self.replay = replay
+        if transport not in shm.TRANSPORTS:
+            raise TvmpipeError(f"transport must be one of {', '.join(shm.TRANSPORTS)}, got {transport!r}")
+        self.transport = transport
         if max_restarts < 0:
             raise TvmpipeError(f"max_restarts must be >= 0, got {max_restarts}")
         self.timeouts = timeouts
@@ -154,6 +163,8 @@ class Pipeline:
         self._sent = 0  # next sequence number to send in the current epoch
         self._feed_from: dict[int, int] = {}  # stage -> first micro-batch it takes inputs for, this epoch
         self._links: dict[int, Link] = {}
+        self._node = shm.node_identity()
+        self._nodes: list[shm.Node] = []  # each stage worker's, as of the last wiring
         self.bytes_out: dict[int, int] = {}  # per stage, of links already closed
         self.frames_out: dict[int, int] = {}
         self._signals: queue.Queue[_Signal | None] = queue.Queue()
@@ -287,6 +298,19 @@ class Pipeline:
         """Each worker's status, or the error a status call got."""
         return [s if isinstance(s, WorkerStatus) else str(s) for s in self.launcher.call_all("status")]
 
+    def edge_paths(self) -> dict[tuple[int, int], str]:
+        """(producer, consumer) -> "shm" or "tcp": the path each data edge took in the current epoch
+        (DRIVER, -1, for the driver's end); a worker that cannot answer leaves its edges out."""
+        paths: dict[tuple[int, int], str] = {}
+        with self._wire_lock:
+            for dst, link in self._links.items():
+                paths[(DRIVER, dst)] = link.path
+        for st in self.launcher.call_all("status"):
+            if isinstance(st, WorkerStatus):
+                for dst, path in st.paths.items():
+                    paths[(st.stage, dst)] = path
+        return paths
+
     def close(self) -> None:
         """Stop everything this pipeline started: links, workers (actors/processes), sockets."""
         with self._cond:
@@ -302,6 +326,7 @@ class Pipeline:
             self._close_links()
         self.launcher.shutdown()
         self._listener.close()
+        shm.sweep(self.run_id)  # rings on this node that a killed worker made and nobody opened
 
     def __enter__(self) -> Pipeline:
         return self
@@ -410,10 +435,16 @@ class Pipeline:
         start = lambda i: first_seq if i == DRIVER else resume[i]  # noqa: E731
         addr = lambda i: self._listener.address if i == DRIVER else self._addresses[i]  # noqa: E731
         retain = self.window if self.replay == "upstream" else 0
+        nodes = self.launcher.call_all("node")
+        _raise_first(nodes)
+        self._nodes = nodes
+        node = lambda i: self._node if i == DRIVER else nodes[i]  # noqa: E731
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
                           secret=self._secret, send_from={e.dst: start(e.dst) for e in topo.outbound(i)},
-                          retain=retain)
+                          retain=retain,
+                          shm_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "shm"),
+                          ring_slots=self.window)
                    for i in range(topo.num_stages)]
         self._feed_from = {i: resume[i] for i in range(topo.num_stages)}
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
@@ -421,10 +452,21 @@ class Pipeline:
         for e in topo.outbound(DRIVER):
             hello = Frame("hello", self.run_id, epoch, resume[e.dst], DRIVER)
             try:
+                shared = self._path(e, node) == "shm"
                 self._links[e.dst] = Link(self._addresses[e.dst], hello, self._secret, self._link_failed(epoch, e.dst),
-                                          depth=self.window + 1)
+                                          depth=self.window + 1, ring_slots=self.window if shared else 0,
+                                          frame_bytes=self._edge_payload(e))
             except OSError as exc:
                 raise WorkerLost(e.dst, f"the driver cannot connect to it: {exc}") from None
+
+    def _edge_payload(self, edge: Edge) -> int:
+        return payload_bytes([self.topology.specs[x].nbytes for x in edge.entries])
+
+    def _path(self, edge: Edge, node: Callable[[int], shm.Node]) -> str:
+        """"shm" or "tcp" for `edge`, from the transport option and the two ends' node ids."""
+        if not edge.carries_data or not shm.usable(self.run_id):
+            return "tcp"
+        return shm.choose(self.transport, node(edge.src).same(node(edge.dst)), self._edge_payload(edge))
 
     def _close_links(self) -> None:
         """Close the driver's outbound links (_wire_lock held), keeping their byte counts."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -25,7 +25,7 @@ MAGIC = b"TVPF"
 FORMAT_VERSION = 2  # 2: a hello carries `mac`, the proof that its sender holds the run's secret
 PREFIX = struct.Struct("<4sI")  # magic, header length in bytes
 ALIGN = 64  # payload offset of every tensor: cache-line aligned views, whatever the dtype
-KINDS = ("hello", "data", "error")
+KINDS = ("hello", "data", "error", "shm")  # shm: a data frame whose payload waits in a shared-memory slot (shm.py)
 DRIVER = -1  # the `stage` of frames the driver sends (graph inputs)
 NAME_CHARS = 256  # tensor names are for people reading traces and errors: longer ones are cut
 # dtype lookups on the per-frame path: NumPy dtype -> tvmpipe name, and name -> itemsize
@@ -33,6 +33,7 @@ _BY_DTYPE = {dtypes.np_dtype(n): n for n in dtypes.DTYPES}
 _ITEMSIZE = {n: dtypes.itemsize(n) for n in [*dtypes.DTYPES, "uint1"]}
 HEADER_KEYS = {"v", "kind", "run", "epoch", "seq", "stage", "tensors", "error"}
 HELLO_KEYS = HEADER_KEYS | {"mac"}
+SHM_KEYS = HEADER_KEYS | {"ring", "at", "len"}  # which segment, the slot's offset in it, the payload's length
 _ZEROS = bytes(ALIGN)
 # `seq` is written as a msgpack uint 64 (0xcf + 8 bytes, big endian) whatever its value: a valid,
 # merely non-minimal encoding that any msgpack reader takes, and one that lets a stream's header be
@@ -119,9 +120,16 @@ class Frame:
     names: dict[int, str] = field(default_factory=dict)
     error: str | None = None
     mac: str | None = None  # hello only: see handshake.py
+    slot: tuple[str, int, int] | None = None  # shm only: (ring name, offset, length), see shm.py
+    # set on a received frame whose tensors are views of a shared-memory slot: call it once they are
+    # no longer read, so that the producer may reuse the slot (shm.Inbox.release)
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
+        """Bytes the frame puts on the wire: a notification's tensors stay in shared memory."""
+        if self.slot is not None:
+            return 0
         return sum([a.nbytes for a in self.tensors.values()])
 
 
@@ -159,6 +167,8 @@ class Encoder:
     def encode(self, frame: Frame) -> list[memoryview | bytes]:
         """The frame as an iovec (prefix+header, then tensor bytes with alignment padding) ready for
         `socket.sendmsg`; the tensors' memory is referenced, not copied (non-contiguous arrays are)."""
+        if frame.kind == "shm":
+            return [_pack_notification(frame)]
         arrays = [contiguous(a) for a in frame.tensors.values()]
         key = (frame.kind, frame.run, frame.epoch, frame.stage, frame.error,
                [(e, a.dtype, a.shape) for e, a in zip(frame.tensors, arrays)], frame.names)
@@ -201,6 +211,23 @@ def _pack_header(frame: Frame, arrays: list[np.ndarray]) -> tuple[bytes, bytes, 
     return head, header[at + SEQ_VALUE.size:], tuple(pads)
 
 
+def _pack_notification(frame: Frame) -> bytes:
+    """A shm notification: prefix and header (tensor list, ring, offset, length), no payload. Packed
+    whole each time (its offset changes); only same-node frames large enough to gain take this path."""
+    metas = []
+    pos = 0
+    for eid, arr in frame.tensors.items():
+        name = _BY_DTYPE.get(arr.dtype)
+        if name is None:
+            raise FrameError(f"entry {eid}: dtype {arr.dtype} is not a tvmpipe dtype")
+        metas.append((int(eid), frame.names.get(eid, "")[:NAME_CHARS], name, arr.shape, arr.nbytes))
+    ring, at, length = frame.slot
+    header = msgpack.packb({"v": FORMAT_VERSION, "kind": "shm", "run": frame.run, "epoch": frame.epoch,
+                            "seq": frame.seq, "stage": frame.stage, "tensors": metas, "error": None,
+                            "ring": ring, "at": at, "len": length})
+    return PREFIX.pack(MAGIC, len(header)) + header
+
+
 def encode(frame: Frame) -> list[memoryview | bytes]:
     """One frame as an iovec (see Encoder.encode; a stream keeps an Encoder instead)."""
     return Encoder().encode(frame)
@@ -235,7 +262,8 @@ def _unpack_options(limits: FrameLimits) -> dict:
     """msgpack's own bounds, so a hostile header cannot make the unpacker allocate either."""
     return dict(raw=False, use_list=True, strict_map_key=True, max_bin_len=0, max_ext_len=0,
                 max_str_len=max(limits.max_name_len, limits.max_error_len),
-                max_array_len=max(limits.max_tensors, limits.max_ndim, 5), max_map_len=len(HELLO_KEYS))
+                max_array_len=max(limits.max_tensors, limits.max_ndim, 5),
+                max_map_len=max(len(HELLO_KEYS), len(SHM_KEYS)))
 
 
 class Layout(NamedTuple):
@@ -261,7 +289,8 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
         h = msgpack.unpackb(data, **_unpack_options(limits))
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, UnicodeDecodeError, ...
         raise FrameError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    keys = HELLO_KEYS if type(h) is dict and h.get("kind") == "hello" else HEADER_KEYS
+    kind = h.get("kind") if type(h) is dict else None
+    keys = HELLO_KEYS if kind == "hello" else SHM_KEYS if kind == "shm" else HEADER_KEYS
     if type(h) is not dict or h.keys() != keys:
         got = sorted(h) if isinstance(h, dict) else type(h).__name__
         raise FrameError(f"header must be a map with keys {sorted(keys)}, got {got}")
@@ -280,9 +309,14 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
     raw = h["tensors"]
     layout = last if last is not None and last.limits is limits and last.raw == raw else _layout(raw, limits)
     if limits.layout is not None:  # data frames carry exactly the wired tensors; others none
-        _check_exact(layout.metas, limits.layout if h["kind"] == "data" else ())
+        _check_exact(layout.metas, limits.layout if h["kind"] in ("data", "shm") else ())
+    slot = None
+    if h["kind"] == "shm":
+        if type(h["ring"]) is not str or error is not None:
+            raise FrameError("a shm notification names its ring and carries no error")
+        slot = (h["ring"], _int(h["at"], 0, "offset"), _int(h["len"], 0, "length"))
     frame = Frame(h["kind"], h["run"], _int(h["epoch"], 0, "epoch"), _int(h["seq"], 0, "seq"),
-                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error, mac=mac)
+                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error, mac=mac, slot=slot)
     return frame, layout
 
 

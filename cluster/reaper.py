@@ -16,6 +16,11 @@ themselves (`ray::DashboardAgent`) with setproctitle, which overwrites the start
 /proc/PID/environ shows, HOME included. After a clean shutdown the driver writes `exit` first; the
 reaper still sweeps (a lingering agent is killed sooner) and exits.
 
+Shared memory (shm.py): a ring's name lives in /dev/shm from its producer's creation until its
+consumer maps it (then the consumer unlinks it). A SIGKILL in that window would leave the name,
+and its memory, behind; so before killing, the reaper notes every `/dev/shm/tvmpipe-*` segment the
+run's processes have mapped (/proc/PID/maps) and unlinks those still named once they are dead.
+
     python -m tvmpipe.cluster.reaper DRIVER_PID HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
 """
 
@@ -74,14 +79,34 @@ def run_processes(home: str, temp_dir: str, spare: int) -> list[int]:
     return found
 
 
+def mapped_segments(pids: list[int]) -> set[str]:
+    """The tvmpipe shared-memory segments (paths under /dev/shm, still named) these processes map."""
+    from tvmpipe.cluster.shm import PREFIX, SHM_DIR
+
+    below = f"{SHM_DIR}/{PREFIX}"
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(None, 5)[-1]
+                    if path.startswith(below) and not path.endswith(" (deleted)"):
+                        found.add(path)
+        except OSError:
+            continue
+    return found
+
+
 def sweep(home: str, temp_dir: str, dirs: list[str], spare: int, budget_s: float = SWEEP_S) -> list[int]:
-    """SIGKILL the run's processes until none has shown up for a few rounds; remove `dirs`.
-    Returns the pids killed."""
+    """SIGKILL the run's processes until none has shown up for a few rounds; remove `dirs` and the
+    shared-memory segments they had mapped. Returns the pids killed."""
     killed: list[int] = []
+    segments: set[str] = set()
     deadline = time.monotonic() + budget_s
     quiet = 0
     while quiet < QUIET_ROUNDS and time.monotonic() < deadline:
         found = run_processes(home, temp_dir, spare)
+        segments |= mapped_segments(found)
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -92,6 +117,11 @@ def sweep(home: str, temp_dir: str, dirs: list[str], spare: int, budget_s: float
         time.sleep(0.05)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+    for path in segments:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     return killed
 
 

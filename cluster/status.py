@@ -34,6 +34,7 @@ class WorkerStatus:
     busy_for_s: float
     error: str | None
     peer_errors: list[str] = field(default_factory=list)
+    paths: dict[int, str] = field(default_factory=dict)  # consumer -> "shm" or "tcp": what each outbound edge took
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class WorkerStats:
     events: list[Span]
     bytes_out: dict[int, int]
     frames_out: dict[int, int]
+    paths: dict[int, str] = field(default_factory=dict)  # consumer -> "shm" or "tcp", current epoch
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from tvmpipe.cluster.shm import Inbox
 from tvmpipe.cluster.frames import (DEFAULT_LIMITS, PREFIX, SEQ_VALUE, Encoder, Frame, FrameError, FrameLimits,
                                     Layout, Repeat, attach, parse_header, parse_prefix)
 
@@ -64,8 +65,13 @@ class FrameReader:
     """
 
     def __init__(self, sock: socket.socket, limits: FrameLimits = DEFAULT_LIMITS, buffer_bytes: int = 64 << 10,
-                 alloc: Callable[[int], np.ndarray] = fresh_buffer):
+                 alloc: Callable[[int], np.ndarray] = fresh_buffer, inbox: Inbox | None = None,
+                 copy_shm: bool = False):
         self.sock = sock
+        # shm notifications are taken only with an inbox (a listener's connection from a run's peer);
+        # `copy_shm`: copy each slot out at once (the driver keeps outputs) instead of reading in place
+        self.inbox = inbox
+        self.copy_shm = copy_shm
         self.limits = limits
         self.alloc = alloc
         self._buf = bytearray(buffer_bytes)
@@ -147,6 +153,25 @@ class FrameReader:
             self._take(memoryview(big), "header")
             frame, self._layout = parse_header(big, limits, self._layout)
             self._repeat = None
+        if frame.kind == "shm":
+            return self._from_slot(frame)
         payload = self.alloc(self._layout.size)  # a repeat's layout is the last one parsed
         self._take(memoryview(payload), "payload")
         return attach(frame, self._layout.metas, payload)
+
+    def _from_slot(self, frame: Frame) -> Frame:
+        """A notification (its header checked like a data frame's): the payload is the named slot
+        of the connection's ring (shm.Inbox checks offset and length), read in place, or copied
+        out once and released at once with `copy_shm`. Returned as the data frame it stands for."""
+        if self.inbox is None:
+            raise FrameError("a shm notification on a connection that takes no shared memory")
+        view, ticket = self.inbox.payload(frame.slot, self._layout.size)
+        frame.kind, frame.slot = "data", None
+        if self.copy_shm:
+            payload = self.alloc(len(view))
+            payload[:] = view
+            self.inbox.release(ticket)
+            return attach(frame, self._layout.metas, payload)
+        inbox = self.inbox
+        frame.release = lambda: inbox.release(ticket)
+        return attach(frame, self._layout.metas, view)

@@ -32,7 +32,7 @@ import traceback
 from collections import deque
 from typing import Callable
 
-from tvmpipe.cluster import frames, stream
+from tvmpipe.cluster import frames, shm, stream
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
 from tvmpipe.cluster.handshake import Address, Gate, Peer, greet, tune
 
@@ -73,7 +73,9 @@ class _Acceptor:
 
     def _admitted(self, conn: socket.socket, peer: Peer, limits: FrameLimits) -> None:
         """The gate admitted `conn` (gate thread)."""
-        reader = stream.FrameReader(conn, limits, alloc=self._alloc)
+        inbox = shm.Inbox(peer.run, peer.epoch, conn) if shm.usable(peer.run) else None
+        reader = stream.FrameReader(conn, limits, alloc=self._alloc, inbox=inbox,
+                                    copy_shm=self._alloc is stream.retained_buffer)
         with self._lock:
             if self._closed:
                 conn.close()
@@ -161,6 +163,8 @@ class Listener(_Acceptor):
                 self._dropped.discard(conn)
             _log_end(self.address, conn, peer, error)
             conn.close()
+            if reader.inbox is not None:
+                reader.inbox.close()
             self._on_close(peer, error)
 
     def drop_connections(self) -> None:
@@ -222,7 +226,9 @@ class PolledListener(_Acceptor):
     def _finish(self, conn: socket.socket, peer: Peer, error: Exception | None) -> None:
         """A connection ended (role held): forget it, close it, tell the owner."""
         try:
-            self._sel.unregister(conn)
+            key = self._sel.unregister(conn)
+            if key.data is not None and key.data[0].inbox is not None:
+                key.data[0].inbox.close()
         except (KeyError, ValueError):
             pass
         with self._lock:
@@ -384,7 +390,12 @@ class Link:
     """
 
     def __init__(self, address: Address, hello: Frame, secret: bytes, on_error: Callable[[Exception], None],
-                 depth: int = 8, connect_timeout_s: float = 10.0, inline_bytes: int = INLINE_BYTES):
+                 depth: int = 8, connect_timeout_s: float = 10.0, inline_bytes: int = INLINE_BYTES,
+                 ring_slots: int = 0, frame_bytes: int = 0):
+        """`ring_slots` > 0: the consumer runs on this node, so data frames go through a shared-memory
+        ring of that many slots of `frame_bytes` (shm.py; at least 2, at most shm.RING_BYTES); if
+        the ring cannot be made (no /dev/shm, no room) the link says so in the log and stays on
+        TCP. `path` says which it took."""
         self.address = address
         self.bytes_sent = 0
         self.frames_sent = 0
@@ -400,10 +411,42 @@ class Link:
         self._closing = False
         self._encoder = frames.Encoder()  # used by one sending thread at a time (_busy)
         self._sock = _connect(address, hello, secret, connect_timeout_s)
+        self._ring: shm.RingWriter | None = None
+        self._ring_lock = threading.Lock()  # a ticket's slot, copy and notification go out in order
+        if ring_slots:
+            try:
+                self._ring = shm.RingWriter(hello.run, hello.epoch, shm.slot_count(ring_slots, frame_bytes),
+                                            frame_bytes)
+            except (OSError, ValueError) as exc:
+                log.warning("edge from stage %d to %s:%d stays on TCP: no shared-memory ring (%s)", hello.stage,
+                            *address, exc)
+        self.path = "shm" if self._ring is not None else "tcp"
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name=f"send-{address[1]}")
         self._thread.start()
 
     def put(self, frame: Frame) -> None:
+        ring = self._ring
+        if ring is not None and frame.kind == "data":
+            with self._ring_lock:  # wait for a released slot (backpressure), fill it, notify
+                if not ring.wait_free(self._sock, lambda: not self._dead):
+                    self._fail(ConnectionError("the consumer closed the connection"))
+                    return
+                self._put(ring.write(frame))
+            return
+        self._put(frame)
+
+    def _fail(self, error: Exception) -> None:
+        """The link is dead: drop what is queued, wake everyone, tell the owner once."""
+        with self._lock:
+            if self._dead:
+                return
+            self._dead = True
+            self._pending.clear()
+            self._work.notify()
+            self._room.notify_all()
+        self._on_error(error)
+
+    def _put(self, frame: Frame) -> None:
         with self._lock:
             if self._busy or self._pending or self._dead or frame.nbytes > self._inline_bytes:
                 while len(self._pending) >= self._depth and not self._dead:
@@ -424,6 +467,8 @@ class Link:
         error = None
         try:
             n = stream.send(self._sock, frame, self._encoder)
+            if frame.slot is not None:
+                n += frame.slot[2]  # the tensor bytes it carried through shared memory
         except (OSError, FrameError) as exc:
             error = exc
         with self._lock:
@@ -474,6 +519,8 @@ class Link:
             pass
         self._thread.join(timeout=5)
         self._sock.close()
+        if self._ring is not None:
+            self._ring.close(grace_s=2.0 if flush else 0.0)
 
 
 def _connect(address: Address, hello: Frame, secret: bytes, timeout_s: float) -> socket.socket:

@@ -33,7 +33,8 @@ import numpy as np
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle import dtypes
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits
+from tvmpipe.cluster import shm
+from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
@@ -79,6 +80,10 @@ class Wiring:
     # first_seq - 1 are sent again from what this stage retained, before anything it computes.
     send_from: dict[int, int] = field(default_factory=dict)
     retain: int = 0  # how many of its last sends the stage keeps for that (0: none, driver replay)
+    # Consumers (stage or DRIVER) on this worker's node whose edges go through a shared-memory ring
+    # of `ring_slots` slots (shm.py; the driver decides from Ray node ids); every other edge is TCP.
+    shm_to: frozenset[int] = frozenset()
+    ring_slots: int = 0
 
 
 def read_bundle_files(path: str | Path) -> dict[str, bytes]:
@@ -98,6 +103,22 @@ def inbound_limits(entries: tuple[int, ...], specs: dict) -> FrameLimits:
 
 def _name(stage: int) -> str:
     return "the driver" if stage == DRIVER else f"stage {stage}"
+
+
+def _release(parts: dict[int, Frame], outputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Hand the shared-memory slots a micro-batch was read from back to their producers, once its
+    outputs exist. An output that is a view of an input slot (a stage may pass a tensor through) is
+    copied first: it is sent and retained after the slot has been reused."""
+    slots = [f for f in parts.values() if f.release is not None]
+    if not slots:
+        return outputs
+    for e, out in outputs.items():
+        if any(np.may_share_memory(out, t) for f in slots for t in f.tensors.values()):
+            outputs = {**outputs, e: out.copy()}
+    for f in slots:
+        f.release()
+        f.release = None
+    return outputs
 
 
 class StageWorker:
@@ -155,12 +176,18 @@ class StageWorker:
     def address(self) -> Address:
         return self._listener.address
 
+    def node(self) -> shm.Node:
+        """Which node this worker runs on (shm.node_identity): the driver puts same-node edges on
+        shared memory."""
+        return shm.node_identity()
+
     def prepare(self, wiring: Wiring) -> None:
         """Drop the current epoch's data plane and expect `wiring`'s peers (connect() opens links).
 
         Two phases, so every worker expects the new epoch before any worker connects to it.
         """
         self.stop()
+        shm.sweep(wiring.run, below_epoch=wiring.epoch)  # rings of older epochs a dead peer never opened
         with self._cond:
             have = self._retained_from()
             missing = [c for c, s in wiring.send_from.items() if s < wiring.first_seq and s < have]
@@ -205,7 +232,10 @@ class StageWorker:
         assert w is not None, "prepare() first"
         hello = Frame("hello", w.run, w.epoch, w.first_seq, self.index)
         for edge, addr in w.outbound:
-            link = Link(tuple(addr), hello, w.secret, self._link_failed(edge.dst), depth=w.queue_depth)
+            frame_bytes = payload_bytes([self.program.entry_specs[e].nbytes for e in edge.entries])
+            slots = w.ring_slots if edge.dst in w.shm_to and edge.carries_data else 0
+            link = Link(tuple(addr), hello, w.secret, self._link_failed(edge.dst), depth=w.queue_depth,
+                        ring_slots=slots, frame_bytes=frame_bytes)
             names = {e: self.program.entry_names[e] for e in edge.entries}
             self._links.append((edge, link, names))
             if edge.carries_data:
@@ -248,7 +278,12 @@ class StageWorker:
             return WorkerStatus(stage=self.index, pid=os.getpid(), epoch=self._wiring.epoch if self._wiring else None,
                                 next_seq=self._next_seq, busy_seq=busy[0] if busy else None,
                                 busy_for_s=time.time() - busy[1] if busy else 0.0,
-                                error=self._error, peer_errors=list(self._peer_errors))
+                                error=self._error, peer_errors=list(self._peer_errors), paths=self.paths())
+
+    def paths(self) -> dict[int, str]:
+        """Consumer -> the path ("shm" or "tcp") its data edge from this stage took in the current
+        epoch (a link that only reports errors to the driver is not one)."""
+        return {edge.dst: link.path for edge, link, _ in list(self._links) if edge.carries_data}
 
     def stats(self, since: int = 0) -> WorkerStats:
         """Traffic since the worker started (links still open are counted too) and the timeline of
@@ -264,11 +299,14 @@ class StageWorker:
             events = [Span(*e) for e in self.events if e[1] >= since]
         return WorkerStats(stage=self.index, pid=os.getpid(), host=self.address()[0],
                            devices=os.environ.get("CUDA_VISIBLE_DEVICES"), build_s=self.build_s,
-                           warmup_s=self.warmup_s, events=events, bytes_out=bytes_out, frames_out=frames_out)
+                           warmup_s=self.warmup_s, events=events, bytes_out=bytes_out, frames_out=frames_out,
+                           paths=self.paths())
 
     def close(self) -> None:
         self.stop()
         self._listener.close()
+        if self._wiring is not None:
+            shm.sweep(self._wiring.run)
         self.stage.close()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -389,12 +427,14 @@ class StageWorker:
         try:
             outputs = self.stage.run(feed)
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
+            _release(parts, {})
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
             with self._lock:
                 self._busy = None
                 self._error = message
             self._report(seq, message)
             return
+        outputs = _release(parts, outputs)
         end = time.time()
         with self._lock:  # recorded before the outputs leave: once the driver has them, so has stats()
             self.events.append((w.epoch, seq, self._busy[1], end))

@@ -31,6 +31,14 @@ def test_run_builtin_example_with_processes_json(capsys):
     assert [s["micro_batches"] for s in m["stages"]] == [6, 6, 6]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_run_transport_forces_the_path_of_every_edge(capsys, transport):
+    code, out, _ = run_cli(capsys, "run", "--stages", "2", "--processes", "--json", "-n", "4", "--transport", transport)
+    summary = json.loads(out)
+    assert code == 0 and summary["match"] is True
+    assert summary["edge_paths"] and set(summary["edge_paths"].values()) == {transport}, summary["edge_paths"]
+
+
 def test_run_table_inputs_outputs_trace(capsys, tmp_path, bundles):
     x = np.random.default_rng(0).standard_normal((5, 1, 8)).astype(np.float32)
     np.savez(tmp_path / "in.npz", x=x)

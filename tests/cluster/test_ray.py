@@ -37,6 +37,24 @@ def test_pipelined_equals_single_process_for_1_to_4_stages(ray_cluster, bundles,
             assert all(s.host == "127.0.0.1" for s in m.stages)
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_same_node_actors_use_shared_memory_by_ray_node_id(ray_cluster, bundles, model):
+    """On one Ray node every actor reports the same Ray node id: with transport="shm" every data
+    edge (the driver's too) takes shared memory, with "tcp" none does, and both give the outputs of
+    one process; no segment of either run is left."""
+    from tvmpipe.cluster import shm
+
+    inputs, want = case(bundles[model], 8)
+    for transport in ("shm", "tcp"):
+        with Pipeline(bundles[model], 3, launcher="ray", placement=SMALL, transport=transport) as pipe:
+            record_ports(pipe)
+            assert_bit_identical(pipe.run(inputs), want)
+            assert set(pipe.edge_paths().values()) == {transport}
+            assert len(set(pipe._nodes)) == 1 and pipe._nodes[0].ray is not None
+            run = pipe.run_id
+        assert shm.segment_names(run) == []
+
+
 def test_two_pipelines_with_the_same_stage_count_share_a_cluster(ray_cluster, bundles):
     """Two jobs on one cluster: their placement groups must not collide by name."""
     inputs, want = case(bundles["mlp"], 4)

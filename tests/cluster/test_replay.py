@@ -22,13 +22,15 @@ def computes(pipe: Pipeline) -> list[Counter]:
     return [Counter(e.seq for e in st.events) for st in pipe.record().worker_stats]
 
 
-@pytest.mark.parametrize("replay", ["upstream", "driver"])
-def test_a_killed_middle_stage_is_replayed_from_its_upstream_neighbour(bundles, replay):
+@pytest.mark.parametrize("replay,transport", [("upstream", "auto"), ("driver", "auto"), ("upstream", "shm")])
+def test_a_killed_middle_stage_is_replayed_from_its_upstream_neighbour(bundles, replay, transport):
     """examples/cnn in 4 stage processes, 120 micro-batches, stage 2 SIGKILLed after 50: every output
     once, in order, equal to a clean run. Upstream replay: stages 0, 1 and 3 computed each
-    micro-batch exactly once; the restarted stage 2 began where stage 3 had stopped."""
+    micro-batch exactly once; the restarted stage 2 began where stage 3 had stopped. With
+    transport="shm" every hop goes through shared-memory rings, and the retained outputs are sent
+    again through the new epoch's rings."""
     inputs, want = case(bundles["cnn"], 120)
-    with Pipeline(bundles["cnn"], 4, launcher="process", window=6, replay=replay,
+    with Pipeline(bundles["cnn"], 4, launcher="process", window=6, replay=replay, transport=transport,
                   timeouts=Timeouts(progress=20)) as pipe:
         got = []
         for i, x in enumerate(inputs):
@@ -41,6 +43,8 @@ def test_a_killed_middle_stage_is_replayed_from_its_upstream_neighbour(bundles, 
         assert pipe.restarts == [0, 0, 1, 0]
         counts = computes(pipe)
         (rp,) = pipe.replays
+        if transport == "shm":
+            assert set(pipe.edge_paths().values()) == {"shm"}
     assert_bit_identical(got, want)
     assert all(set(counts[s]) == set(range(120)) for s in (0, 1, 3))  # the survivors computed every one
     again = {s: sorted(q for q, n in counts[s].items() if n > 1) for s in (0, 1, 3)}

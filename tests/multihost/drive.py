@@ -6,7 +6,8 @@ the test (outside the namespaces) can act at the right moment and measure:
 
   {"event": "ready", "addresses": [[host, port], ...]}   every stage's listener, then the driver's
   {"event": "output", "seq": i, "t": wall time}           micro-batch i's outputs arrived
-  {"event": "end", "restarts": [...], "errors": [...], "error": null | {...}, "addresses": [...]}
+  {"event": "end", "restarts": [...], "errors": [...], "error": null | {...}, "addresses": [...],
+   "paths": [[producer, consumer, "shm" | "tcp"], ...]}   (-1: the driver)
 
 With "hold" it waits for a line on stdin after "ready" (the test inspects sockets meanwhile).
 "pace_s" spaces submissions so a fault lands mid-run. Outputs go to "out" (npz: output<k> stacked).
@@ -44,7 +45,7 @@ def main(cfg: dict) -> None:
     error = None
     with Pipeline(bundle, cfg["stages"], backend="reference", host=None, placement=placement,
                   ship_bundle=cfg.get("ship", True), timeouts=timeouts, window=cfg.get("window"),
-                  max_restarts=cfg.get("max_restarts", 3)) as pipe:
+                  max_restarts=cfg.get("max_restarts", 3), transport=cfg.get("transport", "auto")) as pipe:
         say(event="ready", addresses=[list(a) for a in pipe.addresses])
         if cfg.get("hold"):
             sys.stdin.readline()
@@ -65,9 +66,11 @@ def main(cfg: dict) -> None:
             outputs += exc.completed
             error = {"message": str(exc), "stage": exc.stage, "last_error": exc.last_error}
         restarts, errors, addresses = list(pipe.restarts), list(pipe.errors), [list(a) for a in pipe.addresses]
+        paths = [[src, dst, path] for (src, dst), path in sorted(pipe.edge_paths().items())]
     if outputs:
         np.savez(cfg["out"], **{f"output{k}": np.stack([o[k] for o in outputs]) for k in range(len(outputs[0]))})
-    say(event="end", completed=len(outputs), restarts=restarts, errors=errors, error=error, addresses=addresses)
+    say(event="end", completed=len(outputs), restarts=restarts, errors=errors, error=error, addresses=addresses,
+        paths=paths)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,26 @@ def test_stages_one_per_host(bed: RayBed, tmp_path: Path, k: int, gpus: float):
     np.testing.assert_array_equal(got["output0"], np.stack([w[0] for w in want]))  # bit-identical
 
 
+def test_edges_within_a_host_use_shared_memory_and_edges_between_hosts_tcp(bed: RayBed, tmp_path: Path):
+    """4 stages at half a GPU each, packed: two stages per worker host. With transport="shm" every
+    edge whose two ends share a host (Ray node) goes through shared memory, every edge between
+    hosts (the driver is on the head) stays TCP, and the outputs are bit for bit the reference."""
+    bundle_dir = bed.head_only / "mlp"
+    out = tmp_path / "out.npz"
+    events, err = drive(bed, {"bundle": str(bundle_dir), "stages": 4, "gpus": 0.5, "placement": "PACK", "n": N,
+                              "seed": 5, "out": str(out), "transport": "shm"})
+    end = events[-1] if events else {}
+    assert end.get("event") == "end" and end["error"] is None, f"{events[-3:]}\n{err[-3000:]}"
+    addrs = end["addresses"]
+    host = lambda i: addrs[-1][0] if i == DRIVER else addrs[i][0]  # noqa: E731
+    paths = {(src, dst): path for src, dst, path in end["paths"]}
+    assert paths and all(path == ("shm" if host(s) == host(d) else "tcp") for (s, d), path in paths.items()), \
+        (paths, addrs)
+    assert {"shm", "tcp"} <= set(paths.values()), (paths, addrs)  # both kinds of edge were there
+    want = reference_outputs(bundle_dir, random_micro_batches(load_bundle(bundle_dir), N, 5))
+    np.testing.assert_array_equal(np.load(out)["output0"], np.stack([w[0] for w in want]))
+
+
 def test_bundle_not_shipped_is_missing_on_workers(bed: RayBed, tmp_path: Path):
     """The control for the test above: without shipping, the worker hosts cannot read the bundle,
     and the run fails at start with an error naming the stage, not a hang."""
