@@ -1,7 +1,7 @@
 """Published architectures (compiler/zoo.py) through both export paths, and the compiler fixes they needed.
 
-The zoo subset runs `tvmpipe.app.zoocheck.check_model`: reference backend within 1e-4 x max|torch| of
-torch eager, TVM's CPU build of the same functions too, K = 2 and 3 equal-op splits bit-identical
+The zoo subset and the decoders beyond GPT-2 and Llama run `tvmpipe.app.zoocheck.check_model`:
+reference backend within 1e-4 x max|torch| of torch eager, TVM's CPU build of the same functions too, K = 2 and 3 equal-op splits bit-identical
 to the single-process run. The whole zoo (and nvcc for sm_80/sm_90 on every kernels.cu) is
 bench/zoo.py. Each fix below has a tiny model that failed before it.
 """
@@ -67,6 +67,23 @@ def test_zoo_model_matches_torch_and_splits_bit_identical(name, path, tmp_path):
     assert r.ok and r.ref_error <= TOLERANCE and r.cpu_error <= TOLERANCE
     assert r.split_identical == {"K=2": True, "K=3": True}
     assert r.nodes > 10 and r.kernels >= r.nodes - r.nodes // 2  # a real network, most nodes launch kernels
+
+
+# decoders beyond GPT-2 and Llama (issue 24, item 6), each with a padding mask, through .pt2: Phi-3's
+# whole-head rotary (an empty pass-through slice) and Falcon's qkv[..., [-2]] (a negative take index)
+# needed compiler fixes; Gemma, GPT-NeoX, OPT and Qwen3 compiled as they are
+DECODERS = ["phi3_mask", "gemma_mask", "gpt_neox_mask", "opt_mask", "falcon_mask", "qwen3_mask"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DECODERS)
+def test_more_decoders_match_torch_and_split_bit_identical(name, tmp_path):
+    from tvmpipe.app.zoocheck import TOLERANCE, check_model
+
+    r = check_model(name, "pt2", tmp_path, nvcc=False, repeat=1)
+    assert r.error is None, r.error
+    assert r.ok and r.ref_error <= TOLERANCE and r.cpu_error <= TOLERANCE
+    assert r.split_identical == {"K=2": True, "K=3": True}
 
 
 def test_zoo_models_build_without_torchvision_import():
