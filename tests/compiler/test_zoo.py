@@ -1,9 +1,9 @@
 """Published architectures (compiler/zoo.py) through both export paths, and the compiler fixes they needed.
 
 The zoo subset and the decoders beyond GPT-2 and Llama run `tvmpipe.app.zoocheck.check_model`:
-reference backend within 1e-4 x max|torch| of torch eager, TVM's CPU build of the same functions too, K = 2 and 3 equal-op splits bit-identical
-to the single-process run. The whole zoo (and nvcc for sm_80/sm_90 on every kernels.cu) is
-bench/zoo.py. Each fix below has a tiny model that failed before it.
+reference backend within 1e-4 x max|torch| of torch eager, TVM's CPU build of the same functions
+too, K = 2 and 3 equal-op splits bit-identical to the single-process run. The whole zoo (and nvcc
+for sm_80/sm_90 on every kernels.cu) is bench/zoo.py. Each fix below has a tiny model that failed before it.
 """
 
 from __future__ import annotations
