@@ -245,7 +245,8 @@ def _schedule_one(fused: _Fused, name: str, func: Any) -> Any:
     except Exception:  # noqa: BLE001 - which rule raised is found below, one rule at a time
         pass
     crashes = []
-    for rule in default_rules():
+    rules = default_rules()
+    for rule in rules:
         try:
             got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
         except Exception as exc:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; try the next rule
@@ -254,8 +255,9 @@ def _schedule_one(fused: _Fused, name: str, func: Any) -> Any:
         if got.attrs is not None and "tirx.is_scheduled" in got.attrs:  # this rule applied
             return got
     node, group = fused.calls[name]
+    others = "" if len(crashes) == len(rules) else "; no other rule applies"
     raise UnsupportedOpError(_model_ops(fused, group, name), node,
-                             f"TVM's dlight GPU scheduler fails on it ({'; '.join(crashes) or 'no rule applies'})")
+                             f"TVM's dlight GPU scheduler fails on it ({'; '.join(crashes)}{others})")
 
 
 def _model_ops(fused: _Fused, group: Any, name: str) -> str:
