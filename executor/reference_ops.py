@@ -557,8 +557,12 @@ def _strided_slice(x, a, r):
 
 @op("index_tensor")
 def _index_tensor(x, a, r):
-    """NumPy advanced indexing: the index tensors (broadcast together) select along the leading axes."""
-    return x[0][tuple(i.astype(np.int64) for i in x[1:])]
+    """NumPy advanced indexing: the index tensors (broadcast together) select along the leading axes.
+    TVM's kernel reads the raw index, like its gathers: an index outside its axis is refused."""
+    idx = tuple(i.astype(np.int64) for i in x[1:])
+    for j, i in enumerate(idx):
+        _check_range("index_tensor", i, x[0].shape[j], j, "TVM's kernel does not wrap negative indices")
+    return x[0][idx]
 
 
 def _check_range(op_name: str, idx: np.ndarray, extent: int, axis: int, why: str) -> None:

@@ -389,12 +389,15 @@ def test_torch_gather_compiles_and_runs_on_the_reference_backend(tmp_path):
 
 def test_negative_list_index_counts_from_the_back(tmp_path):
     """Falcon's `qkv[..., [-2], :]`: TVM imports it as a fast-mode `take` of the constant [-2], which
-    TVM's kernel reads at offset -2 (outside the row). Normalised to [extent - 2] at import."""
+    TVM's kernel reads at offset -2 (outside the row); several index lists become an `index_tensor`,
+    read the same way. Normalised to [extent - 2] at import (was: the reference clamped -2 to 0 and
+    disagreed with torch, and with TVM's own CPU build, which read the previous row)."""
     import torch
 
     class LastHeads(torch.nn.Module):
         def forward(self, qkv):
-            return qkv[:, :, [-2]] * 2 + qkv[:, :, [-1]] + qkv[:, :, [0]]
+            both = qkv[0][[-1, 0], [-3, 1]]  # two index lists: an index_tensor, [2, 4]
+            return qkv[:, :, [-2]] * 2 + qkv[:, :, [-1]] + qkv[:, :, [0]] + both[None, :1, None]
 
     qkv = torch.randn(1, 3, 6, 4, generator=torch.Generator().manual_seed(0))
     ex = quiet_export(save_pt2(LastHeads(), (qkv,), tmp_path / "h.pt2"))
