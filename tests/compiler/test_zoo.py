@@ -69,23 +69,6 @@ def test_zoo_model_matches_torch_and_splits_bit_identical(name, path, tmp_path):
     assert r.nodes > 10 and r.kernels >= r.nodes - r.nodes // 2  # a real network, most nodes launch kernels
 
 
-# decoders beyond GPT-2 and Llama (issue 24, item 6), each with a padding mask, through .pt2: Phi-3's
-# whole-head rotary (an empty pass-through slice) and Falcon's qkv[..., [-2]] (a negative take index)
-# needed compiler fixes; Gemma, GPT-NeoX, OPT and Qwen3 compiled as they are
-DECODERS = ["phi3_mask", "gemma_mask", "gpt_neox_mask", "opt_mask", "falcon_mask", "qwen3_mask"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", DECODERS)
-def test_more_decoders_match_torch_and_split_bit_identical(name, tmp_path):
-    from tvmpipe.app.zoocheck import TOLERANCE, check_model
-
-    r = check_model(name, "pt2", tmp_path, nvcc=False, repeat=1)
-    assert r.error is None, r.error
-    assert r.ok and r.ref_error <= TOLERANCE and r.cpu_error <= TOLERANCE
-    assert r.split_identical == {"K=2": True, "K=3": True}
-
-
 def test_zoo_models_build_without_torchvision_import():
     """torchvision's CUDA wheel cannot be imported on the CPU torch; its model definitions can."""
     from tvmpipe.compiler import zoo
@@ -405,3 +388,20 @@ def test_negative_list_index_counts_from_the_back(tmp_path):
     want = LastHeads()(qkv).numpy()
     np.testing.assert_allclose(ref, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(cpu, want, rtol=1e-6, atol=1e-6)
+
+
+# decoders beyond GPT-2 and Llama (issue 24, item 6), each with a padding mask, through .pt2: Phi-3's
+# whole-head rotary (an empty pass-through slice) and Falcon's qkv[..., [-2]] (a negative take index)
+# needed compiler fixes; Gemma, GPT-NeoX, OPT and Qwen3 compiled as they are
+DECODERS = ["phi3_mask", "gemma_mask", "gpt_neox_mask", "opt_mask", "falcon_mask", "qwen3_mask"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DECODERS)
+def test_more_decoders_match_torch_and_split_bit_identical(name, tmp_path):
+    from tvmpipe.app.zoocheck import TOLERANCE, check_model
+
+    r = check_model(name, "pt2", tmp_path, nvcc=False, repeat=1)
+    assert r.error is None, r.error
+    assert r.ok and r.ref_error <= TOLERANCE and r.cpu_error <= TOLERANCE
+    assert r.split_identical == {"K=2": True, "K=3": True}
