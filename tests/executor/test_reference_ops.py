@@ -264,3 +264,12 @@ def test_take_modes():
 
     with pytest.raises(OpFailure, match=r"'take' index 5 outside \[0, 4\) on axis 1 \(mode 'fast'"):
         apply("take", {"axis": 1, "mode": "fast"}, x, np.array([0, 5], np.int64))
+
+
+def test_index_tensor_refuses_indices_tvm_reads_out_of_row():
+    from tvmpipe.executor.reference_ops import OpFailure
+
+    x = rand(3, 4)
+    close(apply("index_tensor", {}, x, np.array([2, 0], np.int64), np.array([3, 1], np.int64)), x[[2, 0], [3, 1]])
+    with pytest.raises(OpFailure, match=r"'index_tensor' index -1 outside \[0, 3\) on axis 0"):
+        apply("index_tensor", {}, x, np.array([-1, 0], np.int64))
