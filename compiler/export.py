@@ -216,11 +216,14 @@ def _fuse(mod: Any, names: Any) -> _Fused:
 
 
 def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
-    """dlight schedules for every function; one whose rules crash gets the Fallback rule alone.
+    """dlight schedules for every function; where a rule crashes on a function, the rules after it.
 
     dlight's reduction rules raise on some fused shapes (a layer_norm fused with the padding of
-    Swin's windows at 64 px); Fallback schedules any function as plain thread blocks. A function
-    that even Fallback cannot schedule is reported with its model ops and graph node.
+    Swin's windows at 64 px). One raising rule aborts `ApplyDefaultSchedule` for the whole module,
+    so the module is retried function by function, and a function whose rule raises goes on to the
+    next rule in the default order, down to Fallback, which schedules any function as plain thread
+    blocks. A function no rule schedules is reported with its model ops, its graph node, and what
+    each rule raised.
     """
     import tvm
     import tvm.s_tir.dlight as dl
@@ -229,21 +232,32 @@ def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
         return dl.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
     except Exception:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; retried per function below
         pass
-    out = {}
-    for name, func in prims.items():
-        one = tvm.IRModule({name: func})
+    return tvm.IRModule({name: _schedule_one(fused, name, func) for name, func in prims.items()})
+
+
+def _schedule_one(fused: _Fused, name: str, func: Any) -> Any:
+    """The first default rule that applies to `func` without raising, as ApplyDefaultSchedule picks."""
+    import tvm
+    import tvm.s_tir.dlight as dl
+
+    try:
+        return dl.ApplyDefaultSchedule(*default_rules())(tvm.IRModule({name: func}))[name]
+    except Exception:  # noqa: BLE001 - which rule raised is found below, one rule at a time
+        pass
+    crashes = []
+    rules = default_rules()
+    for rule in rules:
         try:
-            out[name] = dl.ApplyDefaultSchedule(*default_rules())(one)[name]
+            got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
+        except Exception as exc:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; try the next rule
+            crashes.append(f"{type(rule).__name__}: {type(exc).__name__}: {one_line(exc)}")
             continue
-        except Exception:  # noqa: BLE001
-            pass
-        try:
-            out[name] = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({name: func}))[name]
-        except Exception as exc:  # noqa: BLE001
-            node, group = fused.calls[name]
-            raise UnsupportedOpError(_model_ops(fused, group, name), node, "TVM's dlight GPU scheduler fails on it "
-                                     f"({type(exc).__name__}: {one_line(exc)})") from None
-    return tvm.IRModule(out)
+        if got.attrs is not None and "tirx.is_scheduled" in got.attrs:  # this rule applied
+            return got
+    node, group = fused.calls[name]
+    others = "" if len(crashes) == len(rules) else "; no other rule applies"
+    raise UnsupportedOpError(_model_ops(fused, group, name), node,
+                             f"TVM's dlight GPU scheduler fails on it ({'; '.join(crashes)}{others})")
 
 
 def _model_ops(fused: _Fused, group: Any, name: str) -> str:

@@ -20,6 +20,8 @@ from tvmpipe.compiler.constnames import ConstNames
 from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.models import build_builtin, get_builtin
 from tvmpipe.compiler.boolcmp import bool_compares_as_int8
+from tvmpipe.compiler.empties import drop_empty_concat_operands
+from tvmpipe.compiler.negindex import normalize_negative_indices
 from tvmpipe.compiler.tecalls import te_calls_to_ops
 
 
@@ -192,7 +194,8 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
         const_names.add(const, var.name)
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
-    mod = bool_compares_as_int8(te_calls_to_ops(mod))
+    mod = drop_empty_concat_operands(bool_compares_as_int8(te_calls_to_ops(mod)))
+    mod = normalize_negative_indices(mod, const_names)
     inputs = list(mod["main"].params)
     try:
         shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]

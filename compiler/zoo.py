@@ -180,6 +180,17 @@ _BERT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attentio
 _GPT2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, max_position_embeddings=64, rms_norm_eps=1e-6)
+# more published decoders (issue 24, item 6), same tiny sizes: 2 layers, hidden 64, 4 heads of 16
+_DEC = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64)
+_PHI3 = dict(_DEC, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # rotary over whole heads
+_GEMMA = dict(_DEC, num_key_value_heads=1, head_dim=16)  # multi-query, GeGLU (tanh GELU), scaled embeddings
+_NEOX = dict(_DEC, rotary_pct=0.25, bos_token_id=0, eos_token_id=0)  # Pythia: partial rotary, parallel residual
+_OPT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+            max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+_FALCON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, bos_token_id=0,
+               eos_token_id=0)  # multi-query fused qkv (qkv[..., [-2]] picks the key), parallel attention
+_QWEN3 = dict(_DEC, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)  # RMSNorm on q and k per head
 _T5 = dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
 
 
@@ -209,6 +220,18 @@ def _entries() -> dict[str, ZooModel]:
            "LlamaConfig", "LlamaForCausalLM", False, "logits", **_LLAMA),
         hf("llama_mask", "Llama LM with attention mask", "LlamaConfig", "LlamaForCausalLM", True, "logits",
            **_LLAMA),
+        hf("phi3_mask", "Phi-3 LM (fused qkv and gate-up, rotary over whole heads, GQA 4/2), with attention mask",
+           "Phi3Config", "Phi3ForCausalLM", True, "logits", **_PHI3),
+        hf("gemma_mask", "Gemma LM (multi-query, GeGLU, scaled embeddings, head_dim 16), with attention mask",
+           "GemmaConfig", "GemmaForCausalLM", True, "logits", **_GEMMA),
+        hf("gpt_neox_mask", "GPT-NeoX / Pythia LM (rotary on 25% of each head, parallel residual), with attention "
+           "mask", "GPTNeoXConfig", "GPTNeoXForCausalLM", True, "logits", **_NEOX),
+        hf("opt_mask", "OPT LM (learned positions offset by 2, ReLU MLP), with attention mask", "OPTConfig",
+           "OPTForCausalLM", True, "logits", **_OPT),
+        hf("falcon_mask", "Falcon LM (multi-query fused qkv, parallel attention and MLP, rotary), with attention "
+           "mask", "FalconConfig", "FalconForCausalLM", True, "logits", **_FALCON),
+        hf("qwen3_mask", "Qwen3 LM (q/k RMSNorm per head, GQA 4/2), with attention mask", "Qwen3Config",
+           "Qwen3ForCausalLM", True, "logits", **_QWEN3),
         hf("t5_encoder", "T5 encoder (relative position bias, RMS norm), d_model 64, 2 layers, with mask",
            "T5Config", "T5EncoderModel", True, "last_hidden_state", **_T5),
     ]

@@ -557,16 +557,80 @@ def _strided_slice(x, a, r):
 
 @op("index_tensor")
 def _index_tensor(x, a, r):
-    """NumPy advanced indexing: the index tensors (broadcast together) select along the leading axes."""
-    return x[0][tuple(i.astype(np.int64) for i in x[1:])]
+    """NumPy advanced indexing: the index tensors (broadcast together) select along the leading axes.
+    TVM's kernel reads the raw index, like its gathers: an index outside its axis is refused."""
+    idx = tuple(i.astype(np.int64) for i in x[1:])
+    for j, i in enumerate(idx):
+        _check_range("index_tensor", i, x[0].shape[j], j, "TVM's kernel does not wrap negative indices")
+    return x[0][idx]
+
+
+def _check_range(op_name: str, idx: np.ndarray, extent: int, axis: int, why: str) -> None:
+    """TVM's gather kernels index memory with the raw value: no wrap for negatives, no bounds check.
+    The importers normalise negative indices before the op (ONNX) or the framework refuses them
+    (torch.gather), so an index outside [0, extent) here means the compiled kernel reads outside its
+    row: refused rather than given a made-up value."""
+    if idx.size and (idx.min() < 0 or idx.max() >= extent):
+        bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+        raise OpFailure(f"'{op_name}' index {bad} outside [0, {extent}) on axis {axis} ({why})")
 
 
 @op("take")
 def _take(x, a, r):
+    """relax.take (topi.take): `fast` indexes with the raw value (out-of-range is undefined in the
+    kernel, refused here), `clip` clamps, `wrap` takes the index modulo the extent (negatives from
+    the back), `nan` gives NaN for out-of-range indices."""
     mode = a.get("mode", "fast")
     ax = a.get("axis")
+    data = x[0]
     idx = x[1].astype(np.int64)
-    return np.take(x[0], idx, axis=ax, mode="wrap" if mode == "wrap" else "clip")
+    extent = data.size if ax is None else data.shape[int(ax) % data.ndim]
+    if mode == "wrap":
+        return np.take(data, np.mod(idx, extent), axis=ax)
+    if mode == "clip":
+        return np.take(data, np.clip(idx, 0, extent - 1), axis=ax)
+    if mode == "nan":
+        out = np.take(data, np.clip(idx, 0, extent - 1), axis=ax).astype(out_dtype(r, data.dtype), copy=True)
+        bad = (idx < 0) | (idx >= extent)
+        if bad.any():
+            axis = 0 if ax is None else int(ax) % data.ndim
+            shape = [1] * out.ndim
+            shape[axis:axis + idx.ndim] = idx.shape
+            out[np.broadcast_to(bad.reshape(shape), out.shape)] = np.nan
+        return out
+    _check_range("take", idx, extent, 0 if ax is None else int(ax) % data.ndim, "mode 'fast' reads out of bounds")
+    return np.take(data, idx, axis=ax)
+
+
+@op("gather_elements")
+def _gather_elements(x, a, r):
+    """relax.gather_elements (topi.gather, torch.gather, ONNX GatherElements): the output has the
+    indices' shape, `out[i_0, .., i_n] = data[i_0, .., idx[i_0, .., i_n], .., i_n]` with the index
+    replacing position `axis` (a negative axis counts from the back). The indices may be smaller
+    than the data on the other axes; they are read as-is (see _check_range)."""
+    data, idx = x[0], x[1].astype(np.int64)
+    axis = int(a.get("axis", 0)) % data.ndim
+    _check_range("gather_elements", idx, data.shape[axis], axis, "TVM's kernel does not wrap negative indices")
+    where = list(np.indices(idx.shape, sparse=True))
+    where[axis] = idx
+    return data[tuple(where)]
+
+
+@op("gather_nd")
+def _gather_nd(x, a, r):
+    """relax.gather_nd (ONNX GatherND layout): indices `[*batch, *rest, M]`; the first `batch_dims`
+    axes of data and indices are matched, the last index axis holds M coordinates into the next M
+    data axes; the output is `indices.shape[:-1] + data.shape[batch_dims + M:]`."""
+    data, idx = x[0], x[1].astype(np.int64)
+    b = int(a.get("batch_dims", 0))
+    m = idx.shape[-1]
+    for j in range(m):
+        _check_range("gather_nd", idx[..., j], data.shape[b + j], b + j, "TVM's kernel does not wrap negative indices")
+    batch = math.prod(data.shape[:b])
+    flat_data = data.reshape((batch,) + data.shape[b:])
+    flat_idx = idx.reshape((batch, -1, m))
+    out = np.stack([flat_data[k][tuple(flat_idx[k].T)] for k in range(batch)])
+    return out.reshape(idx.shape[:-1] + data.shape[b + m:])
 
 
 @op("tile")

@@ -210,3 +210,66 @@ def test_op_table_covers_brief():
               "reshape", "permute_dims", "concat", "split", "strided_slice", "take", "expand_dims", "squeeze",
               "astype", "nn.batch_norm"]
     assert [n for n in needed if n not in OPS] == []
+
+
+# ---- gathers ----------------------------------------------------------------------------------------
+
+def test_gather_elements_matches_torch_gather():
+    x = rand(3, 5, 4)
+    for axis in (0, 1, 2, -1, -3):
+        n = x.shape[axis]
+        idx = rng.integers(0, n, (2, 4, 3) if axis % 3 != 1 else (3, 6, 2)).astype(np.int64)
+        close(apply("gather_elements", {"axis": axis}, x, idx), torch.gather(t(x), axis, t(idx)))
+    idx32 = rng.integers(0, 5, (3, 5, 4)).astype(np.int32)  # int32 indices (ONNX), full-size index tensor
+    close(apply("gather_elements", {"axis": 1}, x, idx32), torch.gather(t(x), 1, t(idx32).long()))
+
+
+def test_gather_elements_refuses_indices_tvm_reads_out_of_row():
+    """TVM's kernel reads `data` at the raw index (no wrap): -1 reads the previous row or outside the
+    buffer. torch.gather refuses it too; the oracle refuses rather than inventing a value."""
+    from tvmpipe.executor.reference_ops import OpFailure
+
+    x = rand(3, 4)
+    for bad in (-1, 4):
+        with pytest.raises(OpFailure, match=rf"'gather_elements' index {bad} outside \[0, 4\) on axis 1"):
+            apply("gather_elements", {"axis": -1}, x, np.array([[0, bad]], np.int64))
+
+
+def test_gather_nd_matches_numpy_indexing():
+    x = rand(2, 3, 4, 5)
+    idx = np.stack([rng.integers(0, 2, (6, 7)), rng.integers(0, 3, (6, 7))], -1)  # M = 2 of rank 4
+    close(apply("gather_nd", {"batch_dims": 0}, x, idx), x[idx[..., 0], idx[..., 1]])
+    one = rng.integers(0, 3, (2, 4, 1))  # batch_dims 1: per batch row, one coordinate into axis 1
+    want = np.stack([x[b][one[b, :, 0]] for b in range(2)])
+    close(apply("gather_nd", {"batch_dims": 1}, x, one), want)
+    full = np.stack([rng.integers(0, s, (2, 3)) for s in (4, 5)], -1)  # batch_dims 2, M = 2: scalars
+    want = np.array([[x[i, j, full[i, j, 0], full[i, j, 1]] for j in range(3)] for i in range(2)], np.float32)
+    close(apply("gather_nd", {"batch_dims": 2}, x, full), want)
+    from tvmpipe.executor.reference_ops import OpFailure
+
+    with pytest.raises(OpFailure, match=r"'gather_nd' index -1 outside \[0, 3\) on axis 1"):
+        apply("gather_nd", {"batch_dims": 0}, x, np.array([[1, -1]], np.int64))
+
+
+def test_take_modes():
+    x = rand(3, 4)
+    idx = np.array([[-1, 5], [2, 0]], np.int64)
+    close(apply("take", {"axis": 1, "mode": "wrap"}, x, idx), x[:, np.mod(idx, 4)])
+    close(apply("take", {"axis": 1, "mode": "clip"}, x, idx), x[:, np.clip(idx, 0, 3)])
+    nan = apply("take", {"axis": 1, "mode": "nan"}, x, idx)
+    assert nan.shape == (3, 2, 2) and np.isnan(nan[:, 0, :]).all() and np.isnan(nan[:, 1]).sum() == 0
+    close(nan[:, 1], x[:, [2, 0]])
+    close(apply("take", {"axis": None, "mode": "wrap"}, x[0], idx), x[0][np.mod(idx, 4)])
+    from tvmpipe.executor.reference_ops import OpFailure
+
+    with pytest.raises(OpFailure, match=r"'take' index 5 outside \[0, 4\) on axis 1 \(mode 'fast'"):
+        apply("take", {"axis": 1, "mode": "fast"}, x, np.array([0, 5], np.int64))
+
+
+def test_index_tensor_refuses_indices_tvm_reads_out_of_row():
+    from tvmpipe.executor.reference_ops import OpFailure
+
+    x = rand(3, 4)
+    close(apply("index_tensor", {}, x, np.array([2, 0], np.int64), np.array([3, 1], np.int64)), x[[2, 0], [3, 1]])
+    with pytest.raises(OpFailure, match=r"'index_tensor' index -1 outside \[0, 3\) on axis 0"):
+        apply("index_tensor", {}, x, np.array([-1, 0], np.int64))

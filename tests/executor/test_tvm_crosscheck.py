@@ -66,3 +66,42 @@ def test_compiled_launch_lists_on_fake_device(compiled, fake_cuda, monkeypatch):
     ops = bundle.graph.op_nodes
     check_stage_launches(bundle, 0, n)
     check_stage_launches(bundle, ops[len(ops) // 2], n)
+
+
+@pytest.mark.parametrize("case", ["gather_elements", "gather_elements_neg_axis", "gather_nd", "gather_nd_batch",
+                                  "take_wrap", "take_clip", "take_nan"])
+def test_gather_ops_match_tvm_cpu(case):
+    """The reference's gathers against TVM's legalized ops built for LLVM, on in-range indices
+    (and, for take's wrap/clip/nan modes, out-of-range ones that the mode defines)."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from tests.executor.test_reference_ops import apply
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    op, attrs, idx = {
+        "gather_elements": ("gather_elements", {"axis": 1}, rng.integers(0, 3, (2, 5, 4))),
+        "gather_elements_neg_axis": ("gather_elements", {"axis": -1}, rng.integers(0, 4, (1, 3, 6))),
+        "gather_nd": ("gather_nd", {"batch_dims": 0}, np.stack([rng.integers(0, 2, (5,)), rng.integers(0, 3, (5,))], -1)),
+        "gather_nd_batch": ("gather_nd", {"batch_dims": 1}, rng.integers(0, 3, (2, 4, 1))),
+        "take_wrap": ("take", {"axis": 2, "mode": "wrap"}, np.array([[-1, 5], [2, -6]])),
+        "take_clip": ("take", {"axis": 2, "mode": "clip"}, np.array([[-1, 5], [2, -6]])),
+        "take_nan": ("take", {"axis": 2, "mode": "nan"}, np.array([[-1, 3], [2, 4]])),
+    }[case]
+    idx = idx.astype(np.int64)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType(list(x.shape), "float32"))
+    iv = relax.Var("i", relax.TensorType(list(idx.shape), "int64"))
+    with bb.function("main", [xv, iv]):
+        call = {"gather_elements": lambda: relax.op.gather_elements(xv, iv, attrs.get("axis", 0)),
+                "gather_nd": lambda: relax.op.gather_nd(xv, iv, attrs.get("batch_dims", 0)),
+                "take": lambda: relax.op.take(xv, iv, attrs.get("axis"), attrs.get("mode", "fast"))}[op]()
+        bb.emit_func_output(bb.emit(call))
+    mod = relax.transform.LegalizeOps()(bb.get())
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    want = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(idx)).numpy()
+    got = apply(op, attrs, x, idx)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
