@@ -253,7 +253,8 @@ class WeightsWriter:
         t = self.tensors.get(name)
         if t is None:
             raise _fail(str(self.path), f"tensor '{name}'", "not declared when the file was opened")
-        arr = np.ascontiguousarray(value)
+        arr = np.asarray(value)
+        arr = np.ascontiguousarray(arr).reshape(arr.shape)  # ascontiguousarray makes a 0-d array 1-d
         if tuple(arr.shape) != t.shape or arr.dtype != _np_dtype(t.dtype):
             raise _fail(str(self.path), f"tensor '{name}'",
                         f"is {arr.dtype}{list(arr.shape)} but was declared {t.dtype}{list(t.shape)}")
