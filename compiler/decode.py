@@ -207,6 +207,10 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[An
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if hasattr(model, "transformer") and limit is not None and max_context > limit:
         raise SourceError(f"--max-context {max_context} exceeds the model's {limit} learned positions")
+    window = getattr(model.config, "sliding_window", None)
+    if window and getattr(model.config, "use_sliding_window", True) and window < max_context:
+        raise SourceError(f"{type(model).__name__}: sliding-window attention ({window} tokens) is not supported "
+                          f"by the decode step; use --max-context {window} or less")
     if hasattr(model, "transformer"):
         step = _gpt2_step(model)
     elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model.model, "rotary_emb"):

@@ -132,9 +132,12 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            lifted = lift.lift_mutated_buffers(ep.run_decompositions(), model) if lift.mutates(ep) else None
+            # what from_exported_program does first; in-place buffer updates are listed only after it
+            ep = ep.run_decompositions()
+            lifted = lift.lift_mutated_buffers(ep, model) if lift.mutates(ep) else None
             if lifted is None:
-                mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+                mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                            run_ep_decomposition=False)
             else:
                 mod, state = lift.import_lifted(lifted)
     except SourceError:
