@@ -58,7 +58,7 @@ def build_decoder(name: str, seed: int = 0, **overrides: Any) -> Any:
     from tvmpipe.compiler import zoo
 
     if name not in _DECODERS:
-        if name in zoo.ZOO and not overrides:
+        if name in zoo.ZOO and zoo.ZOO[name].family == "transformers" and not overrides:
             model = getattr(zoo.ZOO[name].build(seed), "inner", None)
             if model is not None and type(model).__name__.endswith(("LMHeadModel", "ForCausalLM")):
                 return model.eval()
