@@ -84,7 +84,7 @@ def _from_decoder(name: str, batch: int, seed: int, max_context: int) -> Importe
     from tvmpipe.compiler.decode import export_decode_step
 
     ep, module, spec = export_decode_step(name, max_context, batch, seed)
-    imp = _from_exported(ep, f"{name}_decode", {"kind": "builtin", "name": name, "sha256": None, "seed": seed,
+    imp = _from_exported(ep, f"{name}_decode", {"kind": "decode", "name": name, "sha256": None, "seed": seed,
                                                  "decode": {"max_context": max_context}})
     if imp.inputs != ["input_ids", "position", *spec.caches]:
         raise SourceError(f"internal: the decode step of {name} imported with inputs {imp.inputs}")

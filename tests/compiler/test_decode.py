@@ -104,6 +104,8 @@ def test_decode_bundle_declares_its_caches_as_state(decode_bundle):
     from tvmpipe.bundle.inspect import build_report, render_text
 
     b = load_bundle(decode_bundle("qwen2"))
+    assert b.name == "qwen2_decode" and b.manifest.source == {
+        "kind": "decode", "name": "qwen2", "sha256": None, "seed": SEED, "decode": {"max_context": MAX_CONTEXT}}
     assert b.input_names[:2] == ["input_ids", "position"]
     assert [(p.name, p.input, p.output, p.fill) for p in b.state] == [
         ("layer0.k", "k_cache_0", 1, 0.0), ("layer0.v", "v_cache_0", 2, 0.0),
