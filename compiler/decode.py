@@ -260,3 +260,26 @@ def export_decode_step(name: str, max_context: int, batch: int = 1, seed: int = 
         warnings.simplefilter("ignore")
         ep = torch.export.export(module, args)
     return ep, module, spec
+
+
+# ---- transformers' own answers, for the oracle tests -----------------------------------------------
+
+def transformers_generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate(do_sample=False)` (its own KV cache, no stop token): the new ids.
+    `model` is a CausalLM or a decoder name (built with seed 0; build_decoder(name, seed) for others)."""
+    import torch
+
+    model = build_decoder(model) if isinstance(model, str) else model
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def transformers_logits(model: Any, ids: list[int]) -> Any:
+    """[len(ids), vocab] logits of every prefix of `ids`: one forward without a cache (NumPy)."""
+    import torch
+
+    model = build_decoder(model) if isinstance(model, str) else model
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)]), use_cache=False).logits[0].numpy()

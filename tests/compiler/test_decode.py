@@ -59,19 +59,15 @@ def _hf(name: str):
 
 
 def _hf_generate(model, prompt: list[int], new: int) -> list[int]:
-    import torch
+    from tvmpipe.compiler.decode import transformers_generate
 
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return transformers_generate(model, prompt, new)
 
 
 def _hf_logits(model, seq: list[int]) -> np.ndarray:
-    import torch
+    from tvmpipe.compiler.decode import transformers_logits
 
-    with torch.no_grad():
-        return model(torch.tensor([seq]), use_cache=False).logits[0].numpy()  # [len, vocab]
+    return transformers_logits(model, seq)
 
 
 @pytest.mark.parametrize("name", DECODERS)
