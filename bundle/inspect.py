@@ -74,7 +74,15 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
             for h in g.heads
         ],
         "nodes": nodes,
+        "state": None if m is None else [_state_pair(g, p) for p in bundle.state],
+        "state_bytes_per_slot": None if m is None else bundle.state_bytes_per_slot,
+        "generation": None if m is None or m.generation is None else m.generation.to_json(),
     }
+
+
+def _state_pair(g: Graph, p: Any) -> dict[str, Any]:
+    e = g.entry_of(p.input)
+    return {**p.to_json(), "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
 
 
 def _tensor(g: Graph, nid: int) -> dict[str, Any]:
@@ -173,6 +181,20 @@ def _summary(r: dict[str, Any]) -> list[str]:
     rows.append(("outputs", f"{len(r['outputs'])}: " + ", ".join(
         f"node {o['node']}" + (f":{o['index']}" if o["index"] else "") + f" '{o['name']}' "
         + _tensor_type(o["dtype"], o["shape"]) for o in r["outputs"])))
+    if r.get("state"):
+        per = {}
+        for st in r["state"]:
+            per.setdefault((st["dtype"], tuple(st["shape"])), []).append(st)
+        kinds = "; ".join(f"{len(v)} x {_tensor_type(d, list(sh))}" for (d, sh), v in per.items())
+        rows.append(("state", f"{len(r['state'])} pair(s) ({kinds}), {format_bytes(r['state_bytes_per_slot'])} "
+                              f"per sequence slot (batch {r['batch']})"))
+        rows.append(("state pairs", ", ".join(f"{st['name']}: {st['input']} <- output {st['output']}"
+                                              + (f" (fill {st['init']['fill']:g})" if st["init"]["fill"] else "")
+                                              for st in r["state"])))
+    if r.get("generation"):
+        gen = r["generation"]
+        rows.append(("generation", f"token {gen['token']}, position {gen['position']}, logits output {gen['logits']}, "
+                                   f"max context {gen['max_context']}, vocab {gen['vocab_size']}"))
     a = r["activation_bytes"]
     rows.append(("activations", f"{format_bytes(a['no_reuse'])} without storage reuse, "
                                 f"{format_bytes(a['with_reuse'])} with TVM's storage plan"))

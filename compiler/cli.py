@@ -33,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--omit-params", action="store_true",
                    help="leave the weights out; the bundle says they are generated from --seed on load "
                         "(tvmpipe.bundle.params.generate_params, not the built-in model's weights)")
+    p.add_argument("--decode", action="store_true",
+                   help="compile one decode step of the decoder SOURCE (gpt2, llama, qwen2, mistral: tiny "
+                        "transformers configs, weights from --seed): inputs input_ids [B,1], position [B] and "
+                        "per-layer K/V caches, outputs logits [B,1,V] and the updated caches, declared as state")
+    p.add_argument("--max-context", type=int, default=None, metavar="T",
+                   help="with --decode: the caches' static length, prompt included (default 64)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--quiet", action="store_true", help="no step lines on stderr")
     p.set_defaults(func=run)
@@ -42,10 +48,16 @@ def run(args: argparse.Namespace) -> int:
     from tvmpipe.compiler.export import compile_model
     from tvmpipe.compiler.progress import Progress, native_stderr_silenced
 
+    from tvmpipe.compiler.decode import DEFAULT_MAX_CONTEXT
+    from tvmpipe.compiler.errors import SourceError
+
+    if args.max_context is not None and not args.decode:
+        raise SourceError("--max-context needs --decode")
+    decode = (DEFAULT_MAX_CONTEXT if args.max_context is None else args.max_context) if args.decode else None
     progress = Progress(stream=None if args.quiet else sys.stderr)
     with native_stderr_silenced(args.quiet):  # TVM's C++ warnings bypass sys.stderr
         path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
                              seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
-                             name=args.name)
+                             name=args.name, decode=decode)
     print(path)
     return 0

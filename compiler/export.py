@@ -60,6 +60,8 @@ class Exported:
     unscheduled: Any = None
     torch_module: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    state: list[Any] = field(default_factory=list)  # bundle.state.StatePair
+    generation: Any = None  # bundle.state.GenerationSpec
 
     def write(self, out_dir: str | Path, *, params_seed: int | None = None, overwrite: bool = False) -> Path:
         """Write the bundle atomically. With `params_seed`, weights are left out and generated on load."""
@@ -70,7 +72,7 @@ class Exported:
             dtype=self.dtype, graph=self.graph, kernels=self.kernels, ops=self.ops,
             cuda_source=self.cuda_source, inputs=self.inputs,
             params=None if params_seed is not None else self.params, params_seed=params_seed,
-            tvm_version=self.tvm_version, overwrite=overwrite,
+            tvm_version=self.tvm_version, overwrite=overwrite, state=self.state, generation=self.generation,
         )
 
 
@@ -94,8 +96,10 @@ def default_rules() -> list[Any]:
 
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
-           seed: int = 0, progress: Progress | None = None, name: str | None = None) -> Exported:
-    """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`."""
+           seed: int = 0, progress: Progress | None = None, name: str | None = None,
+           decode: int | None = None) -> Exported:
+    """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`. With `decode` (a
+    max context), SOURCE is a decoder (compiler/decode.py) and the bundle is its decode step."""
     from tvmpipe.compiler import launches
 
     progress = progress or Progress()
@@ -109,7 +113,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     from tvmpipe.compiler import frontend
 
     with _step(progress, "import", source):
-        imp = frontend.load_source(source, batch, seed)
+        imp = frontend.load_source(source, batch, seed, decode=decode)
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -136,7 +140,17 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         ops={"version": 1, "functions": {k: v.to_json() for k, v in ops.items()}},
         cuda_source=src, params=fused.graph.params, tvm_version=tvm.__version__,
         unscheduled=tvm.IRModule(prims), torch_module=imp.torch_module, timings=dict(progress.timings),
+        state=_check_state(imp, fused.graph.inputs), generation=imp.generation,
     )
+
+
+def _check_state(imp: Any, inputs: list[str]) -> list[Any]:
+    """The imported state pairs, whose inputs must have survived compilation as graph inputs."""
+    lost = [p.input for p in imp.state if p.input not in inputs]
+    if lost:
+        raise CompileError(f"{imp.model}: state input(s) {', '.join(lost)} are not inputs of the compiled graph "
+                           "(the program never reads them); tvmpipe cannot declare their state")
+    return list(imp.state)
 
 
 def _fold(mod: Any, names: Any) -> Any:
@@ -314,13 +328,14 @@ def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
 
 def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
-                  progress: Progress | None = None, name: str | None = None) -> Path:
+                  progress: Progress | None = None, name: str | None = None, decode: int | None = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CompileError(f"{out} already exists (pass --force to replace it)")
-    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name)
+    exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
+                      decode=decode)
     with progress.step("write", str(out)):
         path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
     return path

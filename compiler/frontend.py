@@ -44,12 +44,17 @@ class Imported:
     dtype: str
     const_names: ConstNames = field(default_factory=ConstNames)
     torch_module: Any = None
+    state: list = field(default_factory=list)  # bundle.state.StatePair: lifted buffers, decode caches
+    generation: Any = None  # bundle.state.GenerationSpec of a decode step
 
 
-def load_source(source: str, batch: int | None = None, seed: int = 0) -> Imported:
-    """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins)."""
+def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None) -> Imported:
+    """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins).
+    With `decode` (a max context), SOURCE is a decoder and the program is its decode step."""
     if batch is not None and batch < 1:
         raise SourceError(f"--batch must be a positive integer, got {batch}")
+    if decode is not None:
+        return _from_decoder(source, batch or 1, seed, decode)
     path = Path(source)
     if path.suffix == ".onnx":
         return _from_onnx(path, batch)
@@ -72,6 +77,21 @@ def _from_builtin(name: str, batch: int, seed: int) -> Imported:
         warnings.simplefilter("ignore", FutureWarning)
         ep = torch.export.export(module, (example,))
     imp = _from_exported(ep, name, {"kind": "builtin", "name": name, "sha256": None, "seed": seed})
+    imp.torch_module = module
+    return imp
+
+
+def _from_decoder(name: str, batch: int, seed: int, max_context: int) -> Imported:
+    """A decoder's decode step (compiler/decode.py), its caches declared as state."""
+    from tvmpipe.compiler.decode import export_decode_step
+
+    ep, module, spec = export_decode_step(name, max_context, batch, seed)
+    imp = _from_exported(ep, f"{name}_decode", {"kind": "decode", "name": name, "sha256": None, "seed": seed,
+                                                 "decode": {"max_context": max_context}})
+    if imp.inputs != ["input_ids", "position", *spec.caches]:
+        raise SourceError(f"internal: the decode step of {name} imported with inputs {imp.inputs}")
+    imp.state = spec.state_pairs()
+    imp.generation = spec.generation()
     imp.torch_module = module
     return imp
 
@@ -108,13 +128,27 @@ def _class_name(ep: Any) -> str | None:
 def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
     from tvm.relax.frontend.torch import from_exported_program
 
+    from tvmpipe.compiler import lift
+
+    state: list = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+            # what from_exported_program does first; in-place buffer updates are listed only after it
+            ep = ep.run_decompositions()
+            lifted = lift.lift_mutated_buffers(ep, model) if lift.mutates(ep) else None
+            if lifted is None:
+                mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                            run_ep_decomposition=False)
+            else:
+                mod, state = lift.import_lifted(lifted)
+    except SourceError:
+        raise
     except Exception as exc:
         raise SourceError(f"TVM cannot import the torch program '{model}': {type(exc).__name__}: {exc}") from None
-    return _bind(mod, model, source)
+    imp = _bind(mod, model, source)
+    imp.state = state
+    return imp
 
 
 # ---- onnx -----------------------------------------------------------------------------------------

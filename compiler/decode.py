@@ -1,0 +1,285 @@
+"""Decode-step programs: one token of an autoregressive decoder, with its KV caches as explicit state.
+
+`tvmpipe compile llama --decode --max-context 64 -o B` builds, from a transformers decoder with
+seeded random weights (the zoo's), a torch module whose forward is one decode step:
+
+    inputs   input_ids [B, 1] int64, position [B] int64 (tokens already in the cache),
+             k_cache_<l>, v_cache_<l> [B, H_kv, T, D] per layer (T = max context)
+    outputs  logits [B, 1, V], then the updated caches in the same order
+
+The step is written from the HF model's own modules and functions (embeddings, q/k/v projections,
+its rotary embedding and `apply_rotary_pos_emb`, `repeat_kv` for grouped-query attention, its norms,
+MLPs and LM head), so its tokens are transformers' tokens. Two things differ from HF's own
+forward, both because of TVM: the cache update is a mask (`where(arange(T) == position, new,
+cache)`; index_put and scatter do not compile, see docs/compiler.md), and attention runs over the
+whole static T with the positions after `position` masked out.
+
+Each cache is declared as a state pair of the bundle (input `k_cache_<l>`, output `1 + 2l`, fill
+0), and `generation` names input_ids, position, the logits head (0), T and the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tvmpipe.compiler.errors import SourceError
+
+DEFAULT_MAX_CONTEXT = 64
+TOKEN, POSITION = "input_ids", "position"
+
+_VOCAB = 128
+# tiny configs, like the zoo's: 2 layers, hidden 64, vocabulary 128
+_DECODERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
+                  eos_token_id=0)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, rms_norm_eps=1e-6)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   use_sliding_window=False, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                     rms_norm_eps=1e-6, sliding_window=None)),
+}
+DECODERS = tuple(_DECODERS)
+
+
+def build_decoder(name: str, seed: int = 0, **overrides: Any) -> Any:
+    """The transformers CausalLM `name` (tiny config, `overrides` applied) with the zoo's seeded
+    weights, in eval mode, eager attention. Zoo entries that wrap a CausalLM are accepted too."""
+    import torch
+
+    from tvmpipe.compiler import zoo
+
+    if name not in _DECODERS:
+        if name in zoo.ZOO and zoo.ZOO[name].family == "transformers" and not overrides:
+            model = getattr(zoo.ZOO[name].build(seed), "inner", None)
+            if model is not None and type(model).__name__.endswith(("LMHeadModel", "ForCausalLM")):
+                return model.eval()
+        raise SourceError(f"'{name}' is not a decoder tvmpipe can build a decode step for "
+                          f"(decoders: {', '.join(DECODERS)})")
+    zoo.ensure_torchvision()
+    import transformers
+
+    config_cls, model_cls, cfg = _DECODERS[name]
+    config = getattr(transformers, config_cls)(**{**cfg, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    zoo._seeded(model, seed)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: Any
+
+
+def _layout(model: Any) -> _Layout:
+    cfg = model.config
+    if hasattr(model, "transformer"):  # GPT-2
+        heads = cfg.n_head
+        return _Layout(cfg.n_layer, heads, cfg.n_embd // heads, cfg.vocab_size, model.lm_head.weight.dtype)
+    attn = model.model.layers[0].self_attn
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // heads
+    return _Layout(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size, model.lm_head.weight.dtype)
+
+
+def _masked_attention(q: Any, k: Any, v: Any, position: Any, scaling: float) -> Any:
+    """softmax(q k^T * scaling) v over the static T, with cache slots after `position` masked out."""
+    import torch
+
+    t = k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H, 1, T]
+    valid = (torch.arange(t) <= position[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    scores = torch.where(valid, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)  # [B, H, 1, D]
+
+
+def _write(cache: Any, new: Any, position: Any) -> Any:
+    """cache with slot `position` replaced by `new` [B, H, 1, D], as a mask (TVM compiles it)."""
+    import torch
+
+    t = cache.shape[-2]
+    at = (torch.arange(t) == position[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    return torch.where(at, new, cache)
+
+
+def _gpt2_step(model: Any) -> Callable:
+    tr = model.transformer
+
+    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
+        b = input_ids.shape[0]
+        h = tr.wte(input_ids) + tr.wpe(position[:, None])
+        out = []
+        for i, block in enumerate(tr.h):
+            attn = block.attn
+            x = block.ln_1(h)
+            q, k, v = attn.c_attn(x).split(attn.split_size, dim=2)
+            shape = (b, 1, attn.num_heads, attn.head_dim)
+            q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+            ctx = _masked_attention(q, kc, vc, position, attn.scaling)
+            ctx = ctx.transpose(1, 2).reshape(b, 1, attn.embed_dim)
+            h = h + attn.c_proj(ctx)
+            h = h + block.mlp(block.ln_2(h))
+            out += [kc, vc]
+        return [model.lm_head(tr.ln_f(h))] + out
+
+    return step
+
+
+def _llama_step(model: Any) -> Callable:
+    """Llama, Qwen2, Mistral (and Qwen3-style q/k norms): RMSNorm, rotary, GQA, gated MLP."""
+    inner = model.model
+    modeling = sys.modules[type(inner.layers[0].self_attn).__module__]
+    apply_rotary, repeat_kv = modeling.apply_rotary_pos_emb, modeling.repeat_kv
+
+    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
+        b = input_ids.shape[0]
+        h = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(h, position[:, None])
+        out = []
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            d = attn.head_dim
+            q = attn.q_proj(x).view(b, 1, -1, d)
+            k = attn.k_proj(x).view(b, 1, -1, d)
+            v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+            groups = attn.num_key_value_groups
+            ctx = _masked_attention(q, repeat_kv(kc, groups), repeat_kv(vc, groups), position, attn.scaling)
+            ctx = ctx.transpose(1, 2).reshape(b, 1, -1)
+            h = h + attn.o_proj(ctx)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out += [kc, vc]
+        return [model.lm_head(inner.norm(h))] + out
+
+    return step
+
+
+def cache_names(layers: int) -> list[str]:
+    return [f"{kv}_cache_{i}" for i in range(layers) for kv in ("k", "v")]
+
+
+class DecodeStepSpec:
+    """What the compiler needs to declare the state: cache input names, their shape, logits head."""
+
+    def __init__(self, layout: _Layout, batch: int, max_context: int) -> None:
+        self.layout, self.batch, self.max_context = layout, batch, max_context
+        self.caches = cache_names(layout.layers)
+        self.cache_shape = (batch, layout.kv_heads, max_context, layout.head_dim)
+
+    def state_pairs(self) -> list[Any]:
+        from tvmpipe.bundle.state import StatePair
+
+        return [StatePair(f"layer{n.rsplit('_', 1)[1]}.{n[0]}", n, 1 + i, 0.0) for i, n in enumerate(self.caches)]
+
+    def generation(self) -> Any:
+        from tvmpipe.bundle.state import GenerationSpec
+
+        return GenerationSpec(TOKEN, POSITION, 0, self.max_context, self.layout.vocab)
+
+
+def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[Any, DecodeStepSpec]:
+    """A torch module computing one decode step of `model` (see the module docstring)."""
+    import torch
+
+    if max_context < 1:
+        raise SourceError(f"--max-context must be a positive integer, got {max_context}")
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if hasattr(model, "transformer") and limit is not None and max_context > limit:
+        raise SourceError(f"--max-context {max_context} exceeds the model's {limit} learned positions")
+    window = getattr(model.config, "sliding_window", None)
+    if window and getattr(model.config, "use_sliding_window", True) and window < max_context:
+        raise SourceError(f"{type(model).__name__}: sliding-window attention ({window} tokens) is not supported "
+                          f"by the decode step; use --max-context {window} or less")
+    if hasattr(model, "transformer"):
+        step = _gpt2_step(model)
+    elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model.model, "rotary_emb"):
+        step = _llama_step(model)
+    else:
+        raise SourceError(f"{type(model).__name__}: no decode step for this architecture (GPT-2 and "
+                          "Llama-style decoders: Llama, Qwen2, Mistral)")
+    spec = DecodeStepSpec(_layout(model), batch, max_context)
+    args = ", ".join(spec.caches)
+    ns: dict[str, Any] = {}
+    # explicit parameter names: torch.export names the graph inputs (and so the bundle's) after them
+    exec(f"def forward(self, {TOKEN}, {POSITION}, {args}):\n"
+         f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]))\n", ns)
+
+    class DecodeStep(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model  # its weights become the step's weights
+            self.step = step
+
+        forward = ns["forward"]
+
+    return DecodeStep().eval(), spec
+
+
+def example_inputs(spec: DecodeStepSpec) -> dict[str, Any]:
+    """Zero caches, token 0 at position 0: the shapes torch.export fixes."""
+    import numpy as np
+
+    dt = str(spec.layout.dtype).replace("torch.", "")
+    out: dict[str, Any] = {TOKEN: np.zeros((spec.batch, 1), np.int64), POSITION: np.zeros((spec.batch,), np.int64)}
+    for n in spec.caches:
+        out[n] = np.zeros(spec.cache_shape, dt)
+    return out
+
+
+def export_decode_step(name: str, max_context: int, batch: int = 1, seed: int = 0) -> tuple[Any, Any, DecodeStepSpec]:
+    """(torch.export program, step module, spec) of decoder `name`'s decode step."""
+    import warnings
+
+    import torch
+
+    model = build_decoder(name, seed)
+    module, spec = decode_step_module(model, max_context, batch)
+    args = tuple(torch.from_numpy(v) for v in example_inputs(spec).values())
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(module, args)
+    return ep, module, spec
+
+
+# ---- transformers' own answers, for the oracle tests -----------------------------------------------
+
+def transformers_generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate(do_sample=False)` (its own KV cache, no stop token): the new ids.
+    `model` is a CausalLM or a decoder name (built with seed 0; build_decoder(name, seed) for others)."""
+    import torch
+
+    model = build_decoder(model) if isinstance(model, str) else model
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def transformers_logits(model: Any, ids: list[int]) -> Any:
+    """[len(ids), vocab] logits of every prefix of `ids`: one forward without a cache (NumPy)."""
+    import torch
+
+    model = build_decoder(model) if isinstance(model, str) else model
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)]), use_cache=False).logits[0].numpy()

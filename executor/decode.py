@@ -1,0 +1,127 @@
+"""The single-process greedy decode loop over a decode-step bundle: the oracle for generation.
+
+    from tvmpipe.executor.decode import greedy_decode
+    r = greedy_decode("B", [5, 17, 3], max_new_tokens=8)   # r.tokens: the generated ids
+    r.logits[i]                                            # [batch, vocab] logits of step i
+
+The bundle declares its state pairs and a `generation` section (docs/bundle-format.md, version 2).
+The prompt goes in token by token through the decode step (position 0, 1, ...); after the last
+prompt token each step's argmax over the logits is the next token, fed back at the next position.
+State outputs become the next step's state inputs; each starts filled with its `init.fill`.
+Everything runs in one `GraphRunner` on one backend (the reference NumPy backend by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from tvmpipe.bundle import Bundle
+from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.executor.errors import InputError
+from tvmpipe.executor.runner import GraphRunner
+
+
+@dataclass
+class DecodeResult:
+    """`prompts` and `tokens` (generated ids) per sequence of the batch; `logits[i]` is step i's
+    [batch, vocab] logits (one step per prompt token, then one per generated token but the last)."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [p + t for p, t in zip(self.prompts, self.tokens)]
+
+
+class DecodeLoop:
+    """One GraphRunner and the state of one micro-batch of sequences, stepped by hand:
+
+        loop = DecodeLoop(bundle); logits = loop.step(token_ids)   # [batch] ids -> [batch, vocab]
+    """
+
+    def __init__(self, bundle: Bundle | str | Path, backend: str = "reference", runner: GraphRunner | None = None,
+                 **opts: Any) -> None:
+        self.runner = runner or GraphRunner(bundle, backend, **opts)
+        b = self.runner.bundle
+        if b.generation is None:
+            raise InputError(f"{b.path}: the bundle declares no generation section: it is not a decode step "
+                             "(compile one with tvmpipe compile MODEL --decode)")
+        self.bundle, self.gen = b, b.generation
+        g = b.graph
+        self.batch = g.entry_of(self.gen.token).shape[0]
+        self._token = g.entry_of(self.gen.token)
+        self._position = g.entry_of(self.gen.position)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every state back to its initial fill; position 0."""
+        g = self.bundle.graph
+        self.state = {p.input: np.full(g.entry_of(p.input).shape, p.fill, dtype=np_dtype(g.entry_of(p.input).dtype))
+                      for p in self.bundle.state}
+        self.position = 0
+
+    def step(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Feed one token per sequence at the current position; the last position's logits [batch, vocab]."""
+        if self.position >= self.gen.max_context:
+            raise InputError(f"the sequence is full: the bundle's max context is {self.gen.max_context} tokens")
+        ids = np.asarray(tokens).reshape(-1)
+        if ids.size != self.batch:
+            raise InputError(f"{ids.size} token(s) for a batch of {self.batch}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.gen.vocab_size):
+            raise InputError(f"token id {int(ids.max() if ids.max() >= self.gen.vocab_size else ids.min())} is "
+                             f"outside the vocabulary (0..{self.gen.vocab_size - 1})")
+        feeds = {self.gen.token: ids.reshape(self._token.shape).astype(np_dtype(self._token.dtype)),
+                 self.gen.position: np.full(self._position.shape, self.position, np_dtype(self._position.dtype)),
+                 **self.state}
+        self.runner.run(**feeds)
+        for p in self.bundle.state:
+            self.state[p.input] = self.runner.get_output(p.output)
+        self.position += 1
+        logits = self.runner.get_output(self.gen.logits)
+        return logits.reshape(self.batch, -1, logits.shape[-1])[:, -1, :]
+
+
+def greedy_decode(bundle: Bundle | str | Path, prompt: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,
+                  *, stop_tokens: Sequence[int] = (), backend: str = "reference", **opts: Any) -> DecodeResult:
+    """Greedy generation over a decode-step bundle, one GraphRunner, no cache leaving the process.
+
+    `prompt` is a list of ids (batch 1) or one list per sequence of the bundle's batch, all of the
+    same length. A sequence stops at a stop token (kept) or after `max_new_tokens`; with a batch,
+    finished sequences keep stepping (their tokens are not recorded) until all have stopped."""
+    loop = DecodeLoop(bundle, backend, **opts)
+    prompts = [list(map(int, p)) for p in prompt] if prompt and isinstance(prompt[0], (list, tuple, np.ndarray)) \
+        else [list(map(int, prompt))]
+    if len(prompts) != loop.batch:
+        raise InputError(f"{len(prompts)} prompt(s) for a bundle of batch {loop.batch}")
+    n = len(prompts[0])
+    if n == 0 or any(len(p) != n for p in prompts):
+        raise InputError("prompts must be non-empty and, in one batch, of the same length")
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if n + max(max_new_tokens - 1, 0) > loop.gen.max_context:
+        raise InputError(f"a prompt of {n} tokens and {max_new_tokens} new ones need {n + max_new_tokens - 1} "
+                         f"cache positions; the bundle's max context is {loop.gen.max_context}")
+    result = DecodeResult(prompts, [[] for _ in prompts])
+    if max_new_tokens == 0:
+        return result
+    logits = None
+    for i in range(n):
+        logits = loop.step([p[i] for p in prompts])
+        result.logits.append(logits)
+    stops, done = set(stop_tokens), [False] * loop.batch
+    while True:
+        nxt = np.argmax(logits, axis=-1)
+        for s, t in enumerate(nxt):
+            if not done[s]:
+                result.tokens[s].append(int(t))
+                done[s] = int(t) in stops or len(result.tokens[s]) >= max_new_tokens
+        if all(done):
+            return result
+        logits = loop.step(nxt)
+        result.logits.append(logits)
