@@ -118,7 +118,8 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
 
 
 def check_state_split(bundle: Bundle, plan: Plan) -> None:
-    """Refuse, in one line, a plan that puts a state pair's input and output in different stages."""
+    """Refuse, in one line, a plan that puts a state pair's input and output (or a reader of the
+    output) in different stages."""
     where = state_stages(bundle, plan)
     for name, (a, b) in where.items():
         if a != b:
@@ -128,15 +129,16 @@ def check_state_split(bundle: Bundle, plan: Plan) -> None:
 
 
 def state_spans(bundle: Bundle) -> dict[str, tuple[int, int]]:
-    """Per state pair, the node span [first reader of its input, producer of its output]."""
+    """Per state pair, the node span from the first reader of its input to the producer of its
+    output or the last reader of that output, whichever is later: a stage holding the whole span
+    sends no state over the data plane (not even the new value as an activation)."""
     g = bundle.graph
     inputs = input_entry_ids(bundle)
     spans = {}
     for p in bundle.state:
-        eid = inputs[p.input]
-        out_node = g.entries[g.head_entries[p.output]].node
-        readers = [c for c in g.consumers[eid]] or [out_node]
-        spans[p.name] = (min(min(readers), out_node), max(max(readers), out_node))
+        eid, out = inputs[p.input], g.head_entries[p.output]
+        nodes = [g.entries[out].node, *g.consumers[eid], *g.consumers[out]]
+        spans[p.name] = (min(nodes), max(nodes))
     return spans
 
 
@@ -153,7 +155,8 @@ def slot_entry(bundle: Bundle) -> int:
 
 def plan_keeping_state(bundle: Bundle, k: int) -> Plan:
     """K stages of nearly equal op counts whose cuts split no state pair: each equal-op cut moves to
-    the nearest op ordinal outside every pair's node span (ties: the earlier one)."""
+    the nearest op ordinal outside every pair's node span, and where no tensor as large as a cache
+    entry crosses, if there are such cuts (ties: the earlier one)."""
     from tvmpipe.partition import plan_equal_ops
 
     g = bundle.graph
@@ -163,6 +166,10 @@ def plan_keeping_state(bundle: Bundle, k: int) -> Plan:
     ops = g.op_nodes
     spans = list(state_spans(bundle).values())
     ok = [c for c in range(1, len(ops)) if not any(lo < ops[c - 1] + 1 <= hi for lo, hi in spans)]
+    # prefer cuts where no cache-sized tensor crosses (a reshaped copy of a new cache value, read later)
+    small = min(g.entry_of(p.input).nbytes for p in bundle.state)
+    lean = [c for c in ok if crossing_bytes(g, ops[c - 1] + 1, largest=True) < small]
+    ok = lean or ok
     cuts: list[int] = []
     for want in plan.cuts(g):
         free = [c for c in ok if not cuts or c > cuts[-1]]
@@ -171,3 +178,12 @@ def plan_keeping_state(bundle: Bundle, k: int) -> Plan:
                                  "stages can keep every pair whole")
         cuts.append(min(free, key=lambda c: (abs(c - want), c)))
     return Plan.from_cuts(g, cuts, strategy="equal-state")
+
+
+def crossing_bytes(g, start: int, largest: bool = False) -> int:
+    """Bytes of the op outputs made before node `start` and read at or after it (the largest one's
+    with `largest`): what a cut there sends per micro-batch."""
+    sizes = [g.entries[e].nbytes for e in range(len(g.entries))
+             if g.nodes[g.entries[e].node].is_op and g.entries[e].node < start
+             and any(c >= start for c in g.consumers[e])]
+    return (max(sizes, default=0) if largest else sum(sizes))
