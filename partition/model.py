@@ -11,6 +11,8 @@ runtime itself costs per micro-batch (runtime.py).
 
 from __future__ import annotations
 
+import numpy as np
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,7 @@ class PipelineModel:
               device: str | DeviceSpec = "h100", link: Link | None = None, speeds: list[float] | None = None,
               memory_caps: list[int | None] | None = None, inputs: list[str] | None = None,
               uniform_op_us: float = UNIFORM_OP_US, links: list[Link] | None = None,
-              runtime: RuntimeCosts = NO_RUNTIME) -> PipelineModel:
+              runtime: RuntimeCosts = NO_RUNTIME, state_slots: int = 1) -> PipelineModel:
         """`cost="auto"`: the profile if given, else analytic when the bundle has ops.json, else uniform."""
         if cost not in COST_MODELS:
             raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
@@ -65,7 +67,16 @@ class PipelineModel:
             costs = analytic_costs(bundle, flow, spec)
         else:
             costs = uniform_costs(flow, uniform_op_us)
-        model = cls(bundle, flow, costs, RangeTables.build(flow, costs.time_us, workspace_bytes(bundle)),
+        tables = RangeTables.build(flow, costs.time_us, workspace_bytes(bundle))
+        if bundle.state:  # each stage holds its pairs' caches for `state_slots` sequences; no cut inside a pair
+            from tvmpipe.cluster.topology import state_spans
+            from tvmpipe.partition.range_tables import state_table
+
+            nbytes = {p.name: bundle.graph.entry_of(p.input).nbytes for p in bundle.state}
+            tables.state = state_table(flow.num_ops, [(flow.ordinal[lo], flow.ordinal[hi], nbytes[name])
+                                                      for name, (lo, hi) in state_spans(bundle).items()],
+                                       state_slots)
+        model = cls(bundle, flow, costs, tables,
                     link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec,
                     list(links) if links else None, runtime)
         if any(not (s > 0) for s in model.speeds):
@@ -107,4 +118,6 @@ class PipelineModel:
 
     def stage_memory(self, i: int, j: int) -> int:
         t = self.tables
-        return int(t.params[i, j] + t.workspace[i, j] + t.recv[i, j] + t.activations[i, j])
+        state = 0.0 if t.state is None else t.state[i, j]
+        total = t.params[i, j] + t.workspace[i, j] + t.recv[i, j] + t.activations[i, j] + state
+        return int(total) if np.isfinite(total) else total  # inf: [i, j) holds part of a state pair
