@@ -74,6 +74,8 @@ class CudaBackend:
         self.host_out = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.send_entries}
         self.params = {e: name for name, e in program.param_entries.items()}
         self.plan = build_launch_plan(program, self.ptrs)
+        self._state_entry: dict[int, int] = {}  # state slot buffer -> its entry
+        self._state_in: dict[int, int] = {}  # state entry -> the slot buffer the next step reads
 
     def _upload_param(self, name: str, value: np.ndarray) -> None:
         with self.dev.check(f"uploading param '{name}'"):
@@ -94,6 +96,39 @@ class CudaBackend:
                                 f"[{self.program.start}, {self.program.end})")
         with self.dev.current():
             self._upload_param(name, np.ascontiguousarray(value))
+
+    # ---- resident state (executor/stage.py SlotState): device buffers, never through the host ----
+    def alloc_state(self, entry: int, fill: float) -> int:
+        """A device buffer for one sequence slot's value of state entry `entry`, set to `fill`. The
+        entry's host staging is dropped: state inputs are not copied in, state outputs not out."""
+        self.host_in.pop(entry, None)
+        self.host_out.pop(entry, None)
+        with self.dev.current():
+            ptr = self.dev.alloc(max(self.program.entry_specs[entry].nbytes, 1))
+        self._state_entry[ptr] = entry
+        self.fill_state(ptr, fill)
+        return ptr
+
+    def resident(self, entries: set[int]) -> None:
+        """State entries that neither come from nor go to the host: no staging copies for them."""
+        for e in entries:
+            self.host_in.pop(e, None)
+            self.host_out.pop(e, None)
+
+    def fill_state(self, ptr: int, fill: float) -> None:
+        spec = self.program.entry_specs[self._state_entry[ptr]]
+        with self.dev.current(), self.dev.check("resetting a state slot"):
+            self.dev.upload(ptr, np.full(spec.shape, fill, dtype=np_dtype(spec.dtype)))
+
+    def state_in(self, entry: int, ptr: int) -> None:
+        """The slot's buffer is copied (device to device) into the entry before the next execute."""
+        self._state_in[entry] = ptr
+
+    def state_out(self, entry: int, ptr: int) -> None:
+        """After execute: the entry's new value goes back to the slot's buffer, on the stream (the
+        next step's copies and kernels come after it in stream order)."""
+        with self.dev.current(), self.dev.check("saving a state slot"):
+            self.dev.copy(ptr, self.ptr[entry], self.program.entry_specs[entry].nbytes)
 
     def _enqueue(self, events: list | None = None) -> None:
         for e, h in self.host_in.items():
@@ -119,6 +154,8 @@ class CudaBackend:
     def _execute(self, profile: bool) -> list[StepTiming] | None:
         where = f"running nodes [{self.program.start}, {self.program.end}) of '{self.program.model}'"
         events: list | None = [] if profile else None
+        for e, src in self._state_in.items():  # outside any captured graph: the slot differs per step
+            self.dev.copy(self.ptr[e], src, self.program.entry_specs[e].nbytes)
         if self.graphs and not profile:
             if self.graph is None:
                 with self.dev.check(f"capturing a CUDA graph of nodes [{self.program.start}, {self.program.end})"):

@@ -159,3 +159,30 @@ def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
         code = main(["generate", str(decode_bundle), "--processes", *argv])
         err = capsys.readouterr().err
         assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
+
+
+def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, monkeypatch):
+    """The strict fake CUDA driver, stages in this process (ThreadLauncher): the tokens equal the
+    oracle's at K = 1 and 2, and no stage stages a state entry through host memory (no host buffer
+    for a state input or output: the slot buffers are device allocations copied device to device)."""
+    pytest.importorskip("tvm")
+    from tests.support.fake_cuda import activate
+    from tests.support.pipeline_harness import ThreadLauncher
+
+    activate(monkeypatch, tmp_path, [decode_bundle])
+    import pycuda.driver as drv
+
+    b = load_bundle(decode_bundle)
+    for k in (1, 2):
+        launcher = ThreadLauncher()
+        with Pipeline(b, k, backend="cuda", launcher=launcher, slots=2, max_restarts=0) as pipe:
+            res = pipe.generate_all(PROMPTS[:3], NEW)
+            stages = [w.stage for w in launcher.workers if w is not None]
+            for st in stages:
+                if st.state is None:
+                    continue
+                state_entries = {e for _, i, o in st.state.pairs for e in (i, o)}
+                assert not state_entries & (set(st.backend.host_in) | set(st.backend.host_out))
+                assert all(isinstance(buf[0], int) for bufs in st.state.buffers.values() for buf in bufs)
+        assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)], k
+    assert not drv.violations
