@@ -71,6 +71,7 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
             n_seq = max(s, -(-tokens // per_seq))
             prompts = [[i % gen.vocab_size] for i in range(n_seq)]
             before = pipe.record()
+            before_seq = pipe.submitted
             t0 = time.perf_counter()
             res = pipe.generate_all(prompts, per_seq, in_flight=s)
             wall = time.perf_counter() - t0
@@ -86,10 +87,14 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
             for dst, n in after.driver_bytes_out.items():
                 hops[f"driver->{dst}"] = (n - before.driver_bytes_out.get(dst, 0)) / steps
             ideal = 1000.0 / stage_ms
+            busy = []  # per stage: time computing / wall (1.0: never waiting for input)
+            for w in after.worker_stats:
+                spans = [e for e in w.events if e.seq >= before_seq]
+                busy.append(round(sum(e.end - e.start for e in spans) / wall, 3))
             rows.append({
                 "stage_ms": stage_ms, "stages": k, "in_flight": s, "sequences": n_seq, "tokens": made,
                 "wall_s": round(wall, 4), "tokens_per_s": round(made / wall, 1), "ideal_tokens_per_s": ideal,
-                "fraction_of_ideal": round(made / wall / ideal, 3),
+                "fraction_of_ideal": round(made / wall / ideal, 3), "stage_busy": busy,
                 "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
                 "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
                 "bytes_per_token_per_hop": {h: round(v, 1) for h, v in sorted(hops.items())},
@@ -100,7 +105,8 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
             r = rows[-1]
             print(f"  {stage_ms:g} ms x K={k} S={s:>2}: {r['tokens_per_s']:8.1f} tok/s ({r['fraction_of_ideal']:.2f} "
                   f"of ideal), TTFT p50 {r['ttft_ms_p50']:.2f} ms, ITL p50 {r['itl_ms_p50']:.2f} p99 "
-                  f"{r['itl_ms_p99']:.2f} ms, max hop {r['max_hop_bytes_per_token']:.0f} B/token", flush=True)
+                  f"{r['itl_ms_p99']:.2f} ms, max hop {r['max_hop_bytes_per_token']:.0f} B/token, stages busy "
+                  f"{r['stage_busy']}", flush=True)
     return rows
 
 
@@ -149,7 +155,8 @@ def main() -> int:
               f"(>= {TARGET}): {'PASS' if r['fraction_of_ideal'] >= TARGET else 'FAIL'}")
     print(f"no cache bytes on the data plane (every hop < one cache entry per token): {'PASS' if ok_bytes else 'FAIL'}")
     doc = {"bench": "generate", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                            "python": platform.python_version()},
+                                            "python": platform.python_version(),
+                                            "load_average_at_end": os.getloadavg()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
            "target": {"fraction_of_ideal": TARGET, "met": ok_rate, "no_cache_bytes": ok_bytes},
            "rows": rows, "single_process": sp}

@@ -164,6 +164,8 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     if other:
         raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
     results = {} if results is None else results
+    while pipe._delivered < pipe.submitted:  # an earlier generation abandoned mid-way: drop its steps
+        pipe.get()
     queue = deque(SequenceResult(i, p) for i, p in enumerate(prompts))
     free = list(range(in_flight))[::-1]
     active: dict[int, _Seq] = {}

@@ -186,3 +186,12 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
                 assert all(isinstance(buf[0], int) for bufs in st.state.buffers.values() for buf in bufs)
         assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)], k
     assert not drv.violations
+
+
+def test_an_abandoned_generation_does_not_leak_into_the_next(decode_bundle, oracle):
+    with Pipeline(decode_bundle, 2, launcher="process", slots=2) as pipe:
+        it = pipe.generate(PROMPTS[:2], NEW)
+        next(it)
+        it.close()  # steps of it are still in flight
+        res = pipe.generate_all(PROMPTS[:2], NEW)
+    assert [r.tokens for r in res] == [oracle[0][0], oracle[1][0]]
