@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
+from tvmpipe.bundle.state import state_spans as bundle_state_spans
 from tvmpipe.cluster.frames import DRIVER
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
@@ -129,17 +130,8 @@ def check_state_split(bundle: Bundle, plan: Plan) -> None:
 
 
 def state_spans(bundle: Bundle) -> dict[str, tuple[int, int]]:
-    """Per state pair, the node span from the first reader of its input to the producer of its
-    output or the last reader of that output, whichever is later: a stage holding the whole span
-    sends no state over the data plane (not even the new value as an activation)."""
-    g = bundle.graph
-    inputs = input_entry_ids(bundle)
-    spans = {}
-    for p in bundle.state:
-        eid, out = inputs[p.input], g.head_entries[p.output]
-        nodes = [g.entries[out].node, *g.consumers[eid], *g.consumers[out]]
-        spans[p.name] = (min(nodes), max(nodes))
-    return spans
+    """Per state pair, its node span (bundle.state.state_spans): cuts go outside spans."""
+    return bundle_state_spans(bundle.graph, bundle.state)
 
 
 def state_stages(bundle: Bundle, plan: Plan) -> dict[str, tuple[int, int]]:

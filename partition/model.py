@@ -69,12 +69,12 @@ class PipelineModel:
             costs = uniform_costs(flow, uniform_op_us)
         tables = RangeTables.build(flow, costs.time_us, workspace_bytes(bundle))
         if bundle.state:  # each stage holds its pairs' caches for `state_slots` sequences; no cut inside a pair
-            from tvmpipe.cluster.topology import state_spans
+            from tvmpipe.bundle.state import state_spans
             from tvmpipe.partition.range_tables import state_table
 
             nbytes = {p.name: bundle.graph.entry_of(p.input).nbytes for p in bundle.state}
             tables.state = state_table(flow.num_ops, [(flow.ordinal[lo], flow.ordinal[hi], nbytes[name])
-                                                      for name, (lo, hi) in state_spans(bundle).items()],
+                                                      for name, (lo, hi) in state_spans(bundle.graph, bundle.state).items()],
                                        state_slots)
         model = cls(bundle, flow, costs, tables,
                     link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec,

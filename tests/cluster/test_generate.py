@@ -195,3 +195,19 @@ def test_an_abandoned_generation_does_not_leak_into_the_next(decode_bundle, orac
         it.close()  # steps of it are still in flight
         res = pipe.generate_all(PROMPTS[:2], NEW)
     assert [r.tokens for r in res] == [oracle[0][0], oracle[1][0]]
+
+
+def test_the_optimal_planner_keeps_pairs_whole_and_counts_slots(decode_bundle):
+    from tvmpipe.partition import make_plan
+    from tvmpipe.partition.errors import PartitionError
+    from tvmpipe.partition.model import PipelineModel
+
+    b = load_bundle(decode_bundle)
+    one, many = PipelineModel.build(b, state_slots=1), PipelineModel.build(b, state_slots=8)
+    n = one.num_ops
+    # two buffers per slot and pair: 7 more slots add 14 x the cache of a slot
+    assert many.stage_memory(0, n) - one.stage_memory(0, n) == 14 * b.state_bytes_per_slot
+    for k in (2, 3, 4):
+        build_topology(b, make_plan(many, k, "optimal"))  # refused if a pair were split
+    with pytest.raises(PartitionError, match="memory caps"):
+        make_plan(PipelineModel.build(b, state_slots=1000, memory_caps=[200_000]), 2, "optimal")
