@@ -211,3 +211,32 @@ def test_the_optimal_planner_keeps_pairs_whole_and_counts_slots(decode_bundle):
         build_topology(b, make_plan(many, k, "optimal"))  # refused if a pair were split
     with pytest.raises(PartitionError, match="memory caps"):
         make_plan(PipelineModel.build(b, state_slots=1000, memory_caps=[200_000]), 2, "optimal")
+
+
+def test_cli_text_prompts_through_a_local_tokenizer_and_split_plans(decode_bundle, tmp_path, capsys):
+    """--prompt TEXT with --tokenizer DIR (no download): the prompt's ids and the decoded text are in
+    the JSON, and the tokens equal those of the same ids; a --plan that splits a pair is one line."""
+    pytest.importorskip("transformers")
+    from tests.support.decode_bundle import write_tokenizer
+    from tvmpipe.cli import main
+
+    tok = write_tokenizer(tmp_path / "tok")
+    want = runner_greedy(load_bundle(decode_bundle), [60, 61, 63], 4)[0]
+    code = main(["generate", str(decode_bundle), "--stages", "1", "--processes", "--tokenizer", str(tok),
+                 "--prompt", "hello world the", "--max-new-tokens", "4", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["sequences"][0]["prompt"] == [60, 61, 63] and doc["sequences"][0]["tokens"] == want
+    assert doc["sequences"][0]["text"].split() == [(["w%d" % i for i in range(60)] + ["hello", "world", "[UNK]", "the"])[t]
+                                                   for t in want]
+    b = load_bundle(decode_bundle)
+    lo, hi = state_spans(b)["v1"]
+    ops = b.graph.op_nodes
+    cut = next(c for c in range(1, len(ops)) if lo < ops[c - 1] + 1 <= hi)
+    Plan.from_cuts(b.graph, [cut]).save(tmp_path / "plan.json")
+    code = main(["generate", str(decode_bundle), "--plan", str(tmp_path / "plan.json"), "--processes",
+                 "--prompt-ids", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "splits state pair '" in err and err.count("\n") == 1
+    code = main(["generate", str(decode_bundle), "--processes", "--tokenizer", str(tmp_path / "nope"), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tokenizer" in err and err.count("\n") == 1

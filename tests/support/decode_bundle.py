@@ -162,3 +162,16 @@ def runner_greedy(bundle, prompt: list[int], max_new: int) -> tuple[list[int], d
                 toks.append(t)
             pos += 1
     return out, logits
+
+
+def write_tokenizer(path) -> Path:
+    """A local transformers tokenizer directory for the fixture's 64-token vocabulary (word level:
+    w0..w59, hello, world, [UNK], the), written without any download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(60)] + ["hello", "world", "[UNK]", "the"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(path))
+    return Path(path)
