@@ -134,11 +134,11 @@ class SlotState:
 
     Per slot and state pair there are two buffers: the step reads the current one as the pair's
     input and writes the other as its output, then they swap, so the next step reads the new value
-    without a copy. Backends that can point an entry at a buffer (`bind_state`: the reference
-    backend's NumPy arrays) never copy state. The cuda backend (`alloc_state`) keeps one device
-    buffer per slot and pair, copied device to device into the entry before the step and back
-    after it: resident on the GPU, never through the host. Others get the current buffer written in
-    and the output read back (the simulated backend: nothing to hold).
+    without a copy. Backends that can point an entry at a buffer (`bind_state`) never copy state:
+    the reference backend's buffers are NumPy arrays; the cuda backend's are device allocations
+    (`alloc_state`) that its kernels are pointed at (a launch plan per binding), so state stays on
+    the GPU and never passes through the host. Others get the current buffer written in and the
+    output read back (the simulated backend: nothing to hold).
     Slots are allocated when first used; `slots` bounds them."""
 
     def __init__(self, bundle: Bundle, program: StageProgram, backend: Any, slots: int):
@@ -183,9 +183,8 @@ class SlotState:
         if not 0 <= slot < self.max_slots:
             raise InputError(f"slot {slot} is outside this stage's {self.max_slots} state slot(s)")
         bufs = self.buffers.get(slot)
-        if bufs is None:  # device buffers (cuda) are copied in and back on the device: one per slot
-            bufs = self.buffers[slot] = [[self._new(e, p.fill), None if self.alloc else self._new(e, p.fill)]
-                                         for p, e, _ in self.pairs]
+        if bufs is None:
+            bufs = self.buffers[slot] = [[self._new(e, p.fill), self._new(e, p.fill)] for p, e, _ in self.pairs]
         elif fresh:
             for (p, _, _), pair in zip(self.pairs, bufs):
                 self._fill(pair[0], p.fill)
@@ -193,8 +192,6 @@ class SlotState:
             if self.bind is not None:
                 self.bind(e_in, cur)
                 self.bind(e_out, nxt)
-            elif self.alloc is not None:
-                self.backend.state_in(e_in, cur)
             else:
                 self.backend.write(e_in, cur)
         return slot
@@ -202,9 +199,6 @@ class SlotState:
     def leave(self, slot: int) -> None:
         """The step ran: its outputs become the slot's current state (a swap, or a read back)."""
         for (_, _, e_out), pair in zip(self.pairs, self.buffers[slot]):
-            if self.alloc is not None:  # device buffers (cuda): the new value goes back to the slot, on the device
-                self.backend.state_out(e_out, pair[0])
-                continue
             if self.bind is None:
                 np.copyto(pair[1], self.backend.read(e_out))
             pair[0], pair[1] = pair[1], pair[0]

@@ -163,8 +163,9 @@ def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
 
 def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, monkeypatch):
     """The strict fake CUDA driver, stages in this process (ThreadLauncher): the tokens equal the
-    oracle's at K = 1 and 2, and no stage stages a state entry through host memory (no host buffer
-    for a state input or output: the slot buffers are device allocations copied device to device)."""
+    oracle's at K = 1 and 2 (and with CUDA graphs), and no stage stages a state entry through host
+    memory (no host buffer for a state input or output: the slot buffers are device allocations
+    that the kernels are pointed at, two per slot and pair, swapped each step)."""
     pytest.importorskip("tvm")
     from tests.support.fake_cuda import activate
     from tests.support.pipeline_harness import ThreadLauncher
@@ -173,9 +174,10 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
     import pycuda.driver as drv
 
     b = load_bundle(decode_bundle)
-    for k in (1, 2):
+    for k, graphs in ((1, False), (2, False), (2, True)):  # graphs: one captured CUDA graph per slot binding
         launcher = ThreadLauncher()
-        with Pipeline(b, k, backend="cuda", launcher=launcher, slots=2, max_restarts=0) as pipe:
+        with Pipeline(b, k, backend="cuda", backend_opts={"graphs": graphs}, launcher=launcher, slots=2,
+                      max_restarts=0) as pipe:
             res = pipe.generate_all(PROMPTS[:3], NEW)
             stages = [w.stage for w in launcher.workers if w is not None]
             for st in stages:
@@ -183,7 +185,8 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
                     continue
                 state_entries = {e for _, i, o in st.state.pairs for e in (i, o)}
                 assert not state_entries & (set(st.backend.host_in) | set(st.backend.host_out))
-                assert all(isinstance(buf[0], int) for bufs in st.state.buffers.values() for buf in bufs)
+                assert all(isinstance(x, int) for bufs in st.state.buffers.values() for buf in bufs for x in buf)
+                assert st.backend._plans  # kernels pointed at the slots' device buffers: no copies
         assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)], k
     assert not drv.violations
 
