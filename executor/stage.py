@@ -159,6 +159,7 @@ class SlotState:
         self.inputs = {e for _, e, _ in self.pairs}
         # state outputs nobody after this stage reads: they stay here
         self.private = {o for _, _, o in self.pairs if not any(c >= program.end for c in g.consumers[o])}
+        self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
         self.bind = getattr(backend, "bind_state", None)
         self.alloc = getattr(backend, "alloc_state", None)
         self.buffers: dict[int, list[list[Any]]] = {}  # slot -> per pair [current, next]
@@ -167,6 +168,8 @@ class SlotState:
             backend.resident(self.inputs | self.private)
 
     def _new(self, e: int, fill: float) -> Any:
+        if self.hollow:
+            return None
         spec = self.program.entry_specs[e]
         if self.alloc is not None:
             return self.alloc(e, fill)
@@ -189,6 +192,8 @@ class SlotState:
             for (p, _, _), pair in zip(self.pairs, bufs):
                 self._fill(pair[0], p.fill)
         for (_, e_in, e_out), (cur, nxt) in zip(self.pairs, bufs):
+            if self.hollow:
+                break
             if self.bind is not None:
                 self.bind(e_in, cur)
                 self.bind(e_out, nxt)
@@ -199,6 +204,8 @@ class SlotState:
     def leave(self, slot: int) -> None:
         """The step ran: its outputs become the slot's current state (a swap, or a read back)."""
         for (_, _, e_out), pair in zip(self.pairs, self.buffers[slot]):
+            if self.hollow:
+                break
             if self.bind is None:
                 np.copyto(pair[1], self.backend.read(e_out))
             pair[0], pair[1] = pair[1], pair[0]
