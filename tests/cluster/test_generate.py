@@ -243,3 +243,17 @@ def test_cli_text_prompts_through_a_local_tokenizer_and_split_plans(decode_bundl
     code = main(["generate", str(decode_bundle), "--processes", "--tokenizer", str(tmp_path / "nope"), "--prompt", "x"])
     err = capsys.readouterr().err
     assert code == 2 and "--tokenizer" in err and err.count("\n") == 1
+
+
+def test_sampled_streams_survive_a_killed_stage(decode_bundle):
+    """Seeded top-k sampling: the streams of a run whose stage 1 is SIGKILLed mid-way equal those of
+    the same run without the fault (tokens generated before the fault are not drawn again)."""
+    kw = dict(temperature=0.8, top_k=10, seed=3)
+    with Pipeline(decode_bundle, 2, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
+        clean = [r.tokens for r in pipe.generate_all(PROMPTS, NEW, **kw)]
+        results = {}
+        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results, **kw)):
+            if n == 5:
+                pipe.launcher.kill(1)
+        assert pipe.restarts == [0, 1]
+    assert [results[i].tokens for i in range(len(PROMPTS))] == clean
