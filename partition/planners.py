@@ -15,7 +15,7 @@ import numpy as np
 from tvmpipe.partition.devices import Link, format_bytes
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
-from tvmpipe.partition.plan import Plan, check_stage_count, plan_equal_ops
+from tvmpipe.partition.plan import Plan, check_stage_count, plan_equal_keeping_state, plan_equal_ops
 from tvmpipe.partition.predict import Prediction, attach, predict
 
 STRATEGIES = ("manual", "equal", "optimal")
@@ -187,8 +187,8 @@ def plan_and_predict(model: PipelineModel, k: int | None, strategy: str, cuts: l
         raise PartitionError(f"--cuts only goes with --strategy manual, not {strategy!r}")
     elif k is None:
         raise PartitionError(f"the {strategy} strategy needs --stages K")
-    elif strategy == "equal":
-        plan = plan_equal_ops(graph, k)
+    elif strategy == "equal":  # a decode step's cuts keep every state pair whole
+        plan = plan_equal_keeping_state(model.bundle, k) if model.bundle.state else plan_equal_ops(graph, k)
     elif strategy == "optimal":
         plan = planner.plan(k) if planner is not None else plan_optimal(model, k, tolerance)
     else:
