@@ -53,6 +53,13 @@ class PipelineModel:
             raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
         spec = get_device(device) if isinstance(device, str) else device
         flow = GraphFlow.from_bundle(bundle, inputs)
+        if bundle.state:  # resident state never travels: its inputs are held like params, its outputs sent nowhere
+            import dataclasses
+
+            held = {p.input for p in bundle.state}
+            kept = {bundle.graph.head_entries[p.output] for p in bundle.state}
+            flow = GraphFlow.build(bundle.graph, [n for n in flow.inputs if n not in held])
+            flow.entries = [dataclasses.replace(e, is_head=False) if e.id in kept else e for e in flow.entries]
         unknown = [n for n in flow.inputs if not bundle.graph.is_null_node(n)]
         if unknown:
             raise PartitionError(f"input(s) {unknown} are not null nodes of the graph")
