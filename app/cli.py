@@ -125,6 +125,9 @@ def run_command(args: argparse.Namespace) -> int:
     check_where(options)
     path = resolve_bundle(args.bundle)
     bundle = load_bundle(path)
+    if bundle.state:  # its caches stay on the stages: one step alone has no meaning to check
+        raise TvmpipeError(f"{path} is a decode step with {len(bundle.state)} state pair(s): run it with "
+                           "`tvmpipe generate` (docs/generation.md)")
     plan = choose_plan(bundle, args.plan, args.stages, args.strategy)
     batches = micro_batches(bundle, args.inputs, args.micro_batches, args.seed,
                             default_count=DEFAULT_MICRO_BATCHES, cycle=True)

@@ -45,7 +45,9 @@ def choose_plan(bundle: Bundle, plan_path: str | None, stages: int, strategy: st
         validate_plan(bundle.graph, plan)
         return plan
     if strategy == "equal":
-        return plan_equal_ops(bundle.graph, stages)
+        from tvmpipe.partition.plan import plan_equal_keeping_state
+
+        return plan_equal_keeping_state(bundle, stages)
     from tvmpipe.partition.model import PipelineModel
 
     return make_plan(PipelineModel.build(bundle), stages, strategy)

@@ -133,3 +133,17 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
     elif graph.entries[graph.head_entries[gen.logits]].shape[-1:] != (gen.vocab_size,):
         problems.append(Problem(file, "", "generation.vocab_size", f"logits head {gen.logits} is "
                                 f"{list(graph.entries[graph.head_entries[gen.logits]].shape)}, not [..., {gen.vocab_size}]"))
+
+
+def state_spans(graph: Graph, state: list[StatePair]) -> dict[str, tuple[int, int]]:
+    """Per state pair, the node span from the first reader of its input to the producer of its
+    output or the last reader of that output, whichever is later: a pipeline stage holding the
+    whole span sends no state over the data plane (not even the new value as an activation), so
+    plans cut only outside spans."""
+    spans = {}
+    for p in state:
+        eid = graph.entry_id(graph.node_index[p.input])
+        out = graph.head_entries[p.output]
+        nodes = [graph.entries[out].node, *graph.consumers[eid], *graph.consumers[out]]
+        spans[p.name] = (min(nodes), max(nodes))
+    return spans

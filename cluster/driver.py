@@ -42,11 +42,11 @@ from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerE
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
-from tvmpipe.cluster.topology import Edge, Topology, build_topology
+from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
 from tvmpipe.executor.checks import check_inputs
-from tvmpipe.partition import Plan, plan_equal_ops
+from tvmpipe.partition import Plan
 
 Outputs = list[np.ndarray]
 REPLAY_MODES = ("upstream", "driver")
@@ -106,13 +106,20 @@ class Pipeline:
                  backend_opts: dict[str, Any] | None = None, window: int | None = None,
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
-                 ship_bundle: bool = False, replay: str = "upstream", transport: str = "auto"):
+                 ship_bundle: bool = False, replay: str = "upstream", transport: str = "auto",
+                 slots: int | None = None):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-        self.plan = plan_equal_ops(self.bundle.graph, plan) if isinstance(plan, int) else plan
+        self.plan = plan_keeping_state(self.bundle, plan) if isinstance(plan, int) else plan
         self.topology: Topology = build_topology(self.bundle, self.plan)
         self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
+        # Declared state (bundle.json `state`): every stage keeps its pairs resident, `slots` sequence
+        # slots each (default: one per micro-batch the window admits); see generate.py
+        self.slots = (self.window if slots is None else slots) if self.bundle.state else 0
+        if self.bundle.state and self.slots < 1:
+            raise TvmpipeError(f"slots must be >= 1, got {self.slots}")
+        self.state_losses = 0  # restarts of a stage that held state: its sequences' caches are gone
         if replay not in REPLAY_MODES:
             raise TvmpipeError(f"replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
         self.replay = replay
@@ -131,7 +138,7 @@ class Pipeline:
         self._head_stages = sorted({e.src for e in self.topology.inbound(DRIVER) if e.entries})
         self._head_from = {eid: e.src for e in self.topology.inbound(DRIVER) for eid in e.entries}
         missing = [h for h in self.topology.heads if h not in self._head_from
-                   and h not in self.topology.inputs.values()]
+                   and h not in self.topology.inputs.values() and h not in self.topology.state_heads]
         if missing or not self._head_stages:
             raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
         self._expect = {e.src: inbound_limits(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
@@ -174,7 +181,8 @@ class Pipeline:
         # hand-off from a receiving thread would cost a wake-up per micro-batch (PolledListener).
         self._listener = PolledListener(host or _node_ip(), self._accept_hello, self._on_frame, self._on_close,
                                         retains_frames=True, secret=self._secret)
-        specs = [StageSpec(i, s, e, str(self.bundle.path), backend, dict(backend_opts or {}), host, warmup, seed)
+        specs = [StageSpec(i, s, e, str(self.bundle.path), backend, dict(backend_opts or {}), host, warmup, seed,
+                           self.slots if i in self.topology.stateful else 0)
                  for i, (s, e) in enumerate(self.plan.stages)]
         self._addresses: list[Address] = []
         try:
@@ -253,6 +261,24 @@ class Pipeline:
             exc.completed_from = 0
             raise
         return outputs
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, in_flight: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop_tokens: list[int] = (),
+                 results: dict | None = None, logits_log: dict | None = None) -> Iterator[Any]:
+        """Autoregressive generation on a decode-step bundle (cluster/generate.py): yields a
+        TokenEvent (seq, token, index, done) per token as it is sampled; finished sequences go into
+        `results` (prompt index -> SequenceResult). Greedy by default; seeded temperature/top-k."""
+        from tvmpipe.cluster.generate import Sampling, generate
+
+        return generate(self, prompts, max_new_tokens, in_flight=in_flight, sampling=Sampling(temperature, top_k, seed),
+                        stop_tokens=stop_tokens, results=results, logits_log=logits_log)
+
+    def generate_all(self, prompts: list[list[int]], max_new_tokens: int, **kw: Any) -> list[Any]:
+        """`generate`, run to the end: one SequenceResult per prompt, in prompt order."""
+        results: dict = {}
+        for _ in self.generate(prompts, max_new_tokens, results=results, **kw):
+            pass
+        return [results[i] for i in sorted(results)]
 
     @property
     def submitted(self) -> int:
@@ -402,7 +428,7 @@ class Pipeline:
                 parts = self._partial.pop(seq)
                 inputs = self._inputs.pop(seq)
                 self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
-                                      else inputs[h] for h in self.topology.heads]
+                                      else inputs.get(h) for h in self.topology.heads]  # state heads: None
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
                 if len(self.done_times) > TIMELINE_KEPT:
@@ -578,6 +604,9 @@ class Pipeline:
                 self._sent = first
             self._close_links()
             self._listener.drop_connections()
+            if any(i in self.topology.stateful for i in restart):
+                with self._cond:  # before anything is computed on the fresh stage (generate.py)
+                    self.state_losses += 1
             for i in restart:
                 self._addresses[i] = self.launcher.restart(i)
             # after the restarts: a stuck stage is gone, so no pause waits for its micro-batch to end

@@ -11,10 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
+from tvmpipe.bundle.state import state_spans as bundle_state_spans
 from tvmpipe.cluster.frames import DRIVER
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
 from tvmpipe.partition import Plan, validate_plan
+from tvmpipe.partition.errors import PartitionError
+
+SLOT_NAME = "__slot__"
+# [slot, fresh]: the stage's state slot for this micro-batch, and 1 when the slot starts a sequence
+# (its state is reset to the declared fill first)
+SLOT_SPEC = EntrySpec((2,), "int64")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,14 @@ class Topology:
     heads: list[int]  # graph output entry ids, in `heads` order
     specs: dict[int, EntrySpec]  # every entry that crosses an edge
     names: dict[int, str]
+    # Declared state (bundle.json `state`): inputs a stage keeps resident and the heads that replace
+    # them; neither crosses an edge. `slot_entry` is the synthetic entry (one past the graph's last)
+    # by which the driver tells each stateful stage the micro-batch's sequence slot; `stateful` lists
+    # those stages.
+    state_inputs: frozenset[int] = frozenset()
+    state_heads: frozenset[int] = frozenset()
+    slot_entry: int | None = None
+    stateful: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -62,6 +77,7 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
     """Validate `plan` against the graph and derive every stage's program and every edge."""
     g = bundle.graph
     validate_plan(g, plan)
+    check_state_split(bundle, plan)
     programs = [build_stage_program(bundle, s, e) for s, e in plan.stages]
     stage_of_node = {n: i for i, (s, e) in enumerate(plan.stages) for n in range(s, e)}
     inputs = input_entry_ids(bundle)
@@ -76,15 +92,61 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         specs.setdefault(eid, EntrySpec(entry.shape, entry.dtype))
         names.setdefault(eid, name)
 
+    state_in = frozenset(inputs[p.input] for p in bundle.state)
+    state_heads = frozenset(heads[p.output] for p in bundle.state)
+    slot = slot_entry(bundle) if bundle.state else None
+    stateful = tuple(j for j, p in enumerate(programs) if state_in & set(p.input_entries.values()))
+    if slot is not None:
+        specs[slot] = SLOT_SPEC
+        names[slot] = SLOT_NAME
+        inputs = {n: e for n, e in inputs.items() if e not in state_in}
+        inputs[SLOT_NAME] = slot
+
     edges: list[Edge] = []
     for j, p in enumerate(programs):
         from_stage: dict[int, list[int]] = {}
         for eid in p.recv_entries:
             from_stage.setdefault(stage_of_node[g.entries[eid].node], []).append(eid)
-        if p.input_entries or not from_stage:
-            edges.append(Edge(DRIVER, j, tuple(p.input_entries.values())))
+        fed = tuple(e for e in p.input_entries.values() if e not in state_in) + ((slot,) if j in stateful else ())
+        if fed or not from_stage:
+            edges.append(Edge(DRIVER, j, fed))
         edges += [Edge(i, j, tuple(es)) for i, es in sorted(from_stage.items())]
-    head_set = set(heads)
+    head_set = set(heads) - state_heads
     for i, p in enumerate(programs):
         edges.append(Edge(i, DRIVER, tuple(e for e in p.send_entries if e in head_set)))
-    return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names)
+    return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
+                    state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful)
+
+
+def check_state_split(bundle: Bundle, plan: Plan) -> None:
+    """Refuse, in one line, a plan that puts a state pair's input and output (or a reader of the
+    output) in different stages."""
+    where = state_stages(bundle, plan)
+    for name, (a, b) in where.items():
+        if a != b:
+            raise PartitionError(f"the plan splits state pair '{name}': its input is read in stage {a} "
+                                 f"{list(plan.stages[a])} but its output is produced in stage {b} "
+                                 f"{list(plan.stages[b])}; cut outside nodes {list(state_spans(bundle)[name])}")
+
+
+def state_spans(bundle: Bundle) -> dict[str, tuple[int, int]]:
+    """Per state pair, its node span (bundle.state.state_spans): cuts go outside spans."""
+    return bundle_state_spans(bundle.graph, bundle.state)
+
+
+def state_stages(bundle: Bundle, plan: Plan) -> dict[str, tuple[int, int]]:
+    """Per state pair, (stage reading its input first, stage producing its output)."""
+    stage_of = {n: i for i, (s, e) in enumerate(plan.stages) for n in range(s, e)}
+    return {name: (stage_of[lo], stage_of[hi]) for name, (lo, hi) in state_spans(bundle).items()}
+
+
+def slot_entry(bundle: Bundle) -> int:
+    """The synthetic entry id carrying a micro-batch's sequence slot: one past the graph's entries."""
+    return len(bundle.graph.entries)
+
+
+def plan_keeping_state(bundle: Bundle, k: int) -> Plan:
+    """K nearly equal stages that split no state pair (partition.plan.plan_equal_keeping_state)."""
+    from tvmpipe.partition.plan import plan_equal_keeping_state
+
+    return plan_equal_keeping_state(bundle, k)

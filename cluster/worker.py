@@ -61,6 +61,7 @@ class StageSpec:
     host: str | None = "127.0.0.1"
     warmup: int = 1
     seed: int = 0
+    state_slots: int = 0  # > 0: keep the declared state of the node range resident, this many sequence slots
 
 
 @dataclass
@@ -133,11 +134,19 @@ class StageWorker:
             for name, data in bundle_files.items():
                 Path(self._tmpdir, name).write_bytes(data)
             path = self._tmpdir if len(bundle_files) > 1 else str(Path(self._tmpdir, next(iter(bundle_files))))
-        self.stage = Stage(load_bundle(path), spec.start, spec.end, backend=spec.backend, **spec.backend_opts)
+        self.stage = Stage(load_bundle(path), spec.start, spec.end, backend=spec.backend,
+                           state_slots=spec.state_slots, **spec.backend_opts)
         self.program = self.stage.program
+        self.specs = dict(self.program.entry_specs)  # what inbound frames may carry
         self.build_s = time.time() - t0
         t1 = time.time()
         feed = random_feed(self.program, spec.seed)
+        if self.stage.state is not None:  # warm up on slot 0, which the first sequence there resets
+            from tvmpipe.cluster.topology import SLOT_SPEC
+
+            feed = {e: v for e, v in feed.items() if e not in self.stage.state.inputs}
+            feed[self.stage.slot_entry] = np.array([0, 1], dtype=np.int64)
+            self.specs[self.stage.slot_entry] = SLOT_SPEC
         for _ in range(spec.warmup):
             self.stage.run(feed)
         self.warmup_s = time.time() - t1
@@ -199,7 +208,7 @@ class StageWorker:
             self._wiring = wiring
             self._pending.clear()
             self._next_from = {p: wiring.first_seq for p in wiring.inbound}
-            self._inbound = {p: inbound_limits(es, self.program.entry_specs) for p, es in wiring.inbound.items()}
+            self._inbound = {p: inbound_limits(es, self.specs) for p, es in wiring.inbound.items()}
             self._admitted = set()
             self._listener.secret = wiring.secret or None
             self._next_seq = wiring.first_seq
@@ -245,7 +254,7 @@ class StageWorker:
                     if start <= seq < w.first_seq:
                         link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in edge.entries},
                                        names))
-        inbound = sum(self.program.entry_specs[e].nbytes for es in w.inbound.values() for e in es)
+        inbound = sum(self.specs[e].nbytes for es in w.inbound.values() for e in es)
         with self._cond:
             self._inline = inbound <= INLINE_BYTES
             self._running = True

@@ -33,7 +33,7 @@ from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.cubin import compile_cubin
 from tvmpipe.executor.errors import BackendUnavailable, DeviceError, ExecutorError
 from tvmpipe.executor.launch_plan import PlannedLaunch, build_launch_plan
-from tvmpipe.executor.program import KERNELS, StageProgram
+from tvmpipe.executor.program import KERNELS, NOP, StageProgram
 
 # CUDA's default limit on a block's shared memory, static + dynamic; above it a kernel must opt in
 # (MAX_DYNAMIC_SHARED_SIZE_BYTES), up to the device's MAX_SHARED_MEMORY_PER_BLOCK_OPTIN.
@@ -74,6 +74,11 @@ class CudaBackend:
         self.host_out = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.send_entries}
         self.params = {e: name for name, e in program.param_entries.items()}
         self.plan = build_launch_plan(program, self.ptrs)
+        self._state_entry: dict[int, int] = {}  # state slot buffer -> its entry
+        self._bound: dict[int, int] = {}  # state entry -> the slot buffer it is bound to (bind_state)
+        self._plans: dict[tuple, list] = {}  # launch plans by bindings
+        self._graphs: dict[tuple, Any] = {}  # captured graphs by bindings
+        self._aliases: dict[int, set[int]] = {}
 
     def _upload_param(self, name: str, value: np.ndarray) -> None:
         with self.dev.check(f"uploading param '{name}'"):
@@ -95,10 +100,65 @@ class CudaBackend:
         with self.dev.current():
             self._upload_param(name, np.ascontiguousarray(value))
 
+    # ---- resident state (executor/stage.py SlotState): device buffers, never through the host ----
+    def alloc_state(self, entry: int, fill: float) -> int:
+        """A device buffer for one sequence slot's value of state entry `entry`, set to `fill`."""
+        with self.dev.current():
+            ptr = self.dev.alloc(max(self.program.entry_specs[entry].nbytes, 1))
+        self._state_entry[ptr] = entry
+        self.fill_state(ptr, fill)
+        return ptr
+
+    def resident(self, entries: set[int]) -> None:
+        """State entries that neither come from nor go to the host: no staging copies for them."""
+        for e in entries:
+            self.host_in.pop(e, None)
+            self.host_out.pop(e, None)
+
+    def fill_state(self, ptr: int, fill: float) -> None:
+        spec = self.program.entry_specs[self._state_entry[ptr]]
+        with self.dev.current(), self.dev.check("resetting a state slot"):
+            self.dev.upload(ptr, np.full(spec.shape, fill, dtype=np_dtype(spec.dtype)))
+
+    def bind_state(self, entry: int, ptr: int) -> None:
+        """Point `entry` (and every `__nop` view of it) at device buffer `ptr` for the next runs: the
+        kernels read the slot's state and write its next value in place, no copy. A launch plan
+        (and, with graphs, a captured graph) is built once per binding and kept."""
+        self._bound[entry] = ptr
+
+    def _alias_class(self, entry: int) -> set[int]:
+        """`entry` and the entries that are `__nop` views of it, or it of them (same memory)."""
+        if not self._aliases:
+            links: dict[int, set[int]] = {}
+            for st in self.program.steps:
+                if st.kind == NOP:
+                    a, b = st.inputs[0], st.outputs[0]
+                    links.setdefault(a, set()).add(b)
+                    links.setdefault(b, set()).add(a)
+            self._aliases = links
+        seen, todo = {entry}, [entry]
+        while todo:
+            for n in self._aliases.get(todo.pop(), ()):
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return seen
+
+    def _current_plan(self) -> tuple[Any, list]:
+        """(key, launch plan) for the current state bindings (the plain plan when none)."""
+        if not self._bound:
+            return None, self.plan
+        key = tuple(sorted(self._bound.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            over = {a: p for e, p in self._bound.items() for a in self._alias_class(e)}
+            plan = self._plans[key] = build_launch_plan(self.program, self.ptrs, over)
+        return key, plan
+
     def _enqueue(self, events: list | None = None) -> None:
         for e, h in self.host_in.items():
             self.dev.copy_in(self.ptr[e], h)
-        for p in self.plan:
+        for p in self._current_plan()[1]:
             if events is not None:
                 events.append((p, self.dev.record()))
             if isinstance(p, PlannedLaunch):
@@ -120,10 +180,16 @@ class CudaBackend:
         where = f"running nodes [{self.program.start}, {self.program.end}) of '{self.program.model}'"
         events: list | None = [] if profile else None
         if self.graphs and not profile:
-            if self.graph is None:
+            key = self._current_plan()[0]  # one graph per state binding (slot and buffer parity)
+            graph = self.graph if key is None else self._graphs.get(key)
+            if graph is None:
                 with self.dev.check(f"capturing a CUDA graph of nodes [{self.program.start}, {self.program.end})"):
-                    self.graph = self.dev.capture(self._enqueue)
-            self.dev.replay(self.graph)
+                    graph = self.dev.capture(self._enqueue)
+                if key is None:
+                    self.graph = graph
+                else:
+                    self._graphs[key] = graph
+            self.dev.replay(graph)
         else:
             self._enqueue(events)
         with self.dev.check(where + " (a failing kernel is reported here, at the next synchronize)"):

@@ -15,7 +15,7 @@ from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.errors import ExecutorError, UnsupportedOpError
-from tvmpipe.executor.program import COPY, KERNELS, StageProgram
+from tvmpipe.executor.program import COPY, KERNELS, NOP, StageProgram
 from tvmpipe.executor.reference_ops import OpFailure, run_function, unknown_ops
 
 ALIGN = 64  # slot alignment, so BLAS sees the same alignment whichever stage a tensor lives in
@@ -53,6 +53,17 @@ class ReferenceBackend:
         self.views = {e: self.view(e) for e in program.entry_specs}
         for name, e in program.param_entries.items():
             self.views[e][...] = bundle.params[name]
+        self._bound: set[int] = set()  # state entries pointed at a slot's buffer (bind_state)
+        self._nop_copy: set[int] = set()  # NOP steps that must copy: one side is a bound entry
+
+    def bind_state(self, entry: int, array: np.ndarray) -> None:
+        """Point `entry` at `array` (a sequence slot's state buffer) for the next runs: the kernels
+        read and write it in place, so state is never copied (executor/stage.py SlotState)."""
+        if entry not in self._bound:
+            self._bound.add(entry)
+            self._nop_copy = {i for i, s in enumerate(self.program.steps) if s.kind == NOP
+                              and self._bound & (set(s.inputs) | set(s.outputs))}
+        self.views[entry] = array
 
     def view(self, entry: int) -> np.ndarray:
         spec = self.program.entry_specs[entry]
@@ -81,6 +92,8 @@ class ReferenceBackend:
                                             f"{v.dtype}{list(v.shape)} for {self.program.describe(e)}")
                     np.copyto(self.views[e], v)
             elif s.kind == COPY:
+                np.copyto(self.views[s.outputs[0]], self.views[s.inputs[0]].reshape(self.views[s.outputs[0]].shape))
+            elif i in self._nop_copy:  # an alias of a bound state entry: no longer the same memory
                 np.copyto(self.views[s.outputs[0]], self.views[s.inputs[0]].reshape(self.views[s.outputs[0]].shape))
             # NOP: the output is a view of the input's slot already
             if profile:

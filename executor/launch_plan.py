@@ -13,8 +13,9 @@ from tvmpipe.executor.program import COPY, KERNELS, BoundOperand, StageProgram
 SCALAR_FORMAT = {"int32": "i", "int64": "q", "uint32": "I", "uint64": "Q", "float32": "f", "float64": "d"}
 
 
-def pack_args(args: tuple[BoundOperand, ...], slot_ptrs: list[int]) -> bytes:
-    """The kernel parameter buffer: pointers and scalars at their natural alignment (C ABI)."""
+def pack_args(args: tuple[BoundOperand, ...], slot_ptrs: list[int], entry_ptrs: dict[int, int] | None = None) -> bytes:
+    """The kernel parameter buffer: pointers and scalars at their natural alignment (C ABI).
+    `entry_ptrs` points chosen entries elsewhere than their storage slot (resident state)."""
     fmt, vals = "@", []
     for a in args:
         if a.kind == "scalar":
@@ -22,7 +23,7 @@ def pack_args(args: tuple[BoundOperand, ...], slot_ptrs: list[int]) -> bytes:
             vals.append(a.value)
         else:
             fmt += "P"
-            vals.append(slot_ptrs[a.slot])
+            vals.append(entry_ptrs[a.entry] if entry_ptrs and a.entry in entry_ptrs else slot_ptrs[a.slot])
     return struct.pack(fmt, *vals)
 
 
@@ -46,12 +47,14 @@ class PlannedCopy:  # a `__copy` node: device-to-device
     nbytes: int
 
 
-def build_launch_plan(program: StageProgram, slot_ptrs: list[int]) -> list[PlannedLaunch | PlannedCopy]:
+def build_launch_plan(program: StageProgram, slot_ptrs: list[int],
+                      entry_ptrs: dict[int, int] | None = None) -> list[PlannedLaunch | PlannedCopy]:
     plan: list[PlannedLaunch | PlannedCopy] = []
-    ptr = lambda e: slot_ptrs[program.storage.entry_slot[e]]  # noqa: E731
+    over = entry_ptrs or {}
+    ptr = lambda e: over[e] if e in over else slot_ptrs[program.storage.entry_slot[e]]  # noqa: E731
     for i, s in enumerate(program.steps):
         if s.kind == KERNELS:
-            plan += [PlannedLaunch(i, s.node, l.kernel, l.grid, l.block, l.shared_mem, pack_args(l.args, slot_ptrs))
+            plan += [PlannedLaunch(i, s.node, l.kernel, l.grid, l.block, l.shared_mem, pack_args(l.args, slot_ptrs, over))
                      for l in s.launches]
         elif s.kind == COPY:
             plan.append(PlannedCopy(i, s.node, ptr(s.outputs[0]), ptr(s.inputs[0]), program.entry_specs[s.outputs[0]].nbytes))

@@ -24,14 +24,31 @@ def as_bundle(bundle: Bundle | str | Path) -> Bundle:
 
 
 class Stage:
-    """Graph nodes [start, end) of `bundle`, built on `backend` with backend options `opts`."""
+    """Graph nodes [start, end) of `bundle`, built on `backend` with backend options `opts`.
 
-    def __init__(self, bundle: Bundle | str | Path, start: int, end: int, backend: str = "reference", **opts: Any):
+    With `state_slots` > 0 the stage keeps the declared state (bundle.json `state`) of its node
+    range resident, one set per sequence slot (see `SlotState`): state inputs are then not fed and
+    state outputs not sent, and every run names its slot in the synthetic entry `slot_entry`
+    ([slot, fresh]; fresh = 1 resets the slot to the declared fill first). With 0 (the default) a
+    state pair is an ordinary input and output, as in a single-process loop that feeds its caches."""
+
+    def __init__(self, bundle: Bundle | str | Path, start: int, end: int, backend: str = "reference",
+                 state_slots: int = 0, **opts: Any):
         self.bundle = as_bundle(bundle)
         self.program: StageProgram = build_stage_program(self.bundle, start, end)
         self.backend = make_backend(backend, self.bundle, self.program, **opts)
         self.backend_name = backend
-        self._layout = feed_layout(self.program)
+        self.state = SlotState(self.bundle, self.program, self.backend, state_slots) if state_slots else None
+        if self.state is not None and not self.state.pairs:
+            self.state = None  # no state in this node range: a plain stage
+        skip = self.state.inputs if self.state else set()
+        self._layout = tuple(x for x in feed_layout(self.program) if x[0] not in skip)
+        self._send = [e for e in self.program.send_entries if not self.state or e not in self.state.private]
+        self.slot_entry = len(self.bundle.graph.entries) if self.state else None
+
+    @property
+    def stateful(self) -> bool:
+        return self.state is not None
 
     def run(self, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
@@ -43,11 +60,22 @@ class Stage:
         return self._run(inputs, profile=True)
 
     def _run(self, inputs: Mapping[int, np.ndarray], profile: bool) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+        slot = None
+        if self.state is not None:
+            inputs = dict(inputs)
+            tag = inputs.pop(self.slot_entry, None)
+            if tag is None or np.shape(tag) != (2,):
+                raise InputError(f"stage [{self.program.start}, {self.program.end}) keeps state: every run needs "
+                                 f"its [slot, fresh] in entry {self.slot_entry}")
+            slot = self.state.enter(int(tag[0]), bool(tag[1]))
         feeds = check_feeds(self.program, inputs, self._layout)
         for e, v in feeds.items():
             self.backend.write(e, v)
         timings = self.backend.execute(profile=profile) or []
-        return {e: self.backend.read(e) for e in self.program.send_entries}, timings
+        out = {e: self.backend.read(e) for e in self._send}
+        if slot is not None:
+            self.state.leave(slot)
+        return out, timings
 
     def set_param(self, name: str, value: np.ndarray) -> None:
         """Overwrite one param this stage loaded (shape and dtype must match)."""
@@ -88,7 +116,7 @@ def check_feeds(program: StageProgram, inputs: Mapping[int, Any],
             feeds[e] = value
         else:
             return feeds
-    want = program.feed_entries
+    want = [e for e, _, _ in layout]
     unknown = [k for k in inputs if k not in want]
     if unknown:
         expected = "; ".join(program.describe(e) for e in want) or "no inputs"
@@ -99,3 +127,88 @@ def check_feeds(program: StageProgram, inputs: Mapping[int, Any],
         raise InputError(f"stage [{program.start}, {program.end}) is missing "
                          f"{'; '.join(program.describe(e) for e in missing)}")
     return {e: check_array(inputs[e], program.entry_specs[e], program.label(e)) for e in want}
+
+
+class SlotState:
+    """The state of one stage's node range, resident, one set per sequence slot.
+
+    Per slot and state pair there are two buffers: the step reads the current one as the pair's
+    input and writes the other as its output, then they swap, so the next step reads the new value
+    without a copy. Backends that can point an entry at a buffer (`bind_state`) never copy state:
+    the reference backend's buffers are NumPy arrays; the cuda backend's are device allocations
+    (`alloc_state`) that its kernels are pointed at (a launch plan per binding), so state stays on
+    the GPU and never passes through the host. Others get the current buffer written in and the
+    output read back (the simulated backend: nothing to hold).
+    Slots are allocated when first used; `slots` bounds them."""
+
+    def __init__(self, bundle: Bundle, program: StageProgram, backend: Any, slots: int):
+        g = bundle.graph
+        self.program, self.backend, self.max_slots = program, backend, slots
+        inputs = program.input_entries
+        self.pairs = []  # (pair, input entry, output entry)
+        for p in bundle.state:
+            e_in = inputs.get(p.input)
+            e_out = g.head_entries[p.output]
+            made_here = e_out in program.entry_specs and g.entries[e_out].node in range(program.start, program.end)
+            if e_in is None and not made_here:
+                continue
+            if e_in is None or not made_here:
+                raise InputError(f"stage [{program.start}, {program.end}) splits state pair '{p.name}': "
+                                 f"it {'reads' if e_in is not None else 'produces'} only one side of it")
+            self.pairs.append((p, e_in, e_out))
+        self.inputs = {e for _, e, _ in self.pairs}
+        # state outputs nobody after this stage reads: they stay here
+        self.private = {o for _, _, o in self.pairs if not any(c >= program.end for c in g.consumers[o])}
+        self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
+        self.bind = getattr(backend, "bind_state", None)
+        self.alloc = getattr(backend, "alloc_state", None)
+        self.buffers: dict[int, list[list[Any]]] = {}  # slot -> per pair [current, next]
+        self.nbytes_per_slot = sum(program.entry_specs[e].nbytes for _, e, _ in self.pairs)
+        if self.alloc is not None and hasattr(backend, "resident"):
+            backend.resident(self.inputs | self.private)
+
+    def _new(self, e: int, fill: float) -> Any:
+        if self.hollow:
+            return None
+        spec = self.program.entry_specs[e]
+        if self.alloc is not None:
+            return self.alloc(e, fill)
+        return np.full(spec.shape, fill, dtype=np_dtype(spec.dtype))
+
+    def _fill(self, buf: Any, fill: float) -> None:
+        if isinstance(buf, np.ndarray):
+            buf.fill(fill)
+        elif buf is not None:
+            self.backend.fill_state(buf, fill)
+
+    def enter(self, slot: int, fresh: bool) -> int:
+        """Make `slot`'s state the stage's input (reset to the fill when `fresh`)."""
+        if not 0 <= slot < self.max_slots:
+            raise InputError(f"slot {slot} is outside this stage's {self.max_slots} state slot(s)")
+        bufs = self.buffers.get(slot)
+        if bufs is None:
+            bufs = self.buffers[slot] = [[self._new(e, p.fill), self._new(e, p.fill)] for p, e, _ in self.pairs]
+        elif fresh:
+            for (p, _, _), pair in zip(self.pairs, bufs):
+                self._fill(pair[0], p.fill)
+        for (_, e_in, e_out), (cur, nxt) in zip(self.pairs, bufs):
+            if self.hollow:
+                break
+            if self.bind is not None:
+                self.bind(e_in, cur)
+                self.bind(e_out, nxt)
+            else:
+                self.backend.write(e_in, cur)
+        return slot
+
+    def leave(self, slot: int) -> None:
+        """The step ran: its outputs become the slot's current state (a swap, or a read back)."""
+        for (_, _, e_out), pair in zip(self.pairs, self.buffers[slot]):
+            if self.hollow:
+                break
+            if self.bind is None:
+                np.copyto(pair[1], self.backend.read(e_out))
+            pair[0], pair[1] = pair[1], pair[0]
+
+    def release(self, slot: int) -> None:
+        self.buffers.pop(slot, None)

@@ -11,6 +11,8 @@ runtime itself costs per micro-batch (runtime.py).
 
 from __future__ import annotations
 
+import numpy as np
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +47,19 @@ class PipelineModel:
               device: str | DeviceSpec = "h100", link: Link | None = None, speeds: list[float] | None = None,
               memory_caps: list[int | None] | None = None, inputs: list[str] | None = None,
               uniform_op_us: float = UNIFORM_OP_US, links: list[Link] | None = None,
-              runtime: RuntimeCosts = NO_RUNTIME) -> PipelineModel:
+              runtime: RuntimeCosts = NO_RUNTIME, state_slots: int = 1) -> PipelineModel:
         """`cost="auto"`: the profile if given, else analytic when the bundle has ops.json, else uniform."""
         if cost not in COST_MODELS:
             raise PartitionError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
         spec = get_device(device) if isinstance(device, str) else device
         flow = GraphFlow.from_bundle(bundle, inputs)
+        if bundle.state:  # resident state never travels: its inputs are held like params, its outputs sent nowhere
+            import dataclasses
+
+            held = {p.input for p in bundle.state}
+            kept = {bundle.graph.head_entries[p.output] for p in bundle.state}
+            flow = GraphFlow.build(bundle.graph, [n for n in flow.inputs if n not in held])
+            flow.entries = [dataclasses.replace(e, is_head=False) if e.id in kept else e for e in flow.entries]
         unknown = [n for n in flow.inputs if not bundle.graph.is_null_node(n)]
         if unknown:
             raise PartitionError(f"input(s) {unknown} are not null nodes of the graph")
@@ -65,7 +74,16 @@ class PipelineModel:
             costs = analytic_costs(bundle, flow, spec)
         else:
             costs = uniform_costs(flow, uniform_op_us)
-        model = cls(bundle, flow, costs, RangeTables.build(flow, costs.time_us, workspace_bytes(bundle)),
+        tables = RangeTables.build(flow, costs.time_us, workspace_bytes(bundle))
+        if bundle.state:  # each stage holds its pairs' caches for `state_slots` sequences; no cut inside a pair
+            from tvmpipe.bundle.state import state_spans
+            from tvmpipe.partition.range_tables import state_table
+
+            nbytes = {p.name: bundle.graph.entry_of(p.input).nbytes for p in bundle.state}
+            tables.state = state_table(flow.num_ops, [(flow.ordinal[lo], flow.ordinal[hi], nbytes[name])
+                                                      for name, (lo, hi) in state_spans(bundle.graph, bundle.state).items()],
+                                       state_slots)
+        model = cls(bundle, flow, costs, tables,
                     link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec,
                     list(links) if links else None, runtime)
         if any(not (s > 0) for s in model.speeds):
@@ -107,4 +125,6 @@ class PipelineModel:
 
     def stage_memory(self, i: int, j: int) -> int:
         t = self.tables
-        return int(t.params[i, j] + t.workspace[i, j] + t.recv[i, j] + t.activations[i, j])
+        state = 0.0 if t.state is None else t.state[i, j]
+        total = t.params[i, j] + t.workspace[i, j] + t.recv[i, j] + t.activations[i, j] + state
+        return int(total) if np.isfinite(total) else total  # inf: [i, j) holds part of a state pair

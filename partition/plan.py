@@ -182,3 +182,40 @@ def validate_plan(graph: Graph, plan: Plan) -> None:
                                         f"reads {src.label()}, which runs later (stage {stage_of[ref.node]})"))
     if problems:
         raise PlanError(problems)
+
+
+def plan_equal_keeping_state(bundle: Any, k: int) -> Plan:
+    """K stages of nearly equal op counts whose cuts split no state pair of `bundle` (bundle.json
+    `state`): each equal-op cut moves to the nearest op ordinal outside every pair's node span
+    (bundle.state.state_spans), and where no tensor as large as a cache entry crosses, if there are
+    such cuts (ties: the earlier one). Without state: plan_equal_ops."""
+    from tvmpipe.bundle.state import state_spans
+
+    g = bundle.graph
+    plan = plan_equal_ops(g, k)
+    if not bundle.state or k == 1:
+        return plan
+    ops = g.op_nodes
+    spans = list(state_spans(g, bundle.state).values())
+    ok = [c for c in range(1, len(ops)) if not any(lo < ops[c - 1] + 1 <= hi for lo, hi in spans)]
+    # prefer cuts where no cache-sized tensor crosses (a reshaped copy of a new cache value, read later)
+    small = min(g.entry_of(p.input).nbytes for p in bundle.state)
+    lean = [c for c in ok if crossing_bytes(g, ops[c - 1] + 1, largest=True) < small]
+    ok = lean or ok
+    cuts: list[int] = []
+    for want in plan.cuts(g):
+        free = [c for c in ok if not cuts or c > cuts[-1]]
+        if not free:
+            raise PartitionError(f"cannot make {k} stages without splitting a state pair: at most {len(ok) + 1} "
+                                 "stages keep every pair whole")
+        cuts.append(min(free, key=lambda c: (abs(c - want), c)))
+    return Plan.from_cuts(g, cuts, strategy="equal")
+
+
+def crossing_bytes(g: Graph, start: int, largest: bool = False) -> int:
+    """Bytes of the op outputs made before node `start` and read at or after it (the largest one's
+    with `largest`): what a cut there sends per micro-batch."""
+    sizes = [g.entries[e].nbytes for e in range(len(g.entries))
+             if g.nodes[g.entries[e].node].is_op and g.entries[e].node < start
+             and any(c >= start for c in g.consumers[e])]
+    return (max(sizes, default=0) if largest else sum(sizes))

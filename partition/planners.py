@@ -15,7 +15,7 @@ import numpy as np
 from tvmpipe.partition.devices import Link, format_bytes
 from tvmpipe.partition.errors import PartitionError
 from tvmpipe.partition.model import PipelineModel
-from tvmpipe.partition.plan import Plan, check_stage_count, plan_equal_ops
+from tvmpipe.partition.plan import Plan, check_stage_count, plan_equal_keeping_state, plan_equal_ops
 from tvmpipe.partition.predict import Prediction, attach, predict
 
 STRATEGIES = ("manual", "equal", "optimal")
@@ -76,6 +76,8 @@ class OptimalPlanner:
             c = stage_time_table(self.model, speed, link)
             if cap is not None:
                 c = np.where(self.model.tables.memory <= cap, c, np.inf)
+            if self.model.tables.state is not None:  # a range holding part of a state pair is no stage
+                c = np.where(np.isfinite(self.model.tables.state), c, np.inf)
             e = by_end(c)
             self._tables[key] = (e, e.min(axis=1))
         return self._tables[key]
@@ -147,7 +149,7 @@ def _no_fit_message(model: PipelineModel, k: int, caps: list[int | None]) -> str
     for s in range(1, k):
         best = np.maximum(best[:, None], ratio[s]).min(axis=0)
     need = best[n]
-    single = max(model.stage_memory(a, a + 1) for a in range(n))
+    single = max((m for a in range(n) if np.isfinite(m := model.stage_memory(a, a + 1))), default=0)  # inside a state pair: inf
     cap_text = _fmt_caps(caps)
     return (f"no {k}-stage plan fits the memory caps ({cap_text}): the best plan needs {need:.2f}x the cap on its "
             f"fullest stage (the largest single op node alone needs {format_bytes(single)}); "
@@ -185,8 +187,8 @@ def plan_and_predict(model: PipelineModel, k: int | None, strategy: str, cuts: l
         raise PartitionError(f"--cuts only goes with --strategy manual, not {strategy!r}")
     elif k is None:
         raise PartitionError(f"the {strategy} strategy needs --stages K")
-    elif strategy == "equal":
-        plan = plan_equal_ops(graph, k)
+    elif strategy == "equal":  # a decode step's cuts keep every state pair whole
+        plan = plan_equal_keeping_state(model.bundle, k) if model.bundle.state else plan_equal_ops(graph, k)
     elif strategy == "optimal":
         plan = planner.plan(k) if planner is not None else plan_optimal(model, k, tolerance)
     else:

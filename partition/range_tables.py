@@ -35,6 +35,9 @@ class RangeTables:
     workspace: np.ndarray  # bytes of workspaces the stage allocates
     activations: np.ndarray  # peak bytes of entries produced in the stage
     send: np.ndarray | None = None  # bytes leaving the stage: its entries read after it, and graph outputs
+    # resident state (bundle.json `state`, see `state_table`): slots x both buffers of every pair the
+    # range holds whole; inf where the range holds part of a pair (no plan may cut one)
+    state: np.ndarray | None = None
 
     def compute_us(self, i: int, j: int) -> float:
         return float(self.time_prefix[j] - self.time_prefix[i])
@@ -46,7 +49,8 @@ class RangeTables:
 
     @property
     def memory(self) -> np.ndarray:
-        return self.params + self.workspace + self.recv + self.activations
+        m = self.params + self.workspace + self.recv + self.activations
+        return m if self.state is None else m + self.state
 
     @classmethod
     def build(cls, flow: GraphFlow, time_us: np.ndarray, workspace_by_func: dict[str, int]) -> RangeTables:
@@ -139,4 +143,19 @@ def _peak_activations(flow: GraphFlow) -> np.ndarray:
     peak = np.maximum.accumulate(a, axis=1)
     out = np.zeros((n + 1, n + 1))
     out[:, 1:] = np.maximum(peak, 0)
+    return out
+
+
+def state_table(n: int, spans: list[tuple[int, int, int]], slots: int) -> np.ndarray:
+    """state[i, j] for op-ordinal ranges [i, j): per pair spanning ordinals [a, b] with `nbytes` per
+    slot, 2 x slots x nbytes (two buffers a slot, swapped each step) when i <= a and b < j; inf
+    when the range holds part of the span only."""
+    i = np.arange(n + 1)[:, None]
+    j = np.arange(n + 1)[None, :]
+    out = np.zeros((n + 1, n + 1))
+    for a, b, nbytes in spans:
+        whole = (i <= a) & (j > b)
+        part = (i <= b) & (j > a) & ~whole
+        out = out + np.where(whole, 2.0 * slots * nbytes, 0.0)
+        out[part] = np.inf
     return out

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "tvmpipe.executor.cli",  # profile, extract
     "tvmpipe.partition.cli",  # partition
     "tvmpipe.app.cli",  # run, sweep
+    "tvmpipe.app.generate",  # generate
 ]
 
 

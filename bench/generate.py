@@ -1,0 +1,176 @@
+"""Generation over stateful pipeline stages: tokens/s against sequences in flight and stage count.
+
+    python bench/generate.py [--quick] [--bundle DIR] [--out bench/results/generate.json]
+
+The decode step is the tiny 2-layer GPT-style fixture (tests/support/decode_bundle.py, compiled once
+into --bundle, default a cache directory under /tmp) run on the *simulated* backend, whose stages
+take a fixed time per micro-batch: every op node of stage s is given 1/n of the stage time, so each
+stage takes exactly `stage_ms` (1 ms and 0.1 ms). Each micro-batch is one decode step of one
+sequence; prompts are one token long, so every step yields one token.
+
+For K = 1..4 stages (stage processes, no Ray) and S = 1, K, 2K sequences in flight:
+- tokens/s over the whole run, against the ideal 1/(slowest stage) = 1/stage_ms;
+- time to first token (admission -> first token) and inter-token latency, p50 and p99;
+- bytes moved per token on every hop (the workers' and the driver's byte counters, frame headers
+  included), and the largest of them against the smallest cache entry: no cache byte may cross.
+Target: with S >= K and 1 ms stages, tokens/s >= 0.85 x 1/(slowest stage).
+
+Also, side by side: the single-process reference loop (GraphRunner, caches fed by hand) against
+the same model's greedy loop in torch eager on this CPU (tokens/s). Writes bench/results/generate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TARGET = 0.85
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def stage_profile(bundle, plan, stage_ms: float) -> dict:
+    """A cost profile (simulated backend) giving every stage of `plan` exactly `stage_ms`."""
+    g = bundle.graph
+    nodes = []
+    for s, e in plan.stages:
+        ops = [n for n in range(s, e) if g.nodes[n].is_op]
+        for n in ops:
+            nodes.append({"node": n, "name": g.nodes[n].name, "time_us": stage_ms * 1000.0 / len(ops)})
+    return {"nodes": nodes}
+
+
+def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict]:
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.cluster.topology import plan_keeping_state
+
+    b = load_bundle(bundle_dir)
+    plan = plan_keeping_state(b, k)
+    gen = b.generation
+    per_seq = gen.max_context - 1
+    rows = []
+    with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, stage_ms)},
+                  launcher="process", slots=2 * k, window=2 * k) as pipe:
+        pipe.generate_all([[1]] * k, 2)  # warm: every slot's state allocated, links up
+        for s in sorted({1, k, 2 * k}):
+            n_seq = max(s, -(-tokens // per_seq))
+            prompts = [[i % gen.vocab_size] for i in range(n_seq)]
+            before = pipe.record()
+            before_seq = pipe.submitted
+            t0 = time.perf_counter()
+            res = pipe.generate_all(prompts, per_seq, in_flight=s)
+            wall = time.perf_counter() - t0
+            after = pipe.record()
+            made = sum(len(r.tokens) for r in res)
+            steps = made  # one-token prompts: every step yields a token
+            ttft = [r.first_token_s * 1e3 for r in res]
+            itl = [(b2 - a2) * 1e3 for r in res for a2, b2 in zip(r.token_times, r.token_times[1:])]
+            hops = {}
+            for i, (w0, w1) in enumerate(zip(before.worker_stats, after.worker_stats)):
+                for dst, n in w1.bytes_out.items():
+                    hops[f"{i}->{'driver' if dst == -1 else dst}"] = (n - w0.bytes_out.get(dst, 0)) / steps
+            for dst, n in after.driver_bytes_out.items():
+                hops[f"driver->{dst}"] = (n - before.driver_bytes_out.get(dst, 0)) / steps
+            ideal = 1000.0 / stage_ms
+            busy = []  # per stage: time computing / wall (1.0: never waiting for input)
+            took = []  # per stage: mean wall time of one step as measured (a loaded machine stretches the nominal)
+            for w in after.worker_stats:
+                spans = [e for e in w.events if e.seq >= before_seq]
+                busy.append(round(sum(e.end - e.start for e in spans) / wall, 3))
+                took.append(sum(e.end - e.start for e in spans) / max(len(spans), 1) * 1e3)
+            rows.append({
+                "stage_ms": stage_ms, "stages": k, "in_flight": s, "sequences": n_seq, "tokens": made,
+                "wall_s": round(wall, 4), "tokens_per_s": round(made / wall, 1), "ideal_tokens_per_s": ideal,
+                "fraction_of_ideal": round(made / wall / ideal, 3), "stage_busy": busy,
+                "measured_stage_ms": [round(t, 3) for t in took],
+                "fraction_of_measured_slowest": round(made / wall * max(took) / 1000.0, 3),
+                "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+                "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+                "bytes_per_token_per_hop": {h: round(v, 1) for h, v in sorted(hops.items())},
+                "max_hop_bytes_per_token": round(max(hops.values()), 1),
+                "smallest_cache_entry_bytes": min(b.graph.entry_of(p.input).nbytes for p in b.state),
+                "cache_bytes_per_slot": b.state_bytes_per_slot,
+            })
+            r = rows[-1]
+            print(f"  {stage_ms:g} ms x K={k} S={s:>2}: {r['tokens_per_s']:8.1f} tok/s ({r['fraction_of_ideal']:.2f} "
+                  f"of ideal), TTFT p50 {r['ttft_ms_p50']:.2f} ms, ITL p50 {r['itl_ms_p50']:.2f} p99 "
+                  f"{r['itl_ms_p99']:.2f} ms, max hop {r['max_hop_bytes_per_token']:.0f} B/token, stages busy "
+                  f"{r['stage_busy']}, step {max(took):.2f} ms measured ({r['fraction_of_measured_slowest']:.2f} of "
+                  f"1/measured)", flush=True)
+    return rows
+
+
+def single_process(bundle_dir: Path, tokens: int) -> dict:
+    """The reference backend's single-process loop against torch eager's, same model, same prompts."""
+    from tests.support.decode_bundle import runner_greedy, torch_greedy
+    from tvmpipe.bundle import load_bundle
+
+    b = load_bundle(bundle_dir)
+    per = b.generation.max_context - 1
+    n = max(1, tokens // per)
+    t0 = time.perf_counter()
+    ref = [runner_greedy(b, [i], per)[0] for i in range(n)]
+    t_ref = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eager = [torch_greedy([i], per)[0] for i in range(n)]
+    t_eager = time.perf_counter() - t0
+    made = n * per
+    return {"tokens": made, "reference_loop_tokens_per_s": round(made / t_ref, 1),
+            "torch_eager_tokens_per_s": round(made / t_eager, 1), "same_tokens": ref == eager}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens per point")
+    ap.add_argument("--bundle", type=Path, default=Path("/tmp/tvmpipe-bench-decode"),
+                    help="where the decode fixture is compiled (reused when present)")
+    ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "generate.json")
+    args = ap.parse_args()
+    from tests.support.decode_bundle import decode_bundle
+
+    bundle_dir = decode_bundle(args.bundle)
+    rows = []
+    for stage_ms, tokens in ((1.0, 150 if args.quick else 600), (0.1, 300 if args.quick else 1500)):
+        for k in [int(x) for x in args.stages.split(",")]:
+            rows += measure(bundle_dir, k, stage_ms, tokens)
+    sp = single_process(bundle_dir, 60 if args.quick else 300)
+    print(f"single process: reference loop {sp['reference_loop_tokens_per_s']} tok/s, torch eager "
+          f"{sp['torch_eager_tokens_per_s']} tok/s, same tokens: {sp['same_tokens']}")
+    checked = [r for r in rows if r["stage_ms"] == 1.0 and r["in_flight"] >= r["stages"]]
+    ok_rate = all(r["fraction_of_ideal"] >= TARGET for r in checked)
+    ok_bytes = all(r["max_hop_bytes_per_token"] < r["smallest_cache_entry_bytes"] for r in rows)
+    for r in checked:
+        print(f"target S>=K, 1 ms, K={r['stages']} S={r['in_flight']}: {r['fraction_of_ideal']:.3f} of ideal "
+              f"(>= {TARGET}): {'PASS' if r['fraction_of_ideal'] >= TARGET else 'FAIL'}; "
+              f"{r['fraction_of_measured_slowest']:.3f} of 1/(slowest stage as measured)")
+    print(f"no cache bytes on the data plane (every hop < one cache entry per token): {'PASS' if ok_bytes else 'FAIL'}")
+    doc = {"bench": "generate", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                            "python": platform.python_version(),
+                                            "load_average_at_end": os.getloadavg()},
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
+           "target": {"fraction_of_ideal": TARGET, "met": ok_rate, "no_cache_bytes": ok_bytes},
+           "rows": rows, "single_process": sp}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if ok_bytes else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

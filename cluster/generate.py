@@ -1,0 +1,240 @@
+"""The generation loop: autoregressive decoding over a pipeline whose stages keep their KV caches.
+
+Each micro-batch is one decode step of one sequence: the driver feeds the step's token and position
+(and the sequence's slot, [slot, fresh], to every stage holding state), the stages read and write
+that slot's caches where they are, and only hidden states cross stages. The logits come back to
+the driver, which samples the next token and feeds it back as that sequence's next micro-batch.
+
+- The prompt goes in token by token, and a prompt's steps do not wait for each other: every stage
+  runs micro-batches in submission order, so step p+1 of a slot always sees step p's cache.
+- Several sequences are in flight (`in_flight`, at most the pipeline's slots): while one waits for
+  its token to be sampled, the others' steps keep every stage busy. When one finishes, the next
+  queued prompt takes its slot (continuous batching at micro-batch granularity).
+- Faults: when the pipeline restarts a stage that held state (`Pipeline.state_losses` moves), the
+  caches of every sequence in flight are gone there. Results of steps submitted before that are
+  dropped, and each sequence replays its history (prompt + tokens generated so far) from position 0
+  into a fresh slot state before it continues; tokens already generated are kept, not sampled
+  again, so the streams equal those of a run without the fault.
+- Sampling is per sequence and seeded per sequence (`seed`, sequence index): the streams do not
+  depend on how sequences interleave, how many are in flight, or on faults.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import numpy as np
+
+from tvmpipe.core.errors import TvmpipeError
+
+if TYPE_CHECKING:
+    from tvmpipe.cluster.driver import Pipeline
+
+
+class GenerationError(TvmpipeError):
+    """A generation run ended early; `finished` holds the sequences that completed (by index)."""
+
+    def __init__(self, message: str, finished: dict[int, "SequenceResult"] | None = None):
+        self.finished = dict(finished or {})
+        super().__init__(message)
+
+
+@dataclass
+class SequenceResult:
+    """One sequence: its prompt, the tokens generated, and why it stopped ("length": max new
+    tokens, "stop": a stop token (kept as the last token), "context": the cache is full)."""
+
+    index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    first_token_s: float | None = None  # seconds from admission to the first generated token
+    token_times: list[float] = field(default_factory=list)  # wall clock of each generated token
+    replays: int = 0  # times its caches were rebuilt after a stage restart
+
+    def to_json(self) -> dict:
+        return {"prompt": list(self.prompt), "tokens": list(self.tokens), "finish": self.finish}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Sequence `seq` generated `token`, its `index`-th; `done` when it was the last."""
+
+    seq: int
+    token: int
+    index: int
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy when `temperature` is 0; else softmax(logits / temperature) over the `top_k` largest
+    (0: all), drawn from a generator seeded by (seed, sequence index)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+    def check(self, vocab: int) -> None:
+        if not isinstance(self.temperature, (int, float)) or not np.isfinite(self.temperature) or self.temperature < 0:
+            raise TvmpipeError(f"--temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise TvmpipeError(f"--top-k must be an integer >= 0, got {self.top_k!r}")
+        if self.top_k > vocab:
+            raise TvmpipeError(f"--top-k {self.top_k} is larger than the vocabulary ({vocab})")
+
+    def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
+        x = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if self.temperature == 0:
+            return int(np.argmax(x))
+        x = x / self.temperature
+        if self.top_k:
+            cut = np.partition(x, -self.top_k)[-self.top_k]
+            x = np.where(x >= cut, x, -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        return int(rng.choice(len(p), p=p))
+
+
+def check_prompts(prompts: list[list[int]], vocab: int, max_context: int) -> list[list[int]]:
+    """Every prompt a non-empty list of token ids inside the vocabulary, no longer than the context."""
+    if not prompts:
+        raise TvmpipeError("no prompts: give at least one (--prompt-ids 5,17,3)")
+    out = []
+    for i, p in enumerate(prompts):
+        p = list(p)
+        if not p:
+            raise TvmpipeError(f"prompt {i} is empty")
+        bad = [t for t in p if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise TvmpipeError(f"prompt {i}: token id {bad[0]!r} is outside the vocabulary 0..{vocab - 1}")
+        if len(p) > max_context:
+            raise TvmpipeError(f"prompt {i} has {len(p)} tokens, more than the bundle's max_context {max_context}")
+        out.append([int(t) for t in p])
+    return out
+
+
+class _Seq:
+    def __init__(self, result: SequenceResult, slot: int, epoch: int, seed: int, now: float):
+        self.r = result
+        self.hist = list(result.prompt)  # every token fed or to feed: prompt, then generated
+        self.slot = slot
+        self.epoch = epoch  # the pipeline's state_losses when its caches were (re)started
+        self.next_pos = 0  # next position to submit
+        self.outstanding = 0
+        self.rng = np.random.default_rng([seed, result.index])
+        self.admitted = now
+
+
+def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int, *, in_flight: int | None = None,
+             sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), results: dict | None = None,
+             logits_log: dict | None = None) -> Iterator[TokenEvent]:
+    """Generate for every prompt; yields a TokenEvent per generated token as it is sampled. The
+    finished SequenceResults are put into `results` (by prompt index) as they complete; with
+    `logits_log`, the logits of every step are kept there, per sequence, by position."""
+    import time
+
+    gen = pipe.bundle.generation
+    if gen is None or not pipe.bundle.state:
+        raise TvmpipeError(f"{pipe.bundle.path} is not a decode-step bundle: bundle.json declares no "
+                           "`generation` section and state pairs (see docs/generation.md)")
+    prompts = check_prompts(list(prompts), gen.vocab_size, gen.max_context)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise TvmpipeError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    stops = set()
+    for t in stop_tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < gen.vocab_size:
+            raise TvmpipeError(f"--stop-token {t!r} is outside the vocabulary 0..{gen.vocab_size - 1}")
+        stops.add(int(t))
+    sampling.check(gen.vocab_size)
+    in_flight = pipe.slots if in_flight is None else in_flight
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise TvmpipeError(f"--in-flight must be an integer >= 1, got {in_flight!r}")
+    in_flight = min(in_flight, pipe.slots, len(prompts))  # more sequences than slots: the rest queue
+
+    specs = pipe.topology.specs
+    inputs = pipe.topology.inputs
+    tok_spec, pos_spec = specs[inputs[gen.token]], specs[inputs[gen.position]]
+    if int(np.prod(tok_spec.shape)) != 1:
+        raise TvmpipeError(f"input '{gen.token}' is {tok_spec}: generation feeds one sequence per micro-batch "
+                           "(a bundle compiled with batch 1)")
+    other = [n for n in inputs if n not in (gen.token, gen.position, "__slot__")]
+    if other:
+        raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
+    results = {} if results is None else results
+    while pipe._delivered < pipe.submitted:  # an earlier generation abandoned mid-way: drop its steps
+        pipe.get()
+    queue = deque(SequenceResult(i, p) for i, p in enumerate(prompts))
+    free = list(range(in_flight))[::-1]
+    active: dict[int, _Seq] = {}
+    records: deque[tuple[_Seq, int, int]] = deque()  # per micro-batch in flight: (sequence, position, epoch)
+    turn = 0
+
+    def feed(s: _Seq, pos: int) -> dict:
+        return {gen.token: np.full(tok_spec.shape, s.hist[pos], dtype=tok_spec.dtype),
+                gen.position: np.full(pos_spec.shape, pos, dtype=pos_spec.dtype),
+                "__slot__": np.array([s.slot, 1 if pos == 0 else 0], dtype=np.int64)}
+
+    def finish(s: _Seq, why: str) -> None:
+        s.r.finish = why
+        results[s.r.index] = s.r
+        del active[s.r.index]
+        if s.outstanding == 0:
+            free.append(s.slot)
+
+    try:
+        while queue or active:
+            while queue and free:
+                r = queue.popleft()
+                active[r.index] = _Seq(r, free.pop(), pipe.state_losses, sampling.seed, time.time())
+            epoch = pipe.state_losses
+            # submit every step whose token is known, round robin over sequences, while the window has room
+            order = list(active.values())
+            while pipe.submitted - pipe._delivered < pipe.window and order:
+                ready = [s for s in order if s.next_pos < len(s.hist) or s.epoch != epoch]
+                if not ready:
+                    break
+                s = ready[turn % len(ready)]
+                turn += 1
+                if s.epoch != epoch:  # a stage holding its caches restarted: rebuild them from position 0
+                    s.epoch, s.next_pos = epoch, 0
+                    s.r.replays += 1
+                pipe.submit(feed(s, s.next_pos))
+                records.append((s, s.next_pos, epoch))
+                s.next_pos += 1
+                s.outstanding += 1
+            if not records:
+                raise TvmpipeError("generation loop has nothing in flight")  # cannot happen: a bug
+            out = pipe.get()
+            s, pos, ep = records.popleft()
+            s.outstanding -= 1
+            if s.r.index not in active:  # finished while a stale step was in flight
+                if s.outstanding == 0:
+                    free.append(s.slot)
+                continue
+            if ep != s.epoch or ep != pipe.state_losses:
+                continue  # computed on caches a restart lost: the sequence rebuilds
+            logits = out[gen.logits]
+            if logits_log is not None:
+                logits_log.setdefault(s.r.index, {})[pos] = np.array(logits, copy=True)
+            if pos != len(s.hist) - 1:
+                continue  # a prompt step (or a replayed one): its token is already known
+            t = sampling.pick(np.asarray(logits).reshape(-1, gen.vocab_size)[-1], s.rng)
+            now = time.time()
+            if s.r.first_token_s is None:
+                s.r.first_token_s = now - s.admitted
+            s.r.tokens.append(t)
+            s.r.token_times.append(now)
+            s.hist.append(t)
+            why = "stop" if t in stops else "length" if len(s.r.tokens) >= max_new_tokens \
+                else "context" if len(s.hist) > gen.max_context else None
+            yield TokenEvent(s.r.index, t, len(s.r.tokens) - 1, why is not None)
+            if why:
+                finish(s, why)
+    except TvmpipeError as exc:
+        if isinstance(exc, GenerationError):
+            raise
+        raise GenerationError(f"generation failed after {len(results)} of {len(prompts)} sequence(s) finished: {exc}",
+                              results) from exc

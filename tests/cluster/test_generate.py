@@ -1,0 +1,259 @@
+"""Generation over stateful stages (issue 24): token-exact against a single-process greedy loop,
+KV caches resident on the stages (never on the data plane), continuous admission, a killed stage
+mid-generation, and one-line errors for bad prompts, options and plans."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tests.support.decode_bundle import runner_greedy, torch_greedy
+
+from tvmpipe.bundle import load_bundle
+from tvmpipe.cluster.control import Timeouts
+from tvmpipe.cluster.driver import Pipeline
+from tvmpipe.cluster.generate import GenerationError
+from tvmpipe.cluster.topology import build_topology, plan_keeping_state, state_spans
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.partition import Plan
+
+PROMPTS = [[5, 17, 3], [60], [1, 2, 3, 4, 5, 6], [9, 9], [33, 0, 12]]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def oracle(decode_bundle):
+    b = load_bundle(decode_bundle)
+    return {i: runner_greedy(b, p, NEW) for i, p in enumerate(PROMPTS)}
+
+
+def test_the_fixture_equals_torch_eager(decode_bundle, oracle):
+    """The compiled decode step's greedy loop (GraphRunner, caches fed by hand) is torch eager's."""
+    for i in (0, 2):
+        want, logits = torch_greedy(PROMPTS[i], NEW)
+        assert oracle[i][0] == want
+        for pos, ref in enumerate(logits):
+            assert np.abs(oracle[i][1][pos] - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_token_streams_equal_the_single_process_loop(decode_bundle, oracle, k):
+    """K = 1, 2, 3 on the reference backend, 5 prompts through 3 slots (the rest queue and are
+    admitted as others finish): every sequence's tokens equal the oracle's, logits at every step
+    within 1e-4 x max|ref|; events of each sequence arrive in order; no cache byte on the data plane."""
+    with Pipeline(decode_bundle, k, launcher="process", slots=3) as pipe:
+        assert pipe.plan.num_stages == k and len(pipe.topology.stateful) == min(k, 2)  # 2 layers
+        results, logs = {}, {}
+        events = list(pipe.generate(PROMPTS, NEW, results=results, logits_log=logs))
+        rec = pipe.record()
+    for i, p in enumerate(PROMPTS):
+        assert results[i].prompt == p and results[i].tokens == oracle[i][0], i
+        assert results[i].finish == "length"
+        for pos, ref in oracle[i][1].items():
+            assert np.abs(logs[i][pos] - ref).max() <= 1e-4 * np.abs(ref).max(), (i, pos)
+        mine = [e for e in events if e.seq == i]
+        assert [e.index for e in mine] == list(range(NEW)) and [e.token for e in mine] == oracle[i][0]
+        assert [e.done for e in mine] == [False] * (NEW - 1) + [True]
+    # continuous admission: a queued sequence's first token comes before the first ones' last
+    first_of = {i: next(n for n, e in enumerate(events) if e.seq == i) for i in range(len(PROMPTS))}
+    last_of = {i: max(n for n, e in enumerate(events) if e.seq == i) for i in range(len(PROMPTS))}
+    assert min(first_of[3], first_of[4]) > min(last_of.values()) - 1
+    # no cache bytes cross the data plane: every frame is token/position/slot or a hidden state/logits
+    b = load_bundle(decode_bundle)
+    cache = b.state_bytes_per_slot
+    for src, dst, nbytes in rec.edges:
+        assert nbytes < cache // len(b.state), (src, dst, nbytes)
+
+
+def test_more_sequences_than_slots_are_queued(decode_bundle, oracle):
+    with Pipeline(decode_bundle, 2, launcher="process", slots=1) as pipe:
+        res = pipe.generate_all(PROMPTS[:3], NEW, in_flight=8)
+    assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)]
+
+
+def test_stop_tokens_context_and_sampling(decode_bundle, oracle):
+    """A stop token ends a sequence (and is its last token); a full cache ends it with 'context';
+    seeded sampling gives the same streams whatever the number in flight."""
+    stop = oracle[0][0][2]
+    b = load_bundle(decode_bundle)
+    long = [1] * (b.generation.max_context - 2)
+    with Pipeline(decode_bundle, 2, launcher="process", slots=3) as pipe:
+        r = pipe.generate_all([PROMPTS[0], long], 10, stop_tokens=[stop])
+        a = pipe.generate_all(PROMPTS, NEW, temperature=0.8, top_k=10, seed=7, in_flight=3)
+        c = pipe.generate_all(PROMPTS, NEW, temperature=0.8, top_k=10, seed=7, in_flight=1)
+    assert r[0].tokens == oracle[0][0][:3] and r[0].finish == "stop"
+    assert len(r[1].tokens) == 3 and r[1].finish == "context"
+    assert [x.tokens for x in a] == [x.tokens for x in c]
+    assert [x.tokens for x in a] != [oracle[i][0] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_killed_stage_mid_generation_leaves_the_streams_unchanged(decode_bundle, oracle, victim):
+    """Stage `victim` of 3 is SIGKILLed after 8 tokens: it is restarted without its caches, every
+    sequence in flight replays its prompt and tokens so far, and every stream equals the oracle's."""
+    with Pipeline(decode_bundle, 3, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
+        results = {}
+        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results)):
+            if n == 8:
+                pipe.launcher.kill(victim)
+        assert pipe.restarts[victim] == 1 and pipe.state_losses == 1
+    assert [results[i].tokens for i in range(len(PROMPTS))] == [oracle[i][0] for i in range(len(PROMPTS))]
+    assert sum(r.replays for r in results.values()) >= 1
+
+
+def test_completed_sequences_are_kept_when_the_run_fails(decode_bundle, oracle):
+    with Pipeline(decode_bundle, 2, launcher="process", slots=1, max_restarts=0,
+                  timeouts=Timeouts(progress=20)) as pipe:
+        results = {}
+        with pytest.raises(GenerationError) as exc:
+            for _ in pipe.generate(PROMPTS[:3], NEW, results=results):
+                if len(results) == 1 and 1 not in results:
+                    pipe.launcher.kill(1)
+    assert "\n" not in str(exc.value) and "stage 1" in str(exc.value)
+    assert list(exc.value.finished) == [0] and exc.value.finished[0].tokens == oracle[0][0]
+
+
+def test_a_plan_splitting_a_state_pair_is_refused_in_one_line(decode_bundle):
+    b = load_bundle(decode_bundle)
+    (lo, hi) = state_spans(b)["k0"]
+    ops = b.graph.op_nodes
+    cut = next(c for c in range(1, len(ops)) if lo < ops[c - 1] + 1 <= hi)
+    with pytest.raises(TvmpipeError) as exc:
+        build_topology(b, Plan.from_cuts(b.graph, [cut]))
+    assert "\n" not in str(exc.value) and "splits state pair 'k0'" in str(exc.value)
+    for k in (2, 3, 4):  # the default plans move their cuts off the pairs
+        build_topology(b, plan_keeping_state(b, k))
+
+
+def test_bad_prompts_and_options_are_one_line_errors(decode_bundle):
+    b = load_bundle(decode_bundle)
+    ctx, vocab = b.generation.max_context, b.generation.vocab_size
+    with Pipeline(decode_bundle, 1, launcher="process", slots=2) as pipe:
+        cases = [([[1] * (ctx + 1)], {}, "max_context"), ([[vocab]], {}, "outside the vocabulary"),
+                 ([[]], {}, "empty"), ([], {}, "no prompts"), ([[1]], {"in_flight": 0}, "--in-flight"),
+                 ([[1]], {"temperature": -1.0}, "--temperature"), ([[1]], {"top_k": vocab + 1}, "--top-k"),
+                 ([[1]], {"stop_tokens": [-1]}, "--stop-token")]
+        for prompts, kw, words in cases:
+            with pytest.raises(TvmpipeError) as exc:
+                pipe.generate_all(prompts, 2, **kw)
+            assert words in str(exc.value) and "\n" not in str(exc.value), (kw, str(exc.value))
+        with pytest.raises(TvmpipeError, match="--max-new-tokens"):
+            pipe.generate_all([[1]], 0)
+        assert pipe.generate_all([[1]], 1)[0].tokens  # the pipeline is still fine
+
+
+def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
+    from tvmpipe.cli import main
+
+    code = main(["generate", str(decode_bundle), "--stages", "2", "--processes", "--prompt-ids", "5,17,3",
+                 "--prompt-ids", "60", "--max-new-tokens", str(NEW), "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    doc = json.loads(out)
+    assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
+    assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
+    for argv, words in [(["--prompt-ids", "5,x"], "--prompt-ids"), (["--prompt-ids", "99"], "vocabulary"),
+                        (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
+                        (["--prompt", "hello"], "--tokenizer"), (["--prompt-ids", "1", "--top-k", "999"], "--top-k")]:
+        code = main(["generate", str(decode_bundle), "--processes", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
+
+
+def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, monkeypatch):
+    """The strict fake CUDA driver, stages in this process (ThreadLauncher): the tokens equal the
+    oracle's at K = 1 and 2 (and with CUDA graphs), and no stage stages a state entry through host
+    memory (no host buffer for a state input or output: the slot buffers are device allocations
+    that the kernels are pointed at, two per slot and pair, swapped each step)."""
+    pytest.importorskip("tvm")
+    from tests.support.fake_cuda import activate
+    from tests.support.pipeline_harness import ThreadLauncher
+
+    activate(monkeypatch, tmp_path, [decode_bundle])
+    import pycuda.driver as drv
+
+    b = load_bundle(decode_bundle)
+    for k, graphs in ((1, False), (2, False), (2, True)):  # graphs: one captured CUDA graph per slot binding
+        launcher = ThreadLauncher()
+        with Pipeline(b, k, backend="cuda", backend_opts={"graphs": graphs}, launcher=launcher, slots=2,
+                      max_restarts=0) as pipe:
+            res = pipe.generate_all(PROMPTS[:3], NEW)
+            stages = [w.stage for w in launcher.workers if w is not None]
+            for st in stages:
+                if st.state is None:
+                    continue
+                state_entries = {e for _, i, o in st.state.pairs for e in (i, o)}
+                assert not state_entries & (set(st.backend.host_in) | set(st.backend.host_out))
+                assert all(isinstance(x, int) for bufs in st.state.buffers.values() for buf in bufs for x in buf)
+                assert st.backend._plans  # kernels pointed at the slots' device buffers: no copies
+        assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)], k
+    assert not drv.violations
+
+
+def test_an_abandoned_generation_does_not_leak_into_the_next(decode_bundle, oracle):
+    with Pipeline(decode_bundle, 2, launcher="process", slots=2) as pipe:
+        it = pipe.generate(PROMPTS[:2], NEW)
+        next(it)
+        it.close()  # steps of it are still in flight
+        res = pipe.generate_all(PROMPTS[:2], NEW)
+    assert [r.tokens for r in res] == [oracle[0][0], oracle[1][0]]
+
+
+def test_the_optimal_planner_keeps_pairs_whole_and_counts_slots(decode_bundle):
+    from tvmpipe.partition import make_plan
+    from tvmpipe.partition.errors import PartitionError
+    from tvmpipe.partition.model import PipelineModel
+
+    b = load_bundle(decode_bundle)
+    one, many = PipelineModel.build(b, state_slots=1), PipelineModel.build(b, state_slots=8)
+    n = one.num_ops
+    # two buffers per slot and pair: 7 more slots add 14 x the cache of a slot
+    assert many.stage_memory(0, n) - one.stage_memory(0, n) == 14 * b.state_bytes_per_slot
+    for k in (2, 3, 4):
+        build_topology(b, make_plan(many, k, "optimal"))  # refused if a pair were split
+    with pytest.raises(PartitionError, match="memory caps"):
+        make_plan(PipelineModel.build(b, state_slots=1000, memory_caps=[200_000]), 2, "optimal")
+
+
+def test_cli_text_prompts_through_a_local_tokenizer_and_split_plans(decode_bundle, tmp_path, capsys):
+    """--prompt TEXT with --tokenizer DIR (no download): the prompt's ids and the decoded text are in
+    the JSON, and the tokens equal those of the same ids; a --plan that splits a pair is one line."""
+    pytest.importorskip("transformers")
+    from tests.support.decode_bundle import write_tokenizer
+    from tvmpipe.cli import main
+
+    tok = write_tokenizer(tmp_path / "tok")
+    want = runner_greedy(load_bundle(decode_bundle), [60, 61, 63], 4)[0]
+    code = main(["generate", str(decode_bundle), "--stages", "1", "--processes", "--tokenizer", str(tok),
+                 "--prompt", "hello world the", "--max-new-tokens", "4", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["sequences"][0]["prompt"] == [60, 61, 63] and doc["sequences"][0]["tokens"] == want
+    assert doc["sequences"][0]["text"].split() == [(["w%d" % i for i in range(60)] + ["hello", "world", "[UNK]", "the"])[t]
+                                                   for t in want]
+    b = load_bundle(decode_bundle)
+    lo, hi = state_spans(b)["v1"]
+    ops = b.graph.op_nodes
+    cut = next(c for c in range(1, len(ops)) if lo < ops[c - 1] + 1 <= hi)
+    Plan.from_cuts(b.graph, [cut]).save(tmp_path / "plan.json")
+    code = main(["generate", str(decode_bundle), "--plan", str(tmp_path / "plan.json"), "--processes",
+                 "--prompt-ids", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "splits state pair '" in err and err.count("\n") == 1
+    code = main(["generate", str(decode_bundle), "--processes", "--tokenizer", str(tmp_path / "nope"), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tokenizer" in err and err.count("\n") == 1
+
+
+def test_sampled_streams_survive_a_killed_stage(decode_bundle):
+    """Seeded top-k sampling: the streams of a run whose stage 1 is SIGKILLed mid-way equal those of
+    the same run without the fault (tokens generated before the fault are not drawn again)."""
+    kw = dict(temperature=0.8, top_k=10, seed=3)
+    with Pipeline(decode_bundle, 2, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
+        clean = [r.tokens for r in pipe.generate_all(PROMPTS, NEW, **kw)]
+        results = {}
+        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results, **kw)):
+            if n == 5:
+                pipe.launcher.kill(1)
+        assert pipe.restarts == [0, 1]
+    assert [results[i].tokens for i in range(len(PROMPTS))] == clean
