@@ -50,6 +50,11 @@ class WorkerStats:
     events: list[Span]
     bytes_out: dict[int, int]
     frames_out: dict[int, int]
+    # Weights: bytes of the stage's own params resident in it, bytes this process read from the
+    # weights file (header included), and bytes it was shipped (0: it read the bundle in place).
+    weight_bytes: int = 0
+    weights_read: int = 0
+    shipped_bytes: int = 0
 
 
 @dataclass(frozen=True)

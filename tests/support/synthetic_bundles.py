@@ -212,3 +212,20 @@ def write_convnet(out: Path) -> Path:
                ("nn.log_softmax", {"axis": -1}, [{"op": 0}], [[1, 5]], [F])], [([1, 5], F)], launches=3, workspace=8)
     g.output(fc)
     return g.build(out)
+
+
+def write_dense_stack(out: Path, layers: int = 6, width: int = 32, seed: int = 3) -> Path:
+    """`layers` x (matmul + bias + tanh) of `width` units: a weight-heavy chain (safetensors
+    weights), for tests that count which weight bytes each stage reads, ships and uploads."""
+    rng = np.random.default_rng(seed)
+    g = SynthGraph("dense_stack")
+    h = g.input("x", [1, width])
+    for i in range(layers):
+        w = g.param(f"w{i}", _w(rng, width, width))
+        b = g.param(f"b{i}", _w(rng, width))
+        h = g.op(f"dense{i}", "fused_matmul_add_tanh", [h, w, b],
+                 [("matmul", {"out_dtype": ""}, [{"arg": 0}, {"arg": 1}], [[1, width]], [F]),
+                  ("add", {}, [{"op": 0}, {"arg": 2}], [[1, width]], [F]),
+                  ("tanh", {}, [{"op": 1}], [[1, width]], [F])], [([1, width], F)])
+    g.output(h)
+    return g.build(out)
