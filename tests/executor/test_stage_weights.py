@@ -126,3 +126,71 @@ def test_process_launcher_ships_each_stage_its_own_weights(stack: Path):
         assert st.weight_bytes == own
         assert own < st.shipped_bytes == shipped[i] < small + own + 4096, "its weights + small files, nothing else"
         assert own < st.weights_read < own + 4096, "it read its own tensors (and the slice's header) only"
+
+
+@pytest.fixture
+def fake_stack(monkeypatch, tmp_path, stack):
+    """The strict fake pycuda, computing the dense stack's kernels."""
+    import sys
+
+    from tests.support.fake_cuda import activate
+
+    activate(monkeypatch, tmp_path / "cubins", [stack])
+    import pycuda.driver as drv
+
+    monkeypatch.setattr(drv, "stats", {"pinned_allocs": [], "htod": []})
+    yield drv
+    for name in [m for m in sys.modules if m == "pycuda" or m.startswith("pycuda.")]:
+        del sys.modules[name]
+
+
+def test_cuda_uploads_from_the_file_through_bounded_pinned_staging(fake_stack, stack: Path):
+    drv = fake_stack
+    chunk = 1000  # a w tensor is 4096 bytes: 5 chunks, both buffers reused
+    bundle = load_bundle(stack)
+    start, end = plan_equal_ops(bundle.graph, 2).stages[1]
+    names, own = _own_bytes(bundle, start, end)
+    stage = Stage(bundle, start, end, backend="cuda", staging_bytes=chunk)
+    built = {k: list(v) for k, v in drv.stats.items()}  # what the build did
+    feeds = {e: v for e, v in random_feed(stage.program, 2).items()}
+    ref = Stage(load_bundle(stack), start, end, backend="reference")
+    for e, v in ref.run(feeds).items():
+        np.testing.assert_allclose(stage.run(feeds)[e], v, rtol=1e-5, atol=1e-6)
+    io_bytes = sum(stage.program.entry_specs[e].nbytes for e in stage.program.feed_entries + stage.program.send_entries)
+    assert sorted(built["pinned_allocs"])[-2:] == [chunk, chunk]
+    assert sum(built["pinned_allocs"]) == 2 * chunk + io_bytes, "two staging buffers and the I/O buffers, nothing else"
+    params = [c for c in built["htod"]]
+    assert all(src == "pinned" and how == "async" and n <= chunk for src, n, how in params), params
+    assert sum(n for _, n, _ in params) == own and len(params) > len(names), "every weight byte once, in chunks"
+    wf = bundle.params.file
+    assert set(wf.reads) == set(names) and wf.bytes_read == _header_bytes(stack / "params.safetensors") + own
+    assert not bundle.params._cache, "no host copy of the weights was kept"
+    assert not drv.violations
+    stage.close()
+
+
+def test_the_fake_catches_a_staging_buffer_refilled_too_early(fake_stack, stack: Path, monkeypatch):
+    """Proof the test above means something: without waiting on the buffer's event, the next chunk
+    overwrites bytes a pending copy has not read yet, and the strict fake says so."""
+    drv = fake_stack
+    monkeypatch.setattr(drv.Event, "synchronize", lambda self: self)
+    bundle = load_bundle(stack)
+    with pytest.raises(Exception, match="changed while a host-to-device copy from it was pending"):
+        Stage(bundle, 0, 4, backend="cuda", staging_bytes=1000)
+
+
+def test_a_corrupt_tensor_is_named_on_the_staged_upload(fake_stack, stack: Path, tmp_path: Path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(stack, bad)
+    with open(bad / "params.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    bundle = load_bundle(bad)
+    last_name = max(bundle.params.file.tensors.values(), key=lambda t: t.end).name
+    start = next(i for i, n in enumerate(bundle.graph.nodes) if n.name == last_name)
+    with pytest.raises(BundleError, match=f"params.safetensors: tensor '{last_name}': sha256 differs"):
+        Stage(bundle, start + 1, len(bundle.graph.nodes), backend="cuda", staging_bytes=1000)
