@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "and micro_batch (kept for the completed micro-batches when the run fails)")
     r.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace and a Gantt PNG beside it")
     r.add_argument("--json", action="store_true", help="print a machine-readable summary instead of tables")
+    r.add_argument("--check", choices=["streamed", "full", "none"], default="streamed",
+                   help="how outputs are checked against a single-process run: streamed (default) runs it one "
+                        "stage at a time, holding one stage's weights; full holds the whole model; none skips it")
     add_cluster_args(r)
     r.set_defaults(func=run_command)
 
@@ -128,7 +131,7 @@ def run_command(args: argparse.Namespace) -> int:
     plan = choose_plan(bundle, args.plan, args.stages, args.strategy)
     batches = micro_batches(bundle, args.inputs, args.micro_batches, args.seed,
                             default_count=DEFAULT_MICRO_BATCHES, cycle=True)
-    done = run_checked(PipelineRun(bundle, plan, batches, options), args.save_outputs, args.trace)
+    done = run_checked(PipelineRun(bundle, plan, batches, options), args.save_outputs, args.trace, args.check)
     run, m = done.run, done.metrics
     if args.json:
         print(json.dumps(done.summary(str(path)), indent=1))
@@ -141,6 +144,10 @@ def run_command(args: argparse.Namespace) -> int:
           f"p99 {m.latency_p99_ms:.3f} ms, restarts {sum(m.restarts)}")
     for f in done.written:
         print(f"wrote {f}")
+    print(f"checked: {done.checked}")
+    if done.check == "none":
+        print("outputs match single-process run: not checked")
+        return 0
     verdict = "yes" if not done.mismatches else "NO"
     print(f"outputs match single-process run: {verdict} ({done.identical}/{len(batches)} micro-batches bit-identical)")
     for _, message in done.mismatches[:10]:

@@ -141,6 +141,12 @@ class CheckedRun:
     metrics: Any
     mismatches: list[tuple[int, str]]
     written: list[Path]
+    check: str = "full"  # CHECKS: how the outputs were checked
+
+    @property
+    def checked(self) -> str:
+        """What was checked, in words, for the output."""
+        return CHECK_WORDS[self.check]
 
     @property
     def identical(self) -> int:
@@ -151,7 +157,8 @@ class CheckedRun:
         run = self.run
         return {"bundle": bundle_path, "model": run.bundle.name, "stages": [list(s) for s in run.plan.stages],
                 "strategy": run.plan.strategy, "backend": run.backend, "cluster": run.cluster.description,
-                "micro_batches": len(run.batches), "window": run.window, "match": not self.mismatches,
+                "micro_batches": len(run.batches), "window": run.window,
+                "match": None if self.check == "none" else not self.mismatches, "check": self.check,
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
                 "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
 
@@ -168,10 +175,23 @@ def output_paths(save_outputs: str | None, trace: str | None) -> dict[str, Path]
     return paths
 
 
-def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | None = None) -> CheckedRun:
+CHECKS = ("streamed", "full", "none")
+CHECK_WORDS = {
+    "full": "every output against a single-process run of the whole model",
+    "streamed": "every output against a single-process run streamed stage by stage (one stage's weights at a time)",
+    "none": "nothing (--check none)",
+}
+
+
+def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | None = None,
+                check: str = "streamed") -> CheckedRun:
     """Execute `run`, compare every output with the single-process oracle, write the outputs
     (--save-outputs) and the timeline (--trace). When the run fails, the outputs that completed
-    are still written before the error goes on."""
+    are still written before the error goes on. `check`: "full" runs the oracle on the whole
+    model at once; "streamed" (default) runs the same graph one plan stage at a time in one
+    process, so the check never holds more than the largest stage's weights; "none" skips it."""
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
     from tvmpipe.app.oracle import compare, reference_outputs
     from tvmpipe.cluster.metrics import compute_metrics
 
@@ -184,11 +204,13 @@ def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | 
             log.warning("kept the %d completed micro-batch(es) in %s", len(run.outputs), kept)
         raise
     metrics = compute_metrics(run.record)
-    mismatches = compare(run.outputs, reference_outputs(run.bundle.path, run.batches, run.backend))
+    mismatches = [] if check == "none" else compare(
+        run.outputs, reference_outputs(run.bundle.path, run.batches, run.backend,
+                                       stages=list(run.plan.stages) if check == "streamed" else None))
     written = []
     if save_outputs:
         written.append(write_outputs(save_outputs, run.outputs))
     if trace:
         written += write_timeline(run.record, trace, Path(trace).with_suffix(".png"),
                                   title=f"{run.bundle.name}: {run.plan.num_stages} stages")
-    return CheckedRun(run, metrics, mismatches, written)
+    return CheckedRun(run, metrics, mismatches, written, check)
