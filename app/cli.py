@@ -15,6 +15,7 @@ import sys
 from tvmpipe.app.args import COUNT, POSITIVE, add_cluster_args, cluster_options, number
 from tvmpipe.app.sources import BUILTIN_EXAMPLE
 from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.units import format_bytes
 
 DEFAULT_MICRO_BATCHES = 16
 
@@ -142,6 +143,9 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"throughput {m.throughput:.1f} micro-batches/s ({m.samples_per_s:.1f} samples/s; steady "
           f"state {m.steady_throughput:.1f}/s), latency p50 {m.latency_p50_ms:.3f} ms, "
           f"p99 {m.latency_p99_ms:.3f} ms, restarts {sum(m.restarts)}")
+    if run.time_to_first_output is not None:
+        print(f"time to first output {run.time_to_first_output:.2f} s (cluster start, stage builds and weight "
+              f"loads included); weights {format_bytes(bundle.weight_bytes)} in all")
     for f in done.written:
         print(f"wrote {f}")
     print(f"checked: {done.checked}")

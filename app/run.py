@@ -12,6 +12,7 @@ beyond its restarts, SIGTERM, Ctrl-C) still holds every output delivered before;
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +49,16 @@ class PipelineRun:
     window: int | None = None
     restarts: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    started_at: float | None = None  # wall clock when execute() began (before the cluster opens)
+    first_output_at: float | None = None  # wall clock when the first micro-batch's outputs arrived
+
+    @property
+    def time_to_first_output(self) -> float | None:
+        """Seconds from the start of the run (cluster, stage builds and weight loads included) to
+        the first micro-batch's outputs."""
+        if self.started_at is None or self.first_output_at is None:
+            return None
+        return self.first_output_at - self.started_at
 
     def _enter(self, phase: str) -> None:
         self.phase = phase
@@ -57,6 +68,7 @@ class PipelineRun:
         from tvmpipe.cluster import Pipeline
 
         k = self.plan.num_stages
+        self.started_at = time.time()
         self._enter("connect")
         with open_cluster(self.options, k) as cluster:
             self.cluster = cluster
@@ -73,6 +85,8 @@ class PipelineRun:
         self._enter("done")
 
     def _delivered(self, out: Outputs) -> None:
+        if self.first_output_at is None:
+            self.first_output_at = time.time()
         self.outputs.append(out)
         log.info("micro-batch %d/%d done", len(self.outputs), len(self.batches))
 
@@ -160,6 +174,7 @@ class CheckedRun:
                 "micro_batches": len(run.batches), "window": run.window,
                 "match": None if self.check == "none" else not self.mismatches, "check": self.check,
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
+                "time_to_first_output_s": run.time_to_first_output,
                 "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
 
 
