@@ -106,10 +106,11 @@ def monitored(cmd: list[str], env: dict | None = None, interval: float = 0.1) ->
                 if not st:
                     continue
                 rss += st.get("VmRSS", 0)
-                p = peaks.setdefault(pid, {"cmd": _cmdline(pid), "hwm_kib": 0, "ppid": st.get("PPid")})
+                p = peaks.setdefault(pid, {"cmd": "", "hwm_kib": 0, "ppid": st.get("PPid")})
                 p["hwm_kib"] = max(p["hwm_kib"], st.get("VmHWM", 0))
-                if "ray::" in p["cmd"] or not p["cmd"]:
-                    p["cmd"] = _cmdline(pid) or p["cmd"]  # Ray retitles its workers once they run
+                title = _cmdline(pid)  # Ray retitles a worker (ray::IDLE, ray::StageActor...) once it runs
+                if title and title not in p["cmd"]:
+                    p["cmd"] = (p["cmd"] + " | " + title)[-2000:]
             total[0] = max(total[0], rss)
             stop.wait(interval)
 
