@@ -127,10 +127,18 @@ def gib(kib: int) -> float:
     return round(kib * 1024 / GIB, 3)
 
 
-def run_model(name: str, work: Path, stages: list[int], n: int, python: str, env: dict) -> dict:
+def run_model(name: str, work: Path, stages: list[int], n: int, python: str, env: dict,
+              before: dict | None = None) -> dict:
     layers, width = MODELS[name]
     pt2, bundle = work / f"{name}.pt2", work / f"{name}.bundle"
     rec: dict = {"model": name, "layers": layers, "width": width}
+    if before is not None and (bundle / "bundle.json").is_file():  # --reuse: the bundle of an earlier run
+        rec = {k: v for k, v in before.items() if k != "runs"}
+        runs = {r["stages"]: r for r in before.get("runs", [])}
+        for k in stages:
+            runs[k] = _run(name, bundle, k, n, python, env, rec["weight_bytes"])
+        rec["runs"] = [runs[k] for k in sorted(runs)]
+        return rec
     print(f"[{name}] exporting {layers} x Linear({width}, {width}) ...", flush=True)
     t = time.time()
     subprocess.run([python, "-c", EXPORT, str(layers), str(width), str(pt2)], check=True, env=env)
@@ -152,42 +160,43 @@ def run_model(name: str, work: Path, stages: list[int], n: int, python: str, env
                compile_peak_over_weights=round(max(p["hwm_kib"] for p in c["peaks"].values()) * 1024 / w, 2))
     print(f"[{name}] weights {w / GIB:.2f} GiB, compile {c['wall_s']:.0f} s, peak {rec['compile_peak_rss_gib']} GiB",
           flush=True)
-    rec["runs"] = []
-    for k in stages:
-        print(f"[{name}] run K={k} ...", flush=True)
-        r = monitored([python, "-m", "tvmpipe", "run", str(bundle), "--stages", str(k), "--local", "-n", str(n),
-                       "--json", "--check", "streamed"], env)
-        one: dict = {"stages": k, "rc": r["rc"], "wall_s": round(r["wall_s"], 1)}
-        try:
-            summary = json.loads(r["stdout"][r["stdout"].index("{"):])
-        except ValueError:
-            one["error"] = (r["stderr"] or r["stdout"])[-2000:]
-            rec["runs"].append(one)
-            print(one["error"], file=sys.stderr)
-            continue
-        m = summary["metrics"]
-        actors = sorted(((p["hwm_kib"], pid) for pid, p in r["peaks"].items() if "StageActor" in p["cmd"]),
-                        reverse=True)
-        root = r["root"]
-        check = [p["hwm_kib"] for pid, p in r["peaks"].items()
-                 if p.get("ppid") == root and "multiprocessing" in p["cmd"]]
-        weights = [s.get("weight_bytes") for s in m["stages"]]
-        one.update(
-            match=summary["match"], check=summary.get("check"), micro_batches=summary["micro_batches"],
-            time_to_first_output_s=round(summary.get("time_to_first_output_s") or 0, 2),
-            throughput_mb_per_s=round(m["throughput"], 3), steady_throughput_mb_per_s=round(m["steady_throughput"], 3),
-            latency_p50_ms=round(m["latency_p50_ms"], 1),
-            stage_weight_gib=[gib((x or 0) // 1024) for x in weights],
-            stage_peak_rss_gib=[gib(h) for h, _ in actors[:k]],
-            stage_target_gib=round(w / k / GIB + 0.45, 3),
-            driver_peak_rss_gib=gib(r["peaks"][root]["hwm_kib"]),
-            check_peak_rss_gib=gib(max(check)) if check else None,
-            all_processes_peak_gib=gib(r["total_peak_kib"]),
-            all_target_gib=round(2 * w / GIB, 3),
-        )
-        rec["runs"].append(one)
-        print(f"[{name}] K={k}: {json.dumps(one)}", flush=True)
+    rec["runs"] = [_run(name, bundle, k, n, python, env, w) for k in stages]
     return rec
+
+
+def _run(name: str, bundle: Path, k: int, n: int, python: str, env: dict, w: int) -> dict:
+    print(f"[{name}] run K={k} ...", flush=True)
+    r = monitored([python, "-m", "tvmpipe", "run", str(bundle), "--stages", str(k), "--local", "-n", str(n),
+                   "--json", "--check", "streamed"], env)
+    one: dict = {"stages": k, "rc": r["rc"], "wall_s": round(r["wall_s"], 1)}
+    try:
+        summary = json.loads(r["stdout"][r["stdout"].index("{"):])
+    except ValueError:
+        one["error"] = (r["stderr"] or r["stdout"])[-2000:]
+        print(one["error"], file=sys.stderr)
+        return one
+    m = summary["metrics"]
+    actors = sorted(((p["hwm_kib"], pid) for pid, p in r["peaks"].items() if "StageActor" in p["cmd"]),
+                    reverse=True)
+    root = r["root"]
+    check = [p["hwm_kib"] for pid, p in r["peaks"].items()
+             if p.get("ppid") == root and "multiprocessing" in p["cmd"]]
+    weights = [s.get("weight_bytes") for s in m["stages"]]
+    one.update(
+        match=summary["match"], check=summary.get("check"), micro_batches=summary["micro_batches"],
+        time_to_first_output_s=round(summary.get("time_to_first_output_s") or 0, 2),
+        throughput_mb_per_s=round(m["throughput"], 3), steady_throughput_mb_per_s=round(m["steady_throughput"], 3),
+        latency_p50_ms=round(m["latency_p50_ms"], 1),
+        stage_weight_gib=[gib((x or 0) // 1024) for x in weights],
+        stage_peak_rss_gib=[gib(h) for h, _ in actors[:k]],
+        stage_target_gib=round(w / k / GIB + 0.45, 3),
+        driver_peak_rss_gib=gib(r["peaks"][root]["hwm_kib"]),
+        check_peak_rss_gib=gib(max(check)) if check else None,
+        all_processes_peak_gib=gib(r["total_peak_kib"]),
+        all_target_gib=round(2 * w / GIB, 3),
+    )
+    print(f"[{name}] K={k}: {json.dumps(one)}", flush=True)
+    return one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--micro-batches", type=int, default=16)
     p.add_argument("--work", default=None, help="where the .pt2 and bundles go (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the bundles")
+    p.add_argument("--reuse", action="store_true", help="with --work: run the bundles an earlier run left there "
+                   "again (no export or compile; the other stage counts' results are kept)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "bigmodel.json"))
     args = p.parse_args(argv)
     models = ["small"] if args.small else args.models.split(",")
@@ -212,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("models", {})
     try:
         for name in models:
-            results["models"][name] = run_model(name, work, stages, args.micro_batches, sys.executable, env)
+            before = results["models"].get(name, {}) if args.reuse else None
+            results["models"][name] = run_model(name, work, stages, args.micro_batches, sys.executable, env, before)
             results["models"][name]["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1) + "\n")
