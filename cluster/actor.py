@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
@@ -79,6 +80,9 @@ class RayLauncher:
         self._ship_refs: dict[int, Any] = {}  # stage -> ObjectRef of its node's shipment (while starting)
         self.shipped: dict[str, int] = {}  # node id -> bytes shipped to it (small files + weights slice)
         self.shipped_tensors: dict[str, tuple[str, ...]] = {}  # node id -> the tensors in its slice
+        # Stages on the driver's own node read the bundle path in place (it is readable there) and
+        # are sent nothing; True ships to that node too (tests of the ship path on one machine).
+        self.ship_same_node = False
         self._remote = ray.remote(StageActor)
         gcs = _gcs_address()
         self._head = HeadWatch(gcs) if gcs else None
@@ -96,7 +100,8 @@ class RayLauncher:
     def _create(self, spec: StageSpec) -> Any:
         opts = self.placement.actor_options(self._pg, spec.index)
         return self._remote.options(max_restarts=0, runtime_env={"env_vars": {**thread_env(), **self.env}},
-                                    **opts).remote(spec, [self._ship_refs[spec.index]] if self.ship_bundle else None)
+                                    **opts).remote(spec, [self._ship_refs[spec.index]] if spec.index in self._ship_refs
+                                                   else None)
 
     def _addresses(self, stages: list[int]) -> list[Address]:
         refs = [self._actors[i].call.remote("address") for i in stages]
@@ -113,9 +118,9 @@ class RayLauncher:
         if self._head is not None:
             self._head.start()
         self._pg = create_placement_group(self.placement, len(specs), self.timeouts.start)
-        if self.ship_bundle:
-            self._put_shipments(specs)
         try:
+            if self.ship_bundle:
+                self._put_shipments(specs)
             self._actors = [self._create(s) for s in specs]
             return self._addresses(list(range(len(specs))))
         except BaseException:
@@ -137,8 +142,12 @@ class RayLauncher:
     def _put_shipments(self, specs: list[StageSpec]) -> None:
         """One object per node, holding the weights of every stage on it (and no others)."""
         nodes = self._nodes(len(self._specs))
+        here = _driver_node()
         by_node: dict[str, list[StageSpec]] = {}
         for s in specs:
+            if nodes[s.index] == here and not self.ship_same_node and os.path.exists(s.bundle_path):
+                s.bundle_path = os.path.abspath(s.bundle_path)  # same node: read in place, its own tensors only
+                continue
             by_node.setdefault(nodes[s.index], []).append(s)
         for node, group in by_node.items():
             ship = build_shipment(group[0].bundle_path, [(s.start, s.end) for s in group], [s.index for s in group])
@@ -211,6 +220,14 @@ class RayLauncher:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _driver_node() -> str | None:
+    """The node id this driver runs on (None under Ray Client or where Ray does not say)."""
+    try:
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - unknown: every stage is shipped
+        return None
 
 
 def _gcs_address() -> tuple[str, int] | None:

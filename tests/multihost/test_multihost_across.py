@@ -124,15 +124,19 @@ def test_each_host_is_shipped_only_its_own_stages_weights(bed: RayBed, tmp_path:
                               "out": str(out), "weights": True})
     end = events[-1] if events else {}
     assert end.get("event") == "end" and end["error"] is None, f"{events[-3:]}\n{err[-3000:]}"
-    assert len(end["shipped"]) == 3, f"one shipment per node: {end['shipped']}"
     hosts = [w["host"] for w in end["weights"]]
     assert len(set(hosts)) == 3, hosts
+    away = [i for i, h in enumerate(hosts) if h != bed.head.address]
+    assert len(end["shipped"]) == len(away) >= 2, f"one shipment per node the bundle is not on: {end['shipped']}"
     for i, (start, end_) in enumerate(plan.stages):
         own = sum(bundle.param_nbytes(n) for n in stage_param_names(bundle, start, end_))
         w = end["weights"][i]
         assert w["resident"] == own
-        assert small + own < w["shipped"] < small + own + 4096, (i, w, own, small)
+        if i in away:
+            assert small + own < w["shipped"] < small + own + 4096, (i, w, own, small)
+        else:  # on the head, where the bundle is: read in place, nothing sent
+            assert w["shipped"] == 0, (i, w)
         assert own < w["read"] < own + 4096, (i, w, own)
-    assert sorted(end["shipped"].values()) == sorted(w["shipped"] for w in end["weights"])
+    assert sorted(end["shipped"].values()) == sorted(end["weights"][i]["shipped"] for i in away)
     want = reference_outputs(bundle_dir, random_micro_batches(bundle, 4, 1))
     np.testing.assert_array_equal(np.load(out)["output0"], np.stack([x[0] for x in want]))
