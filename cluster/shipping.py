@@ -75,12 +75,13 @@ def whole_files(path: str | Path) -> dict[str, bytes]:
 
 def build_shipment(bundle: Bundle | str | Path, stages: Iterable[tuple[int, int]], indices: Iterable[int] = ()) -> Shipment:
     """The shipment for the stages (node ranges) placed on one node: only their tensors are read."""
+    if not isinstance(bundle, Bundle) and not _streams(Path(bundle)):  # never load (or generate) what goes whole
+        return _whole(Path(bundle), indices)
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     path = Path(bundle.path)
     m = bundle.manifest
     if m is None or not m.streams_params or not isinstance(bundle.params, LazyParams):
-        return Shipment(files=whole_files(path), partial=False, stages=tuple(indices),
-                        key=_digest([whole_files_digest(path)]))
+        return _whole(path, indices)
     wanted: set[str] = set()
     for start, end in stages:
         wanted.update(stage_param_names(bundle, start, end))
@@ -99,6 +100,21 @@ def build_shipment(bundle: Bundle | str | Path, stages: Iterable[tuple[int, int]
     key = _digest([hashlib.sha256(files[f]).hexdigest() for f in sorted(files)] + [f"{n}:{sums.get(n, '')}" for n in names])
     return Shipment(files=files, weights_name=m.params_file, weights=buf, tensors=tuple(names), key=key,
                     stages=tuple(indices))
+
+
+def _streams(path: Path) -> bool:
+    """Whether a bundle directory's weights are a safetensors file (bundle.json peeked, nothing loaded)."""
+    import json
+
+    try:
+        obj = json.loads((path / "bundle.json").read_text())
+        return str((obj.get("params") or {}).get("file") or "").endswith(".safetensors")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _whole(path: Path, indices: Iterable[int]) -> Shipment:
+    return Shipment(files=whole_files(path), partial=False, stages=tuple(indices), key=_digest([whole_files_digest(path)]))
 
 
 def whole_files_digest(path: Path) -> str:
@@ -126,8 +142,10 @@ def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> tuple[str, bool
         path = tmp if len(shipment) > 1 else str(Path(tmp, next(iter(shipment))))
         return path, False, tmp
     final = Path(tempfile.gettempdir(), f"tvmpipe-ship-{shipment.key}")
+    # a bare graph.json shipped alone is loaded as the file, a bundle as its directory
+    where = str(final / next(iter(shipment.files))) if shipment.weights is None and len(shipment.files) == 1 else str(final)
     if (final / DONE).is_file():
-        return str(final), shipment.partial, None
+        return where, shipment.partial, None
     tmp = Path(tempfile.mkdtemp(prefix=f".tvmpipe-ship-{shipment.key}-", dir=final.parent))
     try:
         for name, data in shipment.files.items():
@@ -148,4 +166,4 @@ def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> tuple[str, bool
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return str(final), shipment.partial, str(final)
+    return where, shipment.partial, str(final)

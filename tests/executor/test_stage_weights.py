@@ -194,3 +194,22 @@ def test_a_corrupt_tensor_is_named_on_the_staged_upload(fake_stack, stack: Path,
     start = next(i for i, n in enumerate(bundle.graph.nodes) if n.name == last_name)
     with pytest.raises(BundleError, match=f"params.safetensors: tensor '{last_name}': sha256 differs"):
         Stage(bundle, start + 1, len(bundle.graph.nodes), backend="cuda", staging_bytes=1000)
+
+
+def test_bundles_without_safetensors_weights_are_shipped_whole():
+    """Generated (or .npz / .params) weights cannot be read by tensor: every file goes, as before."""
+    from tests.support.paths import EXAMPLES_DIR
+    from tvmpipe.app.oracle import compare, reference_outputs
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.executor.inputs import random_micro_batches
+
+    path = EXAMPLES_DIR / "mlp"
+    whole = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    batches = random_micro_batches(load_bundle(path), 2, 0)
+    with Pipeline(path, 2, launcher="process", ship_bundle=True) as pipe:
+        for b in batches:
+            pipe.submit(b)
+        outs = [pipe.get() for _ in batches]
+        shipped = dict(pipe.launcher.shipped)
+    assert shipped == {0: whole, 1: whole}
+    assert not compare(outs, reference_outputs(path, batches))
