@@ -27,11 +27,62 @@ def _run(bundle_path: str, backend: str, opts: dict, batches: list[dict[str, np.
         return out
 
 
+def _run_streamed(bundle_path: str, backend: str, opts: dict, batches: list[dict[str, np.ndarray]],
+                  stages: list[tuple[int, int]]) -> list[list[np.ndarray]]:
+    """The same computation one node range at a time: load one range's weights, run every
+    micro-batch through it, release them, go on. Only the entries later ranges (or the outputs)
+    read are kept between ranges, so the peak is about the largest range's weights."""
+    import gc
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.executor import Stage
+
+    bundle = load_bundle(bundle_path)
+    g = bundle.graph
+    carried: list[dict[int, np.ndarray]] = [{} for _ in batches]
+    for start, end in stages:
+        stage = Stage(bundle, start, end, backend, **opts)
+        p = stage.program
+        fed_inputs = {e: n for n, e in p.input_entries.items()}
+        try:
+            for mb, kept in zip(batches, carried):
+                feed = {e: mb[fed_inputs[e]] if e in fed_inputs else kept[e] for e in p.feed_entries}
+                kept.update(stage.run(feed))
+        finally:
+            stage.close()
+            del stage
+            release = getattr(bundle.params, "release", None)
+            if release is not None:
+                release()
+            gc.collect()
+        later = {e for a, b in stages if a >= end for n in range(a, b) for e in g.input_entry_ids(n)
+                 if g.nodes[n].is_op} | set(g.head_entries)
+        for kept in carried:
+            for e in [e for e in kept if e not in later]:
+                del kept[e]
+    out = []
+    for mb, kept in zip(batches, carried):
+        row = []
+        for e in g.head_entries:
+            if e in kept:
+                row.append(kept[e])
+            else:  # a head that is a null node: an input or a param passed straight through
+                name = g.nodes[g.entries[e].node].name
+                row.append(np.array(mb[name]) if name in mb else np.array(bundle.params[name]))
+        out.append(row)
+    return out
+
+
 def reference_outputs(bundle_path: str | Path, batches: list[dict[str, np.ndarray]],
-                      backend: str = "reference", backend_opts: dict | None = None) -> list[list[np.ndarray]]:
+                      backend: str = "reference", backend_opts: dict | None = None,
+                      stages: list[tuple[int, int]] | None = None) -> list[list[np.ndarray]]:
     """Outputs of every micro-batch, run one after another on a single GraphRunner built with
-    `backend` and `backend_opts` (e.g. {"graphs": True}), as the stages are."""
+    `backend` and `backend_opts` (e.g. {"graphs": True}), as the stages are. With `stages` (node
+    ranges covering the graph in order) the run is streamed: one range's weights at a time."""
     with worker_environment(), ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        if stages is not None:
+            return pool.submit(_run_streamed, str(bundle_path), backend, dict(backend_opts or {}), batches,
+                               [tuple(s) for s in stages]).result()
         return pool.submit(_run, str(bundle_path), backend, dict(backend_opts or {}), batches).result()
 
 

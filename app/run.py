@@ -12,6 +12,7 @@ beyond its restarts, SIGTERM, Ctrl-C) still holds every output delivered before;
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,16 @@ class PipelineRun:
     restarts: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     edge_paths: dict[str, str] = field(default_factory=dict)  # "producer->consumer" -> "shm" | "tcp"
+    started_at: float | None = None  # wall clock when execute() began (before the cluster opens)
+    first_output_at: float | None = None  # wall clock when the first micro-batch's outputs arrived
+
+    @property
+    def time_to_first_output(self) -> float | None:
+        """Seconds from the start of the run (cluster, stage builds and weight loads included) to
+        the first micro-batch's outputs."""
+        if self.started_at is None or self.first_output_at is None:
+            return None
+        return self.first_output_at - self.started_at
 
     def _enter(self, phase: str) -> None:
         self.phase = phase
@@ -58,6 +69,7 @@ class PipelineRun:
         from tvmpipe.cluster import Pipeline
 
         k = self.plan.num_stages
+        self.started_at = time.time()
         self._enter("connect")
         with open_cluster(self.options, k) as cluster:
             self.cluster = cluster
@@ -74,6 +86,8 @@ class PipelineRun:
         self._enter("done")
 
     def _delivered(self, out: Outputs) -> None:
+        if self.first_output_at is None:
+            self.first_output_at = time.time()
         self.outputs.append(out)
         log.info("micro-batch %d/%d done", len(self.outputs), len(self.batches))
 
@@ -146,6 +160,12 @@ class CheckedRun:
     metrics: Any
     mismatches: list[tuple[int, str]]
     written: list[Path]
+    check: str = "full"  # CHECKS: how the outputs were checked
+
+    @property
+    def checked(self) -> str:
+        """What was checked, in words, for the output."""
+        return CHECK_WORDS[self.check]
 
     @property
     def identical(self) -> int:
@@ -156,9 +176,11 @@ class CheckedRun:
         run = self.run
         return {"bundle": bundle_path, "model": run.bundle.name, "stages": [list(s) for s in run.plan.stages],
                 "strategy": run.plan.strategy, "backend": run.backend, "cluster": run.cluster.description,
-                "micro_batches": len(run.batches), "window": run.window, "match": not self.mismatches,
+                "micro_batches": len(run.batches), "window": run.window,
+                "match": None if self.check == "none" else not self.mismatches, "check": self.check,
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
                 "edge_paths": run.edge_paths,
+                "time_to_first_output_s": run.time_to_first_output,
                 "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
 
 
@@ -174,10 +196,23 @@ def output_paths(save_outputs: str | None, trace: str | None) -> dict[str, Path]
     return paths
 
 
-def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | None = None) -> CheckedRun:
+CHECKS = ("streamed", "full", "none")
+CHECK_WORDS = {
+    "full": "every output against a single-process run of the whole model",
+    "streamed": "every output against a single-process run streamed stage by stage (one stage's weights at a time)",
+    "none": "nothing (--check none)",
+}
+
+
+def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | None = None,
+                check: str = "streamed") -> CheckedRun:
     """Execute `run`, compare every output with the single-process oracle, write the outputs
     (--save-outputs) and the timeline (--trace). When the run fails, the outputs that completed
-    are still written before the error goes on."""
+    are still written before the error goes on. `check`: "full" runs the oracle on the whole
+    model at once; "streamed" (default) runs the same graph one plan stage at a time in one
+    process, so the check never holds more than the largest stage's weights; "none" skips it."""
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
     from tvmpipe.app.oracle import compare, reference_outputs
     from tvmpipe.cluster.metrics import compute_metrics
 
@@ -190,11 +225,13 @@ def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | 
             log.warning("kept the %d completed micro-batch(es) in %s", len(run.outputs), kept)
         raise
     metrics = compute_metrics(run.record)
-    mismatches = compare(run.outputs, reference_outputs(run.bundle.path, run.batches, run.backend))
+    mismatches = [] if check == "none" else compare(
+        run.outputs, reference_outputs(run.bundle.path, run.batches, run.backend,
+                                       stages=list(run.plan.stages) if check == "streamed" else None))
     written = []
     if save_outputs:
         written.append(write_outputs(save_outputs, run.outputs))
     if trace:
         written += write_timeline(run.record, trace, Path(trace).with_suffix(".png"),
                                   title=f"{run.bundle.name}: {run.plan.num_stages} stages")
-    return CheckedRun(run, metrics, mismatches, written)
+    return CheckedRun(run, metrics, mismatches, written, check)

@@ -182,13 +182,16 @@ def _param_names(graph: Graph, m: Manifest) -> list[str]:
 
 # ---- loading -------------------------------------------------------------------------------------
 
-def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | Path | None = None) -> Bundle:
+def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | Path | None = None,
+                partial_weights: bool = False) -> Bundle:
     """Load a bundle directory, or a bare graph.json file, cross-checking everything.
 
     Every file that can be read is parsed even when another is broken, so one BundleError lists
     all the problems; only the cross-checks that need a file wait for it to be readable.
     `params` is a bare graph.json's params file (.params as TVM <= 0.19 wrote it, or .npz): its
     names are the weights, the other null nodes the graph inputs. A bundle names its own.
+    `partial_weights`: the safetensors file holds only some of the params (a slice shipped to one
+    node, cluster/shipping.py); those it holds are checked, the others fail when looked up.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".json" and path.name != "bundle.json":
@@ -220,7 +223,7 @@ def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | P
         cuda_source = (path / "kernels.cu").read_text(encoding="utf-8", errors="replace")
     kernels = _parse_file(path / "kernels.json", parse_kernels, problems)
     ops = _parse_file(path / "ops.json", parse_ops, problems)
-    params = {} if graph is None else _load_params(path, graph, manifest, problems)
+    params = {} if graph is None else _load_params(path, graph, manifest, problems, partial_weights)
     _cross_check(path, graph, kernels, ops, cuda_source, problems)
     if graph is not None and (manifest.state or manifest.generation):
         check_state(graph, manifest.inputs, manifest.state, manifest.generation, str(path / "bundle.json"), problems)
@@ -353,7 +356,8 @@ def _plain_file_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
-def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem]) -> dict[str, np.ndarray]:
+def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem],
+                 partial: bool = False) -> dict[str, np.ndarray]:
     mfile = str(path / "bundle.json")
     unknown = [n for n in m.inputs + (m.param_names or []) if not graph.is_null_node(n)]
     for n in unknown:
@@ -379,7 +383,7 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
     if not (path / m.params_file).is_file():
         return {}  # reported by _check_files
     if m.streams_params:
-        return _open_weights(path / m.params_file, graph, names, m.params_sha256 or {}, problems)
+        return _open_weights(path / m.params_file, graph, names, m.params_sha256 or {}, problems, partial)
     try:
         params = load_params_file(path / m.params_file)
     except BundleError as exc:
@@ -390,7 +394,7 @@ def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem])
 
 
 def _open_weights(file: Path, graph: Graph, names: list[str], sums: dict[str, str],
-                  problems: list[Problem]) -> Mapping[str, np.ndarray]:
+                  problems: list[Problem], partial: bool = False) -> Mapping[str, np.ndarray]:
     """A safetensors weights file opened, its header checked against the graph (names, shapes,
     dtypes, offsets, size) and against bundle.json's checksums; no tensor data is read here."""
     try:
@@ -399,12 +403,14 @@ def _open_weights(file: Path, graph: Graph, names: list[str], sums: dict[str, st
         problems.extend(exc.problems)
         return {}
     specs = {n: (t.dtype, t.shape) for n, t in wf.tensors.items()}
-    problems.extend(check_param_specs(graph, specs, names, str(file)))
+    if partial:
+        wf.missing_hint = " (a slice with only the weights of the stages on this node)"
+    problems.extend(check_param_specs(graph, specs, [n for n in names if n in specs] if partial else names, str(file)))
     for n in names:
         if n in specs and n not in sums:
             problems.append(Problem(str(file.parent / "bundle.json"), "", f"params.sha256.{n}", "no checksum for this tensor"))
     for n in sums:
-        if n not in specs:
+        if n not in specs and not partial:
             problems.append(Problem(str(file.parent / "bundle.json"), "", f"params.sha256.{n}", "names no tensor of the weights file"))
     return LazyParams(wf, names)
 

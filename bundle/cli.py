@@ -7,7 +7,20 @@ import json
 import sys
 
 from tvmpipe.bundle.bundle import load_bundle
-from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text
+from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text, stage_weights
+
+
+def _stages(bundle, args: argparse.Namespace) -> list[tuple[int, int]] | None:
+    """The node ranges asked for (the partition layer's cuts, imported only then), or None."""
+    if args.plan:
+        from tvmpipe.partition.plan import Plan
+
+        return list(Plan.load(args.plan).stages)
+    if args.stages:
+        from tvmpipe.partition.plan import plan_equal_ops
+
+        return list(plan_equal_ops(bundle.graph, args.stages).stages)
+    return None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,11 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "tells graph inputs from weights and shows the weight bytes of each node")
     p.add_argument("--json", action="store_true", help=f"print the report as JSON (schema {SCHEMA})")
     p.add_argument("--wide", action="store_true", help="do not shorten names to fit 100 columns")
+    p.add_argument("--stages", "-k", type=int, metavar="K",
+                   help="also show K stages (equal op counts, as `tvmpipe run --stages K` cuts) with the "
+                        "weight bytes each loads")
+    p.add_argument("--plan", metavar="PLAN.json", help="also show the stages of a plan (`tvmpipe partition -o`) "
+                                                       "with the weight bytes each loads")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report(load_bundle(args.path, params=args.params))
+    bundle = load_bundle(args.path, params=args.params)
+    report = build_report(bundle)
+    stages = _stages(bundle, args)
+    if stages is not None:
+        report["stages"] = stage_weights(bundle, stages)
     text = json.dumps(report, indent=2) + "\n" if args.json else render_text(report, wide=args.wide)
     sys.stdout.write(text)
     return 0

@@ -142,10 +142,35 @@ def _node_report(bundle: Bundle, n: Node, params: set[str] | None) -> dict[str, 
 # ---- text ----------------------------------------------------------------------------------------
 
 def render_text(report: dict[str, Any], wide: bool = False) -> str:
-    """The summary, then one row per node with its launches and fused ops indented below it."""
+    """The summary, then one row per node with its launches and fused ops indented below it (and,
+    with stages, one row per stage with the weight bytes it loads)."""
     title, *rows = _summary(report)
     rows = rows if wide else [_clip(r, WIDTH) for r in rows]
-    return "\n".join([title, *rows, "", *_table(report, wide)]) + "\n"
+    return "\n".join([title, *rows, "", *_stage_table(report), *_table(report, wide)]) + "\n"
+
+
+def stage_weights(bundle: Bundle, stages: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per node range: the params its op nodes read and their bytes, from the graph (no data read).
+    A param read by two stages is loaded, and counted, by both."""
+    g = bundle.graph
+    params = set(bundle.param_names) if bundle.knows_params else None
+    out = []
+    for i, (start, end) in enumerate(stages):
+        names = None if params is None else sorted(
+            {g.nodes[r.node].name for n in range(start, end) for r in g.nodes[n].inputs} & params)
+        out.append({"stage": i, "nodes": [start, end], "ops": sum(1 for n in range(start, end) if g.nodes[n].is_op),
+                    "params": None if names is None else len(names),
+                    "weight_bytes": None if names is None else sum(g.entry_of(n).nbytes for n in names)})
+    return out
+
+
+def _stage_table(r: dict[str, Any]) -> list[str]:
+    if not r.get("stages"):
+        return []
+    rows = [(str(s["stage"]), f"[{s['nodes'][0]}, {s['nodes'][1]})", str(s["ops"]),
+             "unknown" if s["params"] is None else str(s["params"]),
+             "unknown" if s["weight_bytes"] is None else format_bytes(s["weight_bytes"])) for s in r["stages"]]
+    return render_table([Column(t) for t in ("stage", "nodes", "ops", "params", "weights")], rows) + [""]
 
 
 def _tensor_type(dtype: str, shape: list[int]) -> str:

@@ -82,6 +82,7 @@ class WeightsFile:
         self.bytes_read = 0
         self.reads: dict[str, int] = {}  # name -> bytes read for it (per process: what a test counts)
         self._verified: set[str] = set()
+        self.missing_hint = ""  # said when a tensor is not in the file (a shipped slice: whose it is)
         f = str(self.path)
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
@@ -156,7 +157,7 @@ class WeightsFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise _fail(str(self.path), f"tensor '{name}'", "not in the file") from None
+            raise _fail(str(self.path), f"tensor '{name}'", "not in the file" + self.missing_hint) from None
 
     def read_into(self, name: str, out: np.ndarray | memoryview, offset: int = 0, length: int | None = None) -> int:
         """Copy bytes [offset, offset+length) of tensor `name` into `out` (a writable buffer of at
@@ -189,6 +190,17 @@ class WeightsFile:
             raise _fail(str(self.path), f"tensor '{name}'", "sha256 differs from bundle.json: the weights changed after export")
         self._verified.add(name)
 
+    def load_into(self, name: str, out: np.ndarray | memoryview) -> None:
+        """The whole tensor read straight into `out` (a param's storage view: no second copy),
+        its checksum verified on the first read."""
+        self.read_into(name, out)
+        if name not in self._verified:
+            flat = memoryview(out).cast("B") if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
+            h = hashlib.sha256()
+            for off in range(0, len(flat), CHUNK):
+                h.update(flat[off:off + CHUNK])
+            self.verify(name, h)
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as a new array (checksum verified on the first read)."""
         t = self.info(name)
@@ -218,6 +230,30 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def safetensors_header(specs: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None,
+                       file: str = "<weights>") -> tuple[bytes, dict[str, TensorInfo], int]:
+    """The first bytes of a safetensors file holding `specs` (name, TVM dtype, shape) in that
+    order: (length prefix + padded JSON header, each tensor's range relative to the data start,
+    data bytes). The data starts 8-byte aligned, as the safetensors package writes it."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    tensors: dict[str, TensorInfo] = {}
+    for name, dt, shape in specs:
+        if dt not in TVM_TO_ST:
+            raise _fail(file, f"tensor '{name}'", f"dtype {dt} has no safetensors tag")
+        if name in tensors:
+            raise _fail(file, f"tensor '{name}'", "listed twice")
+        n = math.prod(shape) * (1 if dt == "bool" else dtypes.itemsize(dt))
+        header[name] = {"dtype": TVM_TO_ST[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        tensors[name] = TensorInfo(name, dt, tuple(shape), pos, pos + n)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, tensors, pos
+
+
 class WeightsWriter:
     """Writes a safetensors file tensor by tensor. The header is fixed up front from the tensors'
     specs (names, dtypes, shapes), so each tensor can be written as soon as it is final and then
@@ -227,26 +263,11 @@ class WeightsWriter:
     def __init__(self, path: str | Path, specs: Iterable[tuple[str, str, tuple[int, ...]]],
                  metadata: Mapping[str, str] | None = None):
         self.path = Path(path)
-        header: dict[str, object] = {}
-        if metadata:
-            header["__metadata__"] = dict(metadata)
-        pos = 0
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, dt, shape in specs:
-            if dt not in TVM_TO_ST:
-                raise _fail(str(self.path), f"tensor '{name}'", f"dtype {dt} has no safetensors tag")
-            if name in self.tensors:
-                raise _fail(str(self.path), f"tensor '{name}'", "listed twice")
-            n = math.prod(shape) * (1 if dt == "bool" else dtypes.itemsize(dt))
-            header[name] = {"dtype": TVM_TO_ST[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
-            self.tensors[name] = TensorInfo(name, dt, tuple(shape), pos, pos + n)
-            pos += n
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-(8 + len(raw)) % 8)  # data 8-byte aligned, as the safetensors package writes it
-        self.base = 8 + len(raw)
+        head, self.tensors, pos = safetensors_header(specs, metadata, str(self.path))
+        self.base = len(head)
         self.checksums: dict[str, str] = {}
         self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.write(head)
         self._f.truncate(self.base + pos)
 
     def write(self, name: str, value: np.ndarray) -> None:
@@ -336,9 +357,29 @@ class LazyParams(Mapping[str, np.ndarray]):
     def info(self, name: str) -> TensorInfo:
         return self.file.info(name)
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Tensor `name` read straight into `out` (a stage's storage view), checksum verified,
+        and NOT cached: the caller's buffer is the only copy in this process."""
+        if name not in self._set:
+            raise KeyError(name)
+        cached = self._cache.get(name)
+        if cached is not None:
+            np.copyto(out, cached)
+        else:
+            self.file.load_into(name, out)
+
     def nbytes(self, name: str) -> int:
         return self.file.info(name).nbytes
 
     def release(self, names: Iterable[str] | None = None) -> None:
         for n in list(self._cache) if names is None else names:
             self._cache.pop(n, None)
+
+
+def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray) -> None:
+    """Param `name` copied into `out`: read straight from the file for a LazyParams (no cached
+    second copy), copied from the array otherwise."""
+    if isinstance(params, LazyParams):
+        params.read_into(name, out)
+    else:
+        np.copyto(out, params[name])

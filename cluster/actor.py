@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
@@ -17,18 +18,22 @@ from tvmpipe.cluster.environment import thread_env
 from tvmpipe.cluster.headwatch import HeadWatch
 from tvmpipe.cluster.placement import Placement, create_placement_group
 from tvmpipe.cluster.transport import Address
-from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
+from tvmpipe.cluster.shipping import build_shipment
+from tvmpipe.cluster.worker import StageSpec, StageWorker
 
 
 class StageActor:
-    def __init__(self, spec: StageSpec, bundle_files: dict[str, bytes] | None = None):
+    def __init__(self, spec: StageSpec, shipment: list | None = None):
+        """`shipment`: None (the bundle is read in place), or [ObjectRef of this node's Shipment],
+        in a list so Ray does not resolve it before the actor runs, and so the worker can drop the
+        last reference once the node's copy is on disk."""
         if spec.host is None:  # bind the data plane where other nodes can reach this one
             spec.host = ray.util.get_node_ip_address()
         self.stage = spec.index
         self.start_error: str | None = None
         self.worker: StageWorker | None = None
         try:
-            self.worker = StageWorker(spec, bundle_files)
+            self.worker = StageWorker(spec, [ray.get(shipment[0])] if shipment else None)
         except Exception as exc:  # kept and reported through call(), see module docstring
             self.start_error = describe(exc)
 
@@ -59,7 +64,9 @@ def _unwrap(stage: int, exc: Exception) -> WorkerError:
 
 class RayLauncher:
     """Stage actors in one placement group (one slot per stage). The model bundle reaches the actors as
-    a path (shared filesystem, local mode) or as its files' bytes through the object store."""
+    a path (shared filesystem, local mode: each reads only its own tensors) or, with `ship_bundle`,
+    through the object store: one Shipment per node (shipping.py) with the small files and only the
+    weights of the stages placed on that node, put once and taken by every stage actor there."""
 
     def __init__(self, placement: Placement = Placement(), timeouts: Timeouts = Timeouts(),
                  ship_bundle: bool = False, env: dict[str, str] | None = None):
@@ -70,7 +77,12 @@ class RayLauncher:
         self._pg = None
         self._specs: list[StageSpec] = []
         self._actors: list[Any] = []
-        self._bundle_ref = None
+        self._ship_refs: dict[int, Any] = {}  # stage -> ObjectRef of its node's shipment (while starting)
+        self.shipped: dict[str, int] = {}  # node id -> bytes shipped to it (small files + weights slice)
+        self.shipped_tensors: dict[str, tuple[str, ...]] = {}  # node id -> the tensors in its slice
+        # Stages on the driver's own node read the bundle path in place (it is readable there) and
+        # are sent nothing; True ships to that node too (tests of the ship path on one machine).
+        self.ship_same_node = False
         self._remote = ray.remote(StageActor)
         gcs = _gcs_address()
         self._head = HeadWatch(gcs) if gcs else None
@@ -88,7 +100,8 @@ class RayLauncher:
     def _create(self, spec: StageSpec) -> Any:
         opts = self.placement.actor_options(self._pg, spec.index)
         return self._remote.options(max_restarts=0, runtime_env={"env_vars": {**thread_env(), **self.env}},
-                                    **opts).remote(spec, self._bundle_ref)
+                                    **opts).remote(spec, [self._ship_refs[spec.index]] if spec.index in self._ship_refs
+                                                   else None)
 
     def _addresses(self, stages: list[int]) -> list[Address]:
         refs = [self._actors[i].call.remote("address") for i in stages]
@@ -105,20 +118,56 @@ class RayLauncher:
         if self._head is not None:
             self._head.start()
         self._pg = create_placement_group(self.placement, len(specs), self.timeouts.start)
-        if self.ship_bundle:
-            self._bundle_ref = ray.put(read_bundle_files(specs[0].bundle_path))
-        self._actors = [self._create(s) for s in specs]
         try:
+            if self.ship_bundle:
+                self._put_shipments(specs)
+            self._actors = [self._create(s) for s in specs]
             return self._addresses(list(range(len(specs))))
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            self._ship_refs = {}  # the actors have unpacked theirs: the object store may free them
+
+    def _nodes(self, n: int) -> list[str]:
+        """The node id each placement slot landed on ('' where Ray does not say)."""
+        from ray.util.placement_group import placement_group_table
+
+        try:
+            where = placement_group_table(self._pg).get("bundles_to_node_id", {})
+        except Exception:  # noqa: BLE001 - unknown placement: one shipment per stage instead
+            where = {}
+        return [str(where.get(i, where.get(str(i), f"?stage{i}"))) for i in range(n)]
+
+    def _put_shipments(self, specs: list[StageSpec]) -> None:
+        """One object per node, holding the weights of every stage on it (and no others)."""
+        nodes = self._nodes(len(self._specs))
+        here = _driver_node()
+        by_node: dict[str, list[StageSpec]] = {}
+        for s in specs:
+            if nodes[s.index] == here and not self.ship_same_node and os.path.exists(s.bundle_path):
+                s.bundle_path = os.path.abspath(s.bundle_path)  # same node: read in place, its own tensors only
+                continue
+            by_node.setdefault(nodes[s.index], []).append(s)
+        for node, group in by_node.items():
+            ship = build_shipment(group[0].bundle_path, [(s.start, s.end) for s in group], [s.index for s in group])
+            ref = ray.put(ship)
+            self.shipped[node] = self.shipped.get(node, 0) + ship.nbytes
+            self.shipped_tensors[node] = tuple(ship.tensors)
+            del ship  # the object store holds it now
+            for s in group:
+                self._ship_refs[s.index] = ref
 
     def restart(self, stage: int) -> Address:
         if self.control_lost:
             raise WorkerLost(stage, self.control_lost)
         self.kill(stage)
-        self._actors[stage] = self._create(self._specs[stage])
+        try:
+            if self.ship_bundle:
+                self._put_shipments([self._specs[stage]])
+            self._actors[stage] = self._create(self._specs[stage])
+        finally:
+            self._ship_refs = {}
         return self._addresses([stage])[0]
 
     def call(self, stage: int, method: str, *args: Any) -> Any:
@@ -171,6 +220,14 @@ class RayLauncher:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _driver_node() -> str | None:
+    """The node id this driver runs on (None under Ray Client or where Ray does not say)."""
+    try:
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - unknown: every stage is shipped
+        return None
 
 
 def _gcs_address() -> tuple[str, int] | None:

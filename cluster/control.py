@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.environment import worker_environment
 from tvmpipe.cluster.transport import Address
-from tvmpipe.cluster.worker import StageSpec, StageWorker, read_bundle_files
+from tvmpipe.cluster.shipping import Shipment, build_shipment
+from tvmpipe.cluster.worker import StageSpec, StageWorker
 
 # The worker methods the driver may call; anything else is refused on the worker side.
 CONTROL_METHODS = frozenset({"address", "node", "prepare", "connect", "stop", "pause", "status", "stats"})
@@ -83,11 +84,13 @@ def describe(exc: BaseException) -> str:
 
 # ---- process launcher ----------------------------------------------------------------------------
 
-def _serve(conn, spec: StageSpec, bundle_files: dict[str, bytes] | None) -> None:
+def _serve(conn, spec: StageSpec, shipment: list[Shipment]) -> None:
     """Child process main: build the worker, then answer control calls until told to stop or the
-    parent goes away (EOF on the pipe), so a crashed driver never leaves workers behind."""
+    parent goes away (EOF on the pipe), so a crashed driver never leaves workers behind.
+    `shipment` is [] (the bundle is read in place) or [the stage's Shipment], handed over in a
+    list so the worker can drop the last reference once it is unpacked."""
     try:
-        worker = StageWorker(spec, bundle_files)
+        worker = StageWorker(spec, shipment if shipment else None)
     except BaseException as exc:  # report any build failure to the parent instead of dying silently
         conn.send(("err", describe(exc)))
         return
@@ -112,11 +115,12 @@ def _serve(conn, spec: StageSpec, bundle_files: dict[str, bytes] | None) -> None
 
 
 class _Child:
-    def __init__(self, ctx, spec: StageSpec, bundle_files: dict[str, bytes] | None):
+    def __init__(self, ctx, spec: StageSpec, shipment: Shipment | None):
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child_conn, spec, bundle_files), daemon=True,
+        self.proc = ctx.Process(target=_serve, args=(child_conn, spec, [shipment] if shipment else []), daemon=True,
                                 name=f"tvmpipe-stage{spec.index}")
         self.proc.start()
+        self.proc._args = ()  # pickled to the child by start(): the parent keeps no shipment
         child_conn.close()
         self.lock = threading.Lock()
 
@@ -137,12 +141,17 @@ class ProcessLauncher:
         self._ctx = mp.get_context("spawn")
         self._specs: list[StageSpec] = []
         self._children: list[_Child | None] = []
-        self._bundle_files: dict[str, bytes] | None = None
+        self.shipped: dict[int, int] = {}  # stage -> bytes sent to it (ship_bundle)
 
     def _spawn(self, spec: StageSpec) -> _Child:
         env = {"CUDA_VISIBLE_DEVICES": self.devices[spec.index % len(self.devices)]} if self.devices else {}
+        # Ship path: each child process stands for a node of its own, so it is sent its own
+        # stage's weights only, built when it is spawned and dropped once pickled to it.
+        shipment = build_shipment(spec.bundle_path, [(spec.start, spec.end)], [spec.index]) if self.ship_bundle else None
+        if shipment is not None:
+            self.shipped[spec.index] = shipment.nbytes
         with worker_environment({**self.env, **env}):
-            return _Child(self._ctx, spec, self._bundle_files)
+            return _Child(self._ctx, spec, shipment)
 
     def _await_ready(self, stage: int) -> Address:
         child = self._children[stage]
@@ -161,8 +170,6 @@ class ProcessLauncher:
 
     def start(self, specs: list[StageSpec]) -> list[Address]:
         self._specs = list(specs)
-        if self.ship_bundle:
-            self._bundle_files = read_bundle_files(specs[0].bundle_path)
         self._children = [self._spawn(s) for s in specs]
         try:
             return [self._await_ready(i) for i in range(len(specs))]

@@ -63,6 +63,7 @@ class StageMetrics:
     idle: float | None
     bytes_out: int | None
     build_s: float | None
+    weight_bytes: int | None = None  # the stage's own params, resident in its worker
 
 
 @dataclass
@@ -105,13 +106,14 @@ class PipelineMetrics:
         """One row per stage: where it ran, how its time splits, what it sent."""
         rows = [(str(s.stage), f"[{s.nodes[0]}, {s.nodes[1]})", str(s.ops), s.host or "-", _pct(s.busy),
                  _pct(s.bubble), _pct(s.idle), "-" if s.compute_ms_mean is None else f"{s.compute_ms_mean:.3f}",
-                 "-" if s.bytes_out is None else format_bytes(s.bytes_out)) for s in self.stages]
+                 "-" if s.bytes_out is None else format_bytes(s.bytes_out),
+                 "-" if s.weight_bytes is None else format_bytes(s.weight_bytes)) for s in self.stages]
         return "\n".join(render_table([Column(t) for t in STAGE_COLUMNS], rows))
 
 
 # per micro-batch (mean over the run) vs totals over the whole run: say which in the header
 STAGE_COLUMNS = ("stage", "nodes", "ops", "host", "busy %", "bubble %", "idle %", "ms/mb (mean)",
-                 "bytes out (total)")
+                 "bytes out (total)", "weights resident")
 
 
 def _pct(v: float | None) -> str:
@@ -141,7 +143,7 @@ def compute_metrics(rec: RunRecord) -> PipelineMetrics:
             i, (start, end), ops, st.host, len(spans),
             float(np.mean([b - a for a, b in spans]) * 1e3) if spans else None,
             busy / wall, fill_drain / wall, max(0.0, 1.0 - (busy + fill_drain) / wall),
-            sum(st.bytes_out.values()), st.build_s))
+            sum(st.bytes_out.values()), st.build_s, getattr(st, "weight_bytes", None)))
     edges = []
     for src, dst, planned in rec.edges:
         if src == DRIVER:

@@ -52,6 +52,11 @@ class WorkerStats:
     bytes_out: dict[int, int]
     frames_out: dict[int, int]
     paths: dict[int, str] = field(default_factory=dict)  # consumer -> "shm" or "tcp", current epoch
+    # Weights: bytes of the stage's own params resident in it, bytes this process read from the
+    # weights file (header included), and bytes it was shipped (0: it read the bundle in place).
+    weight_bytes: int = 0
+    weights_read: int = 0
+    shipped_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
+from tvmpipe.cluster.shipping import Shipment, unpack, whole_files
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
 from tvmpipe.cluster.topology import Edge
@@ -47,8 +48,9 @@ from tvmpipe.executor.inputs import random_feed
 class StageSpec:
     """What a worker needs to build its stage; plain data so it crosses process boundaries.
 
-    `bundle_path` must be readable where the worker runs (shared filesystem); otherwise the launcher
-    ships the bundle's files as bytes and the worker unpacks them into a private temp dir.
+    `bundle_path` must be readable where the worker runs (shared filesystem): the worker opens it in
+    place and reads only its own tensors. Otherwise the launcher ships a `Shipment` (shipping.py):
+    the small files and a weights slice with only the tensors of the stages on this node.
     `host` is the interface the data listener binds (None: the node's address, found by the actor).
     """
 
@@ -88,11 +90,9 @@ class Wiring:
 
 
 def read_bundle_files(path: str | Path) -> dict[str, bytes]:
-    """A bundle directory's files as bytes, to ship through Ray's object store."""
-    path = Path(path)
-    if path.is_file():
-        return {path.name: path.read_bytes()}
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+    """A bundle directory's files as bytes (every file, whole: see cluster/shipping.py for what
+    the launchers send now)."""
+    return whole_files(path)
 
 
 def inbound_limits(entries: tuple[int, ...], specs: dict) -> FrameLimits:
@@ -128,14 +128,21 @@ class StageWorker:
         self.spec = spec
         self.index = spec.index
         self._tmpdir: str | None = None
-        path = spec.bundle_path
+        path, partial = spec.bundle_path, False
+        self.shipped_bytes = 0  # what this worker was sent (ship path): small files + its node's weights slice
+        if isinstance(bundle_files, list):  # [shipment]: taken out, so only this frame holds it
+            bundle_files = bundle_files.pop()
         if bundle_files is not None:
-            self._tmpdir = tempfile.mkdtemp(prefix=f"tvmpipe-stage{spec.index}-")
-            for name, data in bundle_files.items():
-                Path(self._tmpdir, name).write_bytes(data)
-            path = self._tmpdir if len(bundle_files) > 1 else str(Path(self._tmpdir, next(iter(bundle_files))))
-        self.stage = Stage(load_bundle(path), spec.start, spec.end, backend=spec.backend,
+            self.shipped_bytes = (bundle_files.nbytes if isinstance(bundle_files, Shipment)
+                                  else sum(len(b) for b in bundle_files.values()))
+            path, partial, self._tmpdir = unpack(bundle_files, f"stage{spec.index}")
+            bundle_files = None  # the node's copy is on disk now; this process keeps none in memory
+        bundle = load_bundle(path, partial_weights=partial)
+        self.stage = Stage(bundle, spec.start, spec.end, backend=spec.backend,
                            state_slots=spec.state_slots, **spec.backend_opts)
+        wf = getattr(bundle.params, "file", None)  # a safetensors bundle: what this process read of it
+        self.weights_read = dict(wf.reads) if wf is not None else {}
+        self.weights_bytes_read = wf.bytes_read if wf is not None else 0
         self.program = self.stage.program
         self.specs = dict(self.program.entry_specs)  # what inbound frames may carry
         self.build_s = time.time() - t0
@@ -309,7 +316,9 @@ class StageWorker:
         return WorkerStats(stage=self.index, pid=os.getpid(), host=self.address()[0],
                            devices=os.environ.get("CUDA_VISIBLE_DEVICES"), build_s=self.build_s,
                            warmup_s=self.warmup_s, events=events, bytes_out=bytes_out, frames_out=frames_out,
-                           paths=self.paths())
+                           paths=self.paths(),
+                           weight_bytes=sum(self.program.entry_specs[e].nbytes for e in self.program.param_entries.values()),
+                           weights_read=self.weights_bytes_read, shipped_bytes=self.shipped_bytes)
 
     def close(self) -> None:
         self.stop()

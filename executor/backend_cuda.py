@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import hashlib
 import weakref
 from typing import Any, Iterator
 
@@ -29,12 +30,16 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.weights import LazyParams, WeightsFile
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.cubin import compile_cubin
 from tvmpipe.executor.errors import BackendUnavailable, DeviceError, ExecutorError
 from tvmpipe.executor.launch_plan import PlannedLaunch, build_launch_plan
 from tvmpipe.executor.program import KERNELS, NOP, StageProgram
 
+# Page-locked staging for param uploads: two buffers of this size at most (tens of MiB, so the
+# copy engine streams while the next chunk is read from the file).
+STAGING_BYTES = 32 << 20
 # CUDA's default limit on a block's shared memory, static + dynamic; above it a kernel must opt in
 # (MAX_DYNAMIC_SHARED_SIZE_BYTES), up to the device's MAX_SHARED_MEMORY_PER_BLOCK_OPTIN.
 DEFAULT_SMEM_LIMIT = 48 * 1024
@@ -44,8 +49,9 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, bundle: Bundle, program: StageProgram, device: Any = None, graphs: bool = False,
-                 arch: str | None = None):
+                 arch: str | None = None, staging_bytes: int = STAGING_BYTES):
         self.program = program
+        self.staging_bytes = max(1, int(staging_bytes))
         missing = [f"node {s.node} '{s.name}' ('{s.func}')" for s in program.steps if s.kind == KERNELS and not s.launches]
         if missing:
             raise ExecutorError(f"no kernels.json launch list for {', '.join(missing[:5])}"
@@ -67,8 +73,7 @@ class CudaBackend:
         self.funcs = self.dev.load(self.dev.compile(bundle.cuda_source), smem) if smem else {}
         self.ptrs = [self.dev.alloc(max(s.nbytes, 1)) for s in program.storage.slots]
         self.ptr = {e: self.ptrs[program.storage.entry_slot[e]] for e in program.entry_specs}
-        for name, e in program.param_entries.items():
-            self._upload_param(name, np.ascontiguousarray(bundle.params[name]))
+        self._upload_params(bundle, program)
         spec = program.entry_specs
         self.host_in = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.feed_entries}
         self.host_out = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.send_entries}
@@ -79,6 +84,21 @@ class CudaBackend:
         self._plans: dict[tuple, list] = {}  # launch plans by bindings
         self._graphs: dict[tuple, Any] = {}  # captured graphs by bindings
         self._aliases: dict[int, set[int]] = {}
+
+    def _upload_params(self, bundle: Bundle, program: StageProgram) -> None:
+        """A safetensors bundle's params go from the file to the device through a bounded pair of
+        page-locked staging buffers (pread a chunk, async copy, the other buffer fills meanwhile):
+        no host copy of the stage's weights ever exists. Other bundles' arrays are copied as before."""
+        params = bundle.params
+        if not (isinstance(params, LazyParams) and hasattr(self.dev, "staging") and program.param_entries):
+            for name, e in program.param_entries.items():
+                self._upload_param(name, np.ascontiguousarray(params[name]))
+            return
+        largest = max(params.nbytes(n) for n in program.param_entries)
+        with self.dev.staging(min(self.staging_bytes, max(largest, 1))):
+            for name, e in program.param_entries.items():
+                with self.dev.check(f"uploading param '{name}'"):
+                    self.dev.upload_staged(self.ptr[e], params.file, name)
 
     def _upload_param(self, name: str, value: np.ndarray) -> None:
         with self.dev.check(f"uploading param '{name}'"):
@@ -321,6 +341,43 @@ class PyCudaDevice:
 
     def upload(self, ptr: int, array: np.ndarray) -> None:
         self.cuda.memcpy_htod(ptr, array)
+
+    @contextlib.contextmanager
+    def staging(self, chunk: int) -> Iterator[None]:
+        """Two page-locked buffers of `chunk` bytes for `upload_staged`, in use inside the block;
+        at its end every staged copy has completed (stream synchronized) and the buffers are freed."""
+        with self.check(f"allocating 2 x {chunk} bytes of page-locked staging memory"):
+            self._staging = [self.cuda.pagelocked_empty(chunk, np.uint8) for _ in range(2)]
+        self._staged_events: list[Any] = [None, None]
+        self._staged_n = 0
+        try:
+            yield
+            with self.check("uploading params (waiting for the staged copies)"):
+                self.stream.synchronize()
+        finally:
+            with contextlib.suppress(self.cuda.Error):  # never free a buffer a copy still reads
+                self.stream.synchronize()
+            self._staging, self._staged_events = [], [None, None]
+
+    def upload_staged(self, ptr: int, weights: WeightsFile, name: str) -> None:
+        """Tensor `name` from the weights file to device `ptr`, chunk by chunk through the staging
+        buffers: a buffer is refilled only after the event recorded behind its last copy has
+        completed. Its sha256 is computed on the chunks as they pass and checked against
+        bundle.json once the tensor is read."""
+        chunk = self._staging[0].size
+        h = hashlib.sha256()
+        for off, n in weights.chunks(name, chunk):
+            b = self._staged_n % 2
+            self._staged_n += 1
+            if self._staged_events[b] is not None:
+                self._staged_events[b].synchronize()
+            buf = self._staging[b][:n]
+            weights.read_into(name, buf, off, n)
+            h.update(memoryview(buf).cast("B"))
+            self.cuda.memcpy_htod_async(ptr + off, buf, self.stream)
+            ev = self._staged_events[b] = self.cuda.Event()
+            ev.record(self.stream)
+        weights.verify(name, h)
 
     def copy_in(self, ptr: int, host: np.ndarray) -> None:
         self.cuda.memcpy_htod_async(ptr, host, self.stream)

@@ -13,6 +13,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.weights import param_into
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.errors import ExecutorError, UnsupportedOpError
 from tvmpipe.executor.program import COPY, KERNELS, NOP, StageProgram
@@ -51,8 +52,8 @@ class ReferenceBackend:
             raise UnsupportedOpError("the reference backend cannot run this stage:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
         self.slots = [aligned_bytes(max(s.nbytes, 1)) for s in program.storage.slots]
         self.views = {e: self.view(e) for e in program.entry_specs}
-        for name, e in program.param_entries.items():
-            self.views[e][...] = bundle.params[name]
+        for name, e in program.param_entries.items():  # straight from the weights file into the slot
+            param_into(bundle.params, name, self.views[e])
         self._bound: set[int] = set()  # state entries pointed at a slot's buffer (bind_state)
         self._nop_copy: set[int] = set()  # NOP steps that must copy: one side is a bound entry
 

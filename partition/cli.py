@@ -128,7 +128,7 @@ def format_table(model: PipelineModel, prediction: Prediction, args: argparse.Na
                                         + (f" + {args.link_latency}/frame" if model.link.latency_us else ""))]
     b = model.bundle
     if b.is_bare and b.knows_params:
-        lines.append(f"weights: {len(b.param_names)} params, {format_bytes(sum(a.nbytes for a in b.params.values()))} "
+        lines.append(f"weights: {len(b.param_names)} params, {format_bytes(b.weight_bytes)} "
                      f"from {b.params_path}; graph inputs: {', '.join(b.input_names) or 'none'}")
     lines.append("")
     head = f"{'stage':>5} {'nodes':>13} {'ops':>11} {'#ops':>5} {'params':>10} {'memory':>11} " \

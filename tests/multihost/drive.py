@@ -67,10 +67,17 @@ def main(cfg: dict) -> None:
             error = {"message": str(exc), "stage": exc.stage, "last_error": exc.last_error}
         restarts, errors, addresses = list(pipe.restarts), list(pipe.errors), [list(a) for a in pipe.addresses]
         paths = [[src, dst, path] for (src, dst), path in sorted(pipe.edge_paths().items())]
+        weights = []  # per stage: where it ran, the bytes shipped to it, read by it, resident in it
+        if cfg.get("weights"):
+            for st in pipe.launcher.call_all("stats"):
+                weights.append(None if isinstance(st, Exception) else
+                               {"host": st.host, "shipped": st.shipped_bytes, "read": st.weights_read,
+                                "resident": st.weight_bytes})
+        shipped = dict(getattr(pipe.launcher, "shipped", {}))
     if outputs:
         np.savez(cfg["out"], **{f"output{k}": np.stack([o[k] for o in outputs]) for k in range(len(outputs[0]))})
     say(event="end", completed=len(outputs), restarts=restarts, errors=errors, error=error, addresses=addresses,
-        paths=paths)
+        weights=weights, shipped=shipped, paths=paths)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,37 @@ def test_job_ships_the_bundle_by_itself(bed: RayBed, tmp_path: Path):
     assert not (run / "error.json").exists()
     want = reference_outputs(bed.head_only / "mlp", random_micro_batches(load_bundle(bed.head_only / "mlp"), 6, 2))
     np.testing.assert_array_equal(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]))
+
+
+def test_each_host_is_shipped_only_its_own_stages_weights(bed: RayBed, tmp_path: Path):
+    """K = 3 across three hosts with the bundle shipped (it exists only on the head): each host
+    receives one shipment holding exactly its stage's tensors (+ the small files and a slice
+    header), each stage reads only those, and the outputs are the single-process run's."""
+    from tests.support.synthetic_bundles import write_dense_stack
+    from tvmpipe.cluster.shipping import stage_param_names
+
+    bundle_dir = write_dense_stack(bed.head_only / "stack3", layers=6, width=64)
+    bundle = load_bundle(bundle_dir)
+    plan = plan_equal_ops(bundle.graph, 3)
+    small = sum(p.stat().st_size for p in bundle_dir.iterdir() if p.name != "params.safetensors")
+    out = tmp_path / "out.npz"
+    events, err = drive(bed, {"bundle": str(bundle_dir), "stages": 3, "gpus": 0.0, "n": 4, "seed": 1,
+                              "out": str(out), "weights": True})
+    end = events[-1] if events else {}
+    assert end.get("event") == "end" and end["error"] is None, f"{events[-3:]}\n{err[-3000:]}"
+    hosts = [w["host"] for w in end["weights"]]
+    assert len(set(hosts)) == 3, hosts
+    away = [i for i, h in enumerate(hosts) if h != bed.head.address]
+    assert len(end["shipped"]) == len(away) >= 2, f"one shipment per node the bundle is not on: {end['shipped']}"
+    for i, (start, end_) in enumerate(plan.stages):
+        own = sum(bundle.param_nbytes(n) for n in stage_param_names(bundle, start, end_))
+        w = end["weights"][i]
+        assert w["resident"] == own
+        if i in away:
+            assert small + own < w["shipped"] < small + own + 4096, (i, w, own, small)
+        else:  # on the head, where the bundle is: read in place, nothing sent
+            assert w["shipped"] == 0, (i, w)
+        assert own < w["read"] < own + 4096, (i, w, own)
+    assert sorted(end["shipped"].values()) == sorted(end["weights"][i]["shipped"] for i in away)
+    want = reference_outputs(bundle_dir, random_micro_batches(bundle, 4, 1))
+    np.testing.assert_array_equal(np.load(out)["output0"], np.stack([x[0] for x in want]))

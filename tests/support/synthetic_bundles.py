@@ -58,6 +58,10 @@ class SynthGraph:
         self.params[name] = value
         return self._add({"op": "null", "name": name, "inputs": []}, [list(value.shape)], [str(value.dtype)])
 
+    def param_spec(self, name: str, shape: list[int], dtype: str = "float32") -> int:
+        """A param known by shape only: its values come in `build(weights=...)`, streamed to a file."""
+        return self._add({"op": "null", "name": name, "inputs": []}, [list(shape)], [dtype])
+
     def entry(self, ref: int | tuple[int, int]) -> tuple[int, int]:
         return (ref, 0) if isinstance(ref, int) else ref
 
@@ -104,7 +108,7 @@ class SynthGraph:
     def output(self, ref) -> None:
         self.heads.append(list(self.entry(ref)) + [0])
 
-    def build(self, out: Path) -> Path:
+    def build(self, out: Path, weights: tuple[Path, dict[str, str]] | None = None) -> Path:
         n_entries = self.row[-1]
         graph = {"nodes": self.nodes, "arg_nodes": [i for i, n in enumerate(self.nodes) if n["op"] == "null"],
                  "node_row_ptr": self.row, "heads": self.heads,
@@ -132,7 +136,8 @@ class SynthGraph:
         return write_bundle(out, model=self.name, source={"kind": "handmade", "name": self.name, "sha256": None},
                             target={"kind": "cuda", "arch": "sm_90"}, batch=1, dtype="float32", graph=graph,
                             kernels={"version": 1, "functions": kfuncs}, ops={"version": 1, "functions": ofuncs},
-                            cuda_source="\n".join(cu) + "\n", inputs=self.inputs, params=self.params)
+                            cuda_source="\n".join(cu) + "\n", inputs=self.inputs,
+                            params=None if weights else self.params, weights=weights)
 
 
 F = "float32"
@@ -211,4 +216,21 @@ def write_convnet(out: Path) -> Path:
               [("matmul", {"out_dtype": ""}, [{"arg": 0}, {"arg": 1}], [[1, 5]], [F]),
                ("nn.log_softmax", {"axis": -1}, [{"op": 0}], [[1, 5]], [F])], [([1, 5], F)], launches=3, workspace=8)
     g.output(fc)
+    return g.build(out)
+
+
+def write_dense_stack(out: Path, layers: int = 6, width: int = 32, seed: int = 3) -> Path:
+    """`layers` x (matmul + bias + tanh) of `width` units: a weight-heavy chain (safetensors
+    weights), for tests that count which weight bytes each stage reads, ships and uploads."""
+    rng = np.random.default_rng(seed)
+    g = SynthGraph("dense_stack")
+    h = g.input("x", [1, width])
+    for i in range(layers):
+        w = g.param(f"w{i}", _w(rng, width, width))
+        b = g.param(f"b{i}", _w(rng, width))
+        h = g.op(f"dense{i}", "fused_matmul_add_tanh", [h, w, b],
+                 [("matmul", {"out_dtype": ""}, [{"arg": 0}, {"arg": 1}], [[1, width]], [F]),
+                  ("add", {}, [{"op": 0}, {"arg": 2}], [[1, width]], [F]),
+                  ("tanh", {}, [{"op": 1}], [[1, width]], [F])], [([1, width], F)])
+    g.output(h)
     return g.build(out)

@@ -336,11 +336,18 @@ class PinnedArray(np.ndarray):
         return a if dtype is None else a.astype(dtype)
 
 
+# What the host side of copies looked like, for tests that bound host memory (reset them freely):
+# every page-locked allocation's bytes, and every host-to-device copy as (source, bytes, how):
+# source "pinned" or "pageable", how "sync" or "async".
+stats: dict[str, list] = {"pinned_allocs": [], "htod": []}
+
+
 def pagelocked_empty(shape, dtype, order="C", mem_flags=0) -> PinnedArray:
     prim = _acquire()
     _no_capture("cuMemHostAlloc", prim)
     a = np.empty(shape, dtype, order=order).view(PinnedArray)
     a._block = _Block()
+    stats["pinned_allocs"].append(int(a.nbytes))
     return a
 
 
@@ -353,6 +360,7 @@ def memcpy_htod(dest: int, src) -> None:
     _no_capture("cuMemcpyHtoD", prim)
     prim.drain()  # the legacy default stream waits for every blocking stream
     data = _raw(src)
+    stats["htod"].append(("pinned" if getattr(src, "_block", None) is not None else "pageable", int(data.size), "sync"))
     prim.memory(int(dest), data.size, "cuMemcpyHtoD")[...] = data
 
 
@@ -377,10 +385,18 @@ def _host_copy_async(routine: str, stream, host, ptr: int, to_device: bool) -> N
     ptr, raw = int(ptr), _raw(host)
     s.prim.memory(ptr, raw.size, routine)
     block = getattr(host, "_block", None)
+    # The bytes a host-to-device copy will read, fingerprinted when it is enqueued: a source changed
+    # before the copy ran (a staging buffer refilled too early, by any means) is a RuleViolation.
+    digest = hash(raw.tobytes()) if to_device and s._capture is None else None
+    if to_device:
+        stats["htod"].append(("pinned" if block is not None else "pageable", int(raw.size), "async"))
 
     def run():
         dev = s.prim.memory(ptr, raw.size, routine)
         if to_device:
+            if digest is not None and hash(raw.tobytes()) != digest:
+                _violation("page-locked buffer changed while a host-to-device copy from it was pending "
+                           "(reused before the copy's event completed)")
             dev[...] = raw
         else:
             raw[...] = dev

@@ -1,0 +1,169 @@
+"""What a node is sent when it cannot read the bundle (no shared filesystem): the ship path.
+
+A `Shipment` is the bundle's small files (bundle.json, graph.json, kernels.*, ops.json) and a
+safetensors *slice*: a weights file holding only the tensors of the stages placed on that node,
+built by reading exactly those tensors from the bundle (each verified against bundle.json's
+sha256 as it is read). It is sent once per node, not once per actor: the Ray launcher puts one
+object per node and every stage actor there takes the same one; the first to unpack it writes it
+to a per-node directory named by the slice's digest, the others reuse it. The worker loads the
+unpacked bundle with `partial_weights=True`: bundle.json still carries every tensor's checksum, so
+integrity is checked per tensor when a stage reads it, never by re-hashing a whole file.
+
+Bundles whose weights are not safetensors (npz, legacy .params, generated) are shipped whole,
+as before: they cannot be read by tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from tvmpipe.bundle import Bundle, load_bundle
+from tvmpipe.bundle.weights import LazyParams, safetensors_header
+
+DONE = ".complete"  # written last into an unpacked shipment directory
+
+
+@dataclass
+class Shipment:
+    files: dict[str, bytes]  # every bundle file except the weights file
+    weights_name: str | None = None  # the weights file's name in bundle.json (None: shipped whole in files)
+    weights: np.ndarray | None = None  # uint8: a safetensors file with only `tensors`
+    tensors: tuple[str, ...] = ()
+    key: str = ""  # digest of the small files and the slice's checksums: one unpacked copy per node
+    partial: bool = True
+    stages: tuple[int, ...] = field(default=())
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte sent: small files and the weights slice (header included)."""
+        return sum(len(b) for b in self.files.values()) + (0 if self.weights is None else int(self.weights.nbytes))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights slice (its header included); 0 when the weights were shipped whole."""
+        return 0 if self.weights is None else int(self.weights.nbytes)
+
+
+def stage_param_names(bundle: Bundle, start: int, end: int) -> list[str]:
+    """The params nodes [start, end) read, in bundle order (the graph alone: no data read)."""
+    g = bundle.graph
+    params = set(bundle.param_names)
+    used = set()
+    for node in g.nodes[start:end]:
+        for inp in node.inputs:
+            name = g.nodes[inp.node].name
+            if name in params:
+                used.add(name)
+    return [n for n in bundle.param_names if n in used]
+
+
+def whole_files(path: str | Path) -> dict[str, bytes]:
+    """A bundle directory's (or bare graph's) files as bytes: the legacy ship path."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def build_shipment(bundle: Bundle | str | Path, stages: Iterable[tuple[int, int]], indices: Iterable[int] = ()) -> Shipment:
+    """The shipment for the stages (node ranges) placed on one node: only their tensors are read."""
+    if not isinstance(bundle, Bundle) and not _streams(Path(bundle)):  # never load (or generate) what goes whole
+        return _whole(Path(bundle), indices)
+    bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    path = Path(bundle.path)
+    m = bundle.manifest
+    if m is None or not m.streams_params or not isinstance(bundle.params, LazyParams):
+        return _whole(path, indices)
+    wanted: set[str] = set()
+    for start, end in stages:
+        wanted.update(stage_param_names(bundle, start, end))
+    names = [n for n in bundle.param_names if n in wanted]
+    lazy = bundle.params
+    infos = [lazy.info(n) for n in names]
+    head, rel, total = safetensors_header([(t.name, t.dtype, t.shape) for t in infos],
+                                          {"tvmpipe.slice_of": m.params_file})
+    buf = np.empty(len(head) + total, np.uint8)
+    buf[:len(head)] = np.frombuffer(head, np.uint8)
+    for n in names:  # exactly these tensors are read (and verified) from the bundle
+        r = rel[n]
+        lazy.read_into(n, buf[len(head) + r.begin:len(head) + r.end])
+    files = {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file() and p.name != m.params_file}
+    sums = m.params_sha256 or {}
+    key = _digest([hashlib.sha256(files[f]).hexdigest() for f in sorted(files)] + [f"{n}:{sums.get(n, '')}" for n in names])
+    return Shipment(files=files, weights_name=m.params_file, weights=buf, tensors=tuple(names), key=key,
+                    stages=tuple(indices))
+
+
+def _streams(path: Path) -> bool:
+    """Whether a bundle directory's weights are a safetensors file (bundle.json peeked, nothing loaded)."""
+    import json
+
+    try:
+        obj = json.loads((path / "bundle.json").read_text())
+        return str((obj.get("params") or {}).get("file") or "").endswith(".safetensors")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _whole(path: Path, indices: Iterable[int]) -> Shipment:
+    return Shipment(files=whole_files(path), partial=False, stages=tuple(indices), key=_digest([whole_files_digest(path)]))
+
+
+def whole_files_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(Path(path).iterdir()) if Path(path).is_dir() else [Path(path)]:
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(str(p.stat().st_size).encode())
+            h.update(str(p.stat().st_mtime_ns).encode())
+    return h.hexdigest()
+
+
+def _digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> tuple[str, bool, str | None]:
+    """Write a shipment where this node's workers find it: (bundle path, partial weights, directory
+    this worker created and must remove, or None). A shipment already unpacked on this node (by
+    another stage actor) is reused, not written again."""
+    if isinstance(shipment, dict):  # legacy: every file, one private copy
+        tmp = tempfile.mkdtemp(prefix=f"tvmpipe-{owner}-")
+        for name, data in shipment.items():
+            Path(tmp, name).write_bytes(data)
+        path = tmp if len(shipment) > 1 else str(Path(tmp, next(iter(shipment))))
+        return path, False, tmp
+    final = Path(tempfile.gettempdir(), f"tvmpipe-ship-{shipment.key}")
+    # a bare graph.json shipped alone is loaded as the file, a bundle as its directory
+    where = str(final / next(iter(shipment.files))) if shipment.weights is None and len(shipment.files) == 1 else str(final)
+    if (final / DONE).is_file():
+        return where, shipment.partial, None
+    tmp = Path(tempfile.mkdtemp(prefix=f".tvmpipe-ship-{shipment.key}-", dir=final.parent))
+    try:
+        for name, data in shipment.files.items():
+            (tmp / name).write_bytes(data)
+        if shipment.weights is not None:
+            with open(tmp / shipment.weights_name, "wb") as f:
+                mv = memoryview(shipment.weights)
+                for off in range(0, len(mv), 64 << 20):
+                    f.write(mv[off:off + (64 << 20)])
+        (tmp / DONE).write_text(owner)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another actor on this node got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (final / DONE).is_file():
+                raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return where, shipment.partial, str(final)

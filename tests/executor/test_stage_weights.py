@@ -1,0 +1,215 @@
+"""Each stage reads, is shipped and uploads exactly its own weights (issue 25, runtime side).
+
+The model is generated here (a small dense stack with safetensors weights); byte counts come from
+the weights reader (`WeightsFile.bytes_read` / `reads`), the launchers' shipment sizes and the
+strict fake driver's record of page-locked allocations and host-to-device copies.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.synthetic_bundles import write_dense_stack
+from tvmpipe.bundle import BundleError, load_bundle
+from tvmpipe.cluster.shipping import build_shipment, stage_param_names, unpack
+from tvmpipe.executor import Stage
+from tvmpipe.executor.inputs import random_feed
+from tvmpipe.partition import plan_equal_ops
+
+
+def _header_bytes(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Path:
+    return write_dense_stack(tmp_path_factory.mktemp("stack") / "stack", layers=6, width=32)
+
+
+def _own_bytes(bundle, start, end) -> tuple[list[str], int]:
+    names = stage_param_names(bundle, start, end)
+    return names, sum(bundle.param_nbytes(n) for n in names)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_stage_reads_exactly_its_own_tensors(stack: Path, k: int):
+    plan = plan_equal_ops(load_bundle(stack).graph, k)
+    header = _header_bytes(stack / "params.safetensors")
+    for start, end in plan.stages:
+        bundle = load_bundle(stack)  # a fresh reader, as in a stage process
+        stage = Stage(bundle, start, end, backend="reference")
+        wf = bundle.params.file
+        names, own = _own_bytes(bundle, start, end)
+        assert names and set(names) == set(stage.program.param_names)
+        assert set(wf.reads) == set(names), "a stage read another stage's tensors"
+        assert all(wf.reads[n] == bundle.param_nbytes(n) for n in names), "each tensor read once"
+        assert wf.bytes_read == header + own
+        assert not bundle.params._cache, "no second (cached) copy of the weights"
+        stage.run(random_feed(stage.program, 0))
+        assert wf.bytes_read == header + own, "running reads no weights"
+
+
+def test_a_shipment_carries_only_its_stages_weights(stack: Path, tmp_path: Path):
+    bundle = load_bundle(stack)
+    plan = plan_equal_ops(bundle.graph, 3)
+    small = sum(p.stat().st_size for p in stack.iterdir() if p.name != "params.safetensors")
+    for i, (start, end) in enumerate(plan.stages):
+        src = load_bundle(stack)
+        ship = build_shipment(src, [(start, end)], [i])
+        names, own = _own_bytes(bundle, start, end)
+        assert list(ship.tensors) == names
+        assert set(src.params.file.reads) == set(names), "building a shipment reads only its tensors"
+        slice_header = ship.weight_bytes - own
+        assert 8 < slice_header < 4096
+        assert ship.nbytes == small + slice_header + own
+        path, partial, made = unpack(ship, f"test{i}")
+        try:
+            got = load_bundle(path, partial_weights=True)
+            stage = Stage(got, start, end, backend="reference")
+            want = Stage(load_bundle(stack), start, end, backend="reference")
+            feed = random_feed(want.program, 1)
+            for e, v in want.run(feed).items():
+                assert np.array_equal(stage.run(feed)[e], v)
+            other = next(n for n in bundle.param_names if n not in names)
+            with pytest.raises(BundleError, match=f"'{other}'.*not in the file .*slice"):
+                got.params[other]
+        finally:
+            if made:
+                import shutil
+                shutil.rmtree(made)
+
+
+def test_a_corrupt_tensor_in_a_shipped_slice_is_named(stack: Path, tmp_path: Path):
+    bundle = load_bundle(stack)
+    ship = build_shipment(bundle, [(0, 4)], [0])
+    ship.weights = ship.weights.copy()
+    ship.weights[-1] ^= 0xFF  # the last byte of the slice's last tensor
+    ship.key = "corrupt-" + ship.key
+    path, _, made = unpack(ship, "test")
+    try:
+        got = load_bundle(path, partial_weights=True)
+        last = ship.tensors[-1]
+        with pytest.raises(BundleError) as err:
+            Stage(got, 0, 4, backend="reference")
+        msg = str(err.value)
+        assert "params.safetensors" in msg and f"'{last}'" in msg and "sha256" in msg
+        assert len(err.value.problems) == 1, msg  # one line: the file and the tensor
+    finally:
+        import shutil
+        shutil.rmtree(made)
+
+
+def test_process_launcher_ships_each_stage_its_own_weights(stack: Path):
+    from tvmpipe.app.oracle import compare, reference_outputs
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.executor.inputs import random_micro_batches
+
+    bundle = load_bundle(stack)
+    plan = plan_equal_ops(bundle.graph, 3)
+    small = sum(p.stat().st_size for p in stack.iterdir() if p.name != "params.safetensors")
+    batches = random_micro_batches(bundle, 4, 0)
+    with Pipeline(bundle, plan, launcher="process", ship_bundle=True) as pipe:
+        for b in batches:
+            pipe.submit(b)
+        outs = [pipe.get() for _ in batches]
+        stats = pipe.launcher.call_all("stats")
+        shipped = dict(pipe.launcher.shipped)
+    assert not compare(outs, reference_outputs(stack, batches))
+    for i, (start, end) in enumerate(plan.stages):
+        _, own = _own_bytes(bundle, start, end)
+        st = stats[i]
+        assert st.weight_bytes == own
+        assert own < st.shipped_bytes == shipped[i] < small + own + 4096, "its weights + small files, nothing else"
+        assert own < st.weights_read < own + 4096, "it read its own tensors (and the slice's header) only"
+
+
+@pytest.fixture
+def fake_stack(monkeypatch, tmp_path, stack):
+    """The strict fake pycuda, computing the dense stack's kernels."""
+    import sys
+
+    from tests.support.fake_cuda import activate
+
+    activate(monkeypatch, tmp_path / "cubins", [stack])
+    import pycuda.driver as drv
+
+    monkeypatch.setattr(drv, "stats", {"pinned_allocs": [], "htod": []})
+    yield drv
+    for name in [m for m in sys.modules if m == "pycuda" or m.startswith("pycuda.")]:
+        del sys.modules[name]
+
+
+def test_cuda_uploads_from_the_file_through_bounded_pinned_staging(fake_stack, stack: Path):
+    drv = fake_stack
+    chunk = 1000  # a w tensor is 4096 bytes: 5 chunks, both buffers reused
+    bundle = load_bundle(stack)
+    start, end = plan_equal_ops(bundle.graph, 2).stages[1]
+    names, own = _own_bytes(bundle, start, end)
+    stage = Stage(bundle, start, end, backend="cuda", staging_bytes=chunk)
+    built = {k: list(v) for k, v in drv.stats.items()}  # what the build did
+    feeds = {e: v for e, v in random_feed(stage.program, 2).items()}
+    ref = Stage(load_bundle(stack), start, end, backend="reference")
+    for e, v in ref.run(feeds).items():
+        np.testing.assert_allclose(stage.run(feeds)[e], v, rtol=1e-5, atol=1e-6)
+    io_bytes = sum(stage.program.entry_specs[e].nbytes for e in stage.program.feed_entries + stage.program.send_entries)
+    assert sorted(built["pinned_allocs"])[-2:] == [chunk, chunk]
+    assert sum(built["pinned_allocs"]) == 2 * chunk + io_bytes, "two staging buffers and the I/O buffers, nothing else"
+    params = [c for c in built["htod"]]
+    assert all(src == "pinned" and how == "async" and n <= chunk for src, n, how in params), params
+    assert sum(n for _, n, _ in params) == own and len(params) > len(names), "every weight byte once, in chunks"
+    wf = bundle.params.file
+    assert set(wf.reads) == set(names) and wf.bytes_read == _header_bytes(stack / "params.safetensors") + own
+    assert not bundle.params._cache, "no host copy of the weights was kept"
+    assert not drv.violations
+    stage.close()
+
+
+def test_the_fake_catches_a_staging_buffer_refilled_too_early(fake_stack, stack: Path, monkeypatch):
+    """Proof the test above means something: without waiting on the buffer's event, the next chunk
+    overwrites bytes a pending copy has not read yet, and the strict fake says so."""
+    drv = fake_stack
+    monkeypatch.setattr(drv.Event, "synchronize", lambda self: self)
+    bundle = load_bundle(stack)
+    with pytest.raises(Exception, match="changed while a host-to-device copy from it was pending"):
+        Stage(bundle, 0, 4, backend="cuda", staging_bytes=1000)
+
+
+def test_a_corrupt_tensor_is_named_on_the_staged_upload(fake_stack, stack: Path, tmp_path: Path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(stack, bad)
+    with open(bad / "params.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    bundle = load_bundle(bad)
+    last_name = max(bundle.params.file.tensors.values(), key=lambda t: t.end).name
+    start = next(i for i, n in enumerate(bundle.graph.nodes) if n.name == last_name)
+    with pytest.raises(BundleError, match=f"params.safetensors: tensor '{last_name}': sha256 differs"):
+        Stage(bundle, start + 1, len(bundle.graph.nodes), backend="cuda", staging_bytes=1000)
+
+
+def test_bundles_without_safetensors_weights_are_shipped_whole():
+    """Generated (or .npz / .params) weights cannot be read by tensor: every file goes, as before."""
+    from tests.support.paths import EXAMPLES_DIR
+    from tvmpipe.app.oracle import compare, reference_outputs
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.executor.inputs import random_micro_batches
+
+    path = EXAMPLES_DIR / "mlp"
+    whole = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    batches = random_micro_batches(load_bundle(path), 2, 0)
+    with Pipeline(path, 2, launcher="process", ship_bundle=True) as pipe:
+        for b in batches:
+            pipe.submit(b)
+        outs = [pipe.get() for _ in batches]
+        shipped = dict(pipe.launcher.shipped)
+    assert shipped == {0: whole, 1: whole}
+    assert not compare(outs, reference_outputs(path, batches))
