@@ -29,6 +29,11 @@ def activate(monkeypatch, cache: Path, bundles: Iterable[Path]) -> dict[str, str
     monkeypatch.syspath_prepend(str(FAKE_ROOT))
     for name in [m for m in sys.modules if m == "pycuda" or m.startswith("pycuda.")]:
         monkeypatch.delitem(sys.modules, name)
+    # Registered as absent first, so undoing the monkeypatch removes the fake modules this import
+    # adds: a later test in the process then sees no pycuda, as on a machine without one.
+    for name in ["pycuda"] + [f"pycuda.{p.stem}" for p in (FAKE_ROOT / "pycuda").glob("*.py") if p.stem != "__init__"]:
+        monkeypatch.setitem(sys.modules, name, None)
+        del sys.modules[name]
     import ctypes
 
     monkeypatch.setattr(ctypes, "CDLL", ctypes.CDLL)  # the fake patches it on import; restored after
