@@ -1,9 +1,10 @@
 """Model sources -> one Relax `main` whose weights are bound as named constants.
 
 Three kinds of SOURCE: an ONNX file, a torch.export program (.pt2), or a built-in model name.
-Every importer ends the same way: the Relax module with weights as constants (so FoldConstant can
-pre-transpose them instead of emitting transpose kernels) and a map from each bound constant to the
-weight name, which the graph's null nodes carry.
+Every importer ends the same way: the Relax module with weights as constants (so constant folding
+can pre-transpose them instead of emitting transpose kernels) and a map from each bound constant to
+the weight name, which the graph's null nodes carry. Big weights are bound as placeholders whose
+value is read from the source tensor when the bundle is written (lazyweights.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
+from tvmpipe.compiler.lazyweights import LazyWeights
 from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.models import build_builtin, get_builtin
 from tvmpipe.compiler.boolcmp import bool_compares_as_int8
@@ -42,6 +44,7 @@ class Imported:
     dtype: str
     const_names: ConstNames = field(default_factory=ConstNames)
     torch_module: Any = None
+    weights: LazyWeights = field(default_factory=LazyWeights)
 
 
 def load_source(source: str, batch: int | None = None, seed: int = 0) -> Imported:
@@ -186,10 +189,13 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
         raise SourceError(f"{model}: {len(param_vars)} weight parameters but {len(weights)} weight values")
     binding: dict[Any, Any] = {}
     const_names = ConstNames()
+    lazy = LazyWeights()
     for var, value in zip(param_vars, weights):
-        const = relax.const(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+        # big weights are placeholders valued from the source tensor at write time (lazyweights.py)
+        const = lazy.bind(value if hasattr(value, "shape") and hasattr(value, "dtype") else np.asarray(value))
         binding[var] = const
         const_names.add(const, var.name)
+    del weights, detached  # the placeholders' recipes hold the source tensors, nothing else does
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
     mod = bool_compares_as_int8(te_calls_to_ops(mod))
@@ -204,4 +210,4 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
     float_dtypes = [d for d in dtypes if d.startswith("float")]
     return Imported(mod=mod, model=model, source=source, inputs=[v.name for v in inputs], input_shapes=shapes,
                     input_dtypes=dtypes, batch=batch, dtype=float_dtypes[0] if float_dtypes else "float32",
-                    const_names=const_names)
+                    const_names=const_names, weights=lazy)

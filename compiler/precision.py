@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.compiler.constnames import ConstNames
+from tvmpipe.compiler.lazyweights import LazyWeights
 from tvmpipe.compiler.rewrite import rewrite_main
 
 F32, F16 = "float32", "float16"
@@ -31,7 +32,7 @@ def _convert_attrs(attrs: Any) -> Any:
     return type(attrs)(**fields)
 
 
-def to_float16(mod: Any, names: ConstNames) -> Any:
+def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None) -> Any:
     """The float16 module; its weight constants are named like the float32 ones they replace.
 
     Only `main` is rewritten: it is all there is before legalization."""
@@ -44,10 +45,13 @@ def to_float16(mod: Any, names: ConstNames) -> Any:
         return relax.Var(p.name, ty)
 
     def const(c: Any) -> Any:
-        arr = c.value.numpy()
-        if arr.dtype != np.float32:
+        if str(c.ty.dtype) != F32:
             return c
-        new = relax.const(arr.astype(np.float16))
+        if weights is not None and weights.is_lazy(c):  # a placeholder: rounded when written
+            shape = tuple(int(d) for d in c.ty.shape.values)
+            new = weights.derive(lambda a: a.astype(np.float16), [c], shape, F16, "astype float16")
+        else:
+            new = relax.const(c.value.numpy().astype(np.float16))
         if names.get(c):
             names.add(new, names.get(c), root=names.root(c))
         return new
