@@ -17,11 +17,12 @@ import numpy as np
 
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
 from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError, one_line
-from tvmpipe.compiler.lazyweights import GraphParams
+from tvmpipe.compiler.lazyweights import GraphParams, materialize_folded
 from tvmpipe.compiler.progress import Progress
 
 DEFAULT_ARCH = "sm_90"
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
+LOW = ("float16", "bfloat16")
 # dlight's fp16 matmul tensorization crashes for sm_70+ when any dimension exceeds 64 (see
 # docs/compiler.md); scheduling fp16 under this arch and generating code for the real one works.
 FP16_SCHEDULE_ARCH = "sm_61"
@@ -131,14 +132,16 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     with _step(progress, "fold"), target:
         mod = _fold(imp.mod, names, imp.weights)
         imp.mod = None  # the import's module holds the unfolded constants
-        if dtype is not None and dtype != imp.dtype:
-            mod = _convert(mod, imp, dtype, names)
+        want = dtype or imp.native_dtype or imp.dtype  # a bf16/fp16 torch program imports in float32
+        if want != imp.dtype:
+            mod = _convert(mod, imp, want, names)
+            mod = materialize_folded(mod, names, imp.weights)  # casts the conversion added on weights
     with _step(progress, "fuse"), target:
         fused = _fuse(mod, names)
     prims = {name: fused.mod[name] for name in fused.calls}
     with _step(progress, "schedule", f"{len(prims)} functions"):
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
-        fp16 = any(d == "float16" for n in fused.graph.nodes for _, d in n.outputs)
+        fp16 = any(d in LOW for n in fused.graph.nodes for _, d in n.outputs)
         with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
             scheduled = _schedule(fused, prims)
     with _step(progress, "codegen", f"CUDA {arch}"):
@@ -178,14 +181,16 @@ def _fold(mod: Any, names: Any, weights: Any = None) -> Any:
 
 
 def _convert(mod: Any, imp: Any, dtype: str, names: Any) -> Any:
-    """--dtype float16 on a float32 model: convert inputs, weights and compute (after folding)."""
+    """--dtype float16/bfloat16 on a float32 model (or a bf16/fp16 torch program, imported in
+    float32): convert inputs, weights and compute (after folding)."""
     from tvmpipe.compiler.precision import to_float16
 
-    if (imp.dtype, dtype) != ("float32", "float16"):
-        raise CompileError(f"{imp.model}: cannot convert a {imp.dtype} model to {dtype} (only float32 -> float16)")
-    imp.input_dtypes = ["float16" if d == "float32" else d for d in imp.input_dtypes]
+    if imp.dtype != "float32" or dtype not in LOW:
+        raise CompileError(f"{imp.model}: cannot convert a {imp.dtype} model to {dtype} "
+                           "(only float32 -> float16 or bfloat16)")
+    imp.input_dtypes = [dtype if d == "float32" else d for d in imp.input_dtypes]
     imp.dtype = dtype
-    return to_float16(mod, names, imp.weights)
+    return to_float16(mod, names, imp.weights, dtype)
 
 
 @dataclass

@@ -48,7 +48,7 @@ class _Node:
         if self.fn is None:
             return as_numpy(self.source)
         vals = [a.evaluate() if isinstance(a, _Node) else a for a in self.args]
-        out = np.ascontiguousarray(self.fn(*vals))
+        out = np.require(self.fn(*vals), requirements="C")
         if tuple(out.shape) != self.shape or str(out.dtype) != self.dtype:
             raise CompileError(f"internal: weight preprocessing '{self.what}' gives {out.dtype}{list(out.shape)}, "
                                f"but its Relax type is {self.dtype}{list(self.shape)}")
@@ -59,6 +59,15 @@ def as_numpy(tensor: Any) -> np.ndarray:
     """A NumPy view of a TVM tensor (no copy where DLPack allows; bfloat16 through torch)."""
     if isinstance(tensor, np.ndarray):
         return tensor
+    if type(tensor).__module__.startswith("torch"):
+        import torch
+
+        t = tensor.detach()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
     try:
         return np.from_dlpack(tensor)
     except (BufferError, RuntimeError, TypeError, ValueError):
@@ -98,6 +107,18 @@ class LazyWeights:
             return relax.const(np.array(as_numpy(tensor)) if dtype != "bfloat16" else tensor.copyto(_cpu()))
         return self._placeholder(_Node(shape, dtype, source=tensor))
 
+    def bind_float32(self, tensor: Any) -> Any:
+        """Like bind, for a torch tensor in half precision whose float32 value is bound (exact)."""
+        import torch
+        from tvm import relax
+
+        shape = tuple(int(d) for d in tensor.shape)
+        src = _Node(shape, str(tensor.dtype).replace("torch.", ""), source=tensor)
+        node = _Node(shape, "float32", fn=lambda a: a.astype(np.float32), args=(src,), what="astype float32")
+        if tensor.numel() * 4 < self.min_bytes:
+            return relax.const(tensor.detach().to(torch.float32).numpy())
+        return self._placeholder(node)
+
     def is_lazy(self, const: Any) -> bool:
         return key(const) in self._nodes
 
@@ -117,7 +138,10 @@ class LazyWeights:
         """The constant's value: computed from its recipe for a placeholder (a new array, or a view
         of the source tensor), its data for a real constant."""
         hit = self._nodes.get(key(const))
-        return hit[1].evaluate() if hit else const.value.numpy()
+        if hit:
+            return hit[1].evaluate()
+        value, shape = const.value.numpy(), tuple(int(d) for d in const.value.shape)
+        return value.reshape(shape) if value.shape != shape else value  # TVM gives a 0-d fp16 tensor as [1]
 
     def real(self, const: Any) -> Any:
         """A real constant with the placeholder's value (a copy)."""
@@ -128,7 +152,7 @@ class LazyWeights:
             import tvm
 
             t = tvm.runtime.empty(value.shape, "bfloat16")
-            t.copyfrom(np.ascontiguousarray(value))
+            t.copyfrom(np.array(value, order="C"))
             return relax.const(t)
         return relax.const(np.array(value))
 
@@ -207,7 +231,16 @@ class GraphParams(Mapping[str, np.ndarray]):
         return len(self.consts)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(n, str(c.ty.dtype), tuple(int(d) for d in c.ty.shape.values)) for n, c in self.consts.items()]
+        """(name, dtype, shape) of each tensor as written: a placeholder's from its recipe, a real
+        constant's from its data (a scalar constant can hold a [1] array under a [] type)."""
+        out = []
+        for n, c in self.consts.items():
+            hit = self.weights._nodes.get(key(c))
+            if hit:
+                out.append((n, hit[1].dtype, hit[1].shape))
+            else:
+                out.append((n, str(c.value.dtype), tuple(int(d) for d in c.value.shape)))
+        return out
 
     def nbytes(self) -> int:
         from tvmpipe.bundle import dtypes
