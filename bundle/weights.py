@@ -62,7 +62,7 @@ class TensorInfo:
 def tensor_sha256(data: bytes | memoryview | np.ndarray) -> str:
     """The checksum bundle.json keeps per tensor: sha256 of its bytes as stored (C order, little endian)."""
     if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        data = np.require(data, requirements="C").reshape(-1).view(np.uint8)
     return hashlib.sha256(memoryview(data)).hexdigest()
 
 
@@ -253,7 +253,7 @@ class WeightsWriter:
         t = self.tensors.get(name)
         if t is None:
             raise _fail(str(self.path), f"tensor '{name}'", "not declared when the file was opened")
-        arr = np.ascontiguousarray(value)
+        arr = np.require(value, requirements="C")  # not ascontiguousarray: it makes a 0-d array [1]
         if tuple(arr.shape) != t.shape or arr.dtype != _np_dtype(t.dtype):
             raise _fail(str(self.path), f"tensor '{name}'",
                         f"is {arr.dtype}{list(arr.shape)} but was declared {t.dtype}{list(t.shape)}")
