@@ -43,16 +43,46 @@ class _Node:
     fn: Callable[..., np.ndarray] | None = None
     args: tuple[Any, ...] = ()
     what: str = ""
+    kind: str = "op"  # "cast" (astype), "layout" (transpose/reshape: moves values), "op"
 
     def evaluate(self) -> np.ndarray:
         if self.fn is None:
             return as_numpy(self.source)
-        vals = [a.evaluate() if isinstance(a, _Node) else a for a in self.args]
-        out = np.require(self.fn(*vals), requirements="C")
+        short = self._round_trip()
+        vals = [short.evaluate()] if short is not None else [a.evaluate() if isinstance(a, _Node) else a
+                                                             for a in self.args]
+        if short is not None:  # the layout ops on the half-precision source itself
+            out = vals[0]
+            for n in self._layout_chain():
+                out = n.fn(out)
+            out = np.require(out, requirements="C")
+        else:
+            out = np.require(self.fn(*vals), requirements="C")
         if tuple(out.shape) != self.shape or str(out.dtype) != self.dtype:
             raise CompileError(f"internal: weight preprocessing '{self.what}' gives {out.dtype}{list(out.shape)}, "
                                f"but its Relax type is {self.dtype}{list(self.shape)}")
         return out
+
+    def _layout_chain(self) -> list["_Node"]:
+        chain, inner = [], self.args[0] if self.args else None
+        while isinstance(inner, _Node) and inner.kind == "layout":
+            chain.append(inner)
+            inner = inner.args[0]
+        return chain[::-1]
+
+    def _round_trip(self) -> "_Node | None":
+        """For cast(D) of layout ops of cast(float32) of a D source (a bf16 weight imported in float32,
+        transposed, converted back): that source. The round trip is exact, and skipping it keeps the
+        write's temporary at one half-precision tensor instead of two float32 ones."""
+        if self.kind != "cast" or self.dtype == "float32":
+            return None
+        inner = self.args[0]
+        while isinstance(inner, _Node) and inner.kind == "layout":
+            inner = inner.args[0]
+        if isinstance(inner, _Node) and inner.kind == "cast" and inner.dtype == "float32" \
+                and isinstance(inner.args[0], _Node) and inner.args[0].dtype == self.dtype:
+            return inner.args[0]
+        return None
 
 
 def as_numpy(tensor: Any) -> np.ndarray:
@@ -114,7 +144,8 @@ class LazyWeights:
 
         shape = tuple(int(d) for d in tensor.shape)
         src = _Node(shape, str(tensor.dtype).replace("torch.", ""), source=tensor)
-        node = _Node(shape, "float32", fn=lambda a: a.astype(np.float32), args=(src,), what="astype float32")
+        node = _Node(shape, "float32", fn=lambda a: a.astype(np.float32), args=(src,), what="astype float32",
+                     kind="cast")
         if tensor.numel() * 4 < self.min_bytes:
             return relax.const(tensor.detach().to(torch.float32).numpy())
         return self._placeholder(node)
@@ -123,7 +154,7 @@ class LazyWeights:
         return key(const) in self._nodes
 
     def derive(self, fn: Callable[..., np.ndarray], args: list[Any], shape: tuple[int, ...], dtype: str,
-               what: str) -> Any:
+               what: str, kind: str = "op") -> Any:
         """A placeholder for `fn(*values of args)`: args are constants (lazy or real) or NumPy arrays."""
         parts = []
         for a in args:
@@ -132,7 +163,7 @@ class LazyWeights:
             else:
                 hit = self._nodes.get(key(a))
                 parts.append(hit[1] if hit else a.value.numpy())
-        return self._placeholder(_Node(tuple(shape), dtype, fn=fn, args=tuple(parts), what=what))
+        return self._placeholder(_Node(tuple(shape), dtype, fn=fn, args=tuple(parts), what=what, kind=kind))
 
     def value(self, const: Any) -> np.ndarray:
         """The constant's value: computed from its recipe for a placeholder (a new array, or a view

@@ -103,7 +103,8 @@ def fold_constants(mod: Any, names: ConstNames, weights: LazyWeights | None = No
                 not isinstance(o, np.ndarray) and weights.is_lazy(o) for o in plan[1]):
             shape = tuple(int(d) for d in ty.shape.values)
             if _result_type(op.name, plan[1]) == str(ty.dtype):  # else TVM folds it, materialized
-                const = weights.derive(plan[0], plan[1], shape, str(ty.dtype), op.name)
+                const = weights.derive(plan[0], plan[1], shape, str(ty.dtype), op.name,
+                                       "layout" if op.name in ("relax.reshape", "relax.permute_dims") else "op")
         elif plan is not None:
             fn, operands = plan
             out = fn(*[o if isinstance(o, np.ndarray) else o.value.numpy() for o in operands])

@@ -63,7 +63,7 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
             return c
         if weights is not None and weights.is_lazy(c):  # a placeholder: rounded when written
             shape = tuple(int(d) for d in c.ty.shape.values)
-            new = weights.derive(lambda a: a.astype(low), [c], shape, target, f"astype {target}")
+            new = weights.derive(lambda a: a.astype(low), [c], shape, target, f"astype {target}", "cast")
         else:
             new = _const(c.value.numpy().astype(low))
         if names.get(c):
@@ -83,7 +83,7 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
         if isinstance(a, tvm.ir.GenericConst):
             if weights is not None and weights.is_lazy(a):
                 shape = tuple(int(d) for d in a.ty.shape.values)
-                new = weights.derive(lambda v: v.astype(np.float32), [a], shape, F32, "astype float32")
+                new = weights.derive(lambda v: v.astype(np.float32), [a], shape, F32, "astype float32", "cast")
             else:
                 new = relax.const(a.value.numpy().astype(np.float32))
             if names.get(a):
