@@ -34,7 +34,12 @@ TOLERANCE = 1e-4  # of max|torch output|: float32 summation-order noise is ~1e-6
 # the zoo: up to ~1.5% of max|torch| (docs/compiler.md); 5% keeps margin and still catches a wrong
 # op (an error is O(1) of max|out|).
 FP16_TOLERANCE = 5e-2
+# TVM's own CPU build of an fp16 bundle accumulates every conv/matmul in fp16 (the reference
+# accumulates in float32): measured 6.7% of max|torch| on MobileNetV2 (50-odd layers) where the
+# reference is at 2.7%. It is a cross-check of the fused functions, so it gets twice the room.
+FP16_CPU_TOLERANCE = 1e-1
 TOLERANCES = {"float32": TOLERANCE, "float16": FP16_TOLERANCE}
+CPU_TOLERANCES = {"float32": TOLERANCE, "float16": FP16_CPU_TOLERANCE}
 NVCC_ARCHS = ("sm_80", "sm_90")
 
 
@@ -153,6 +158,7 @@ def _run_checks(result: ZooResult, exported: Any, module: Any, inputs: dict[str,
              for n, v in zip(bundle.input_names, inputs.values())}
     want = zoo.torch_output(module, inputs)
     tolerance = TOLERANCES.get(dtype, FP16_TOLERANCE)
+    cpu_tolerance = CPU_TOLERANCES.get(dtype, FP16_CPU_TOLERANCE)
     scale = max(float(np.max(np.abs(want))), 1e-30)
 
     runner = GraphRunner(bundle, backend="reference")
@@ -180,7 +186,7 @@ def _run_checks(result: ZooResult, exported: Any, module: Any, inputs: dict[str,
     problems = []
     if result.ref_error > tolerance:
         problems.append(f"reference differs from torch by {result.ref_error:.2e} of max|torch|")
-    if result.cpu_error > tolerance:
+    if result.cpu_error > cpu_tolerance:
         problems.append(f"TVM CPU build differs from torch by {result.cpu_error:.2e} of max|torch|")
     problems += [f"{k} split is not bit-identical" for k, same in result.split_identical.items() if not same]
     if result.nvcc_ok is False:
