@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.tvm, pytest.mark.slow]
+pytestmark = pytest.mark.tvm
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 def test_compile_peak_is_within_twice_the_weights(tmp_path: Path) -> None:
     pytest.importorskip("tvm")
     from bench.compile_memory import make_model, measure
@@ -35,3 +36,42 @@ def test_compile_peak_is_within_twice_the_weights(tmp_path: Path) -> None:
     sd = torch.export.load(str(src)).state_dict
     np.testing.assert_array_equal(b.params["p_layers_0_weight_permute_dims"], sd["layers.0.weight"].detach().numpy().T)
     np.testing.assert_array_equal(b.params["p_layers_5_bias"], sd["layers.5.bias"].detach().numpy())
+
+
+def test_placeholder_weights_that_tvm_folds_get_their_real_values(tmp_path):
+    """Big weights are placeholders (never-written memory): one that a constant-only computation
+    reads (an embedding taken at constant positions, folded after legalization) must be made real
+    before TVM folds it, or the folded param would be garbage; a transposed one stays a recipe."""
+    import torch
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.lazyweights import LAZY_MIN_BYTES
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.executor import GraphRunner
+
+    class PosLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.pos = torch.nn.Parameter(torch.randn(512, 64, generator=g))  # 128 KiB
+            self.fc = torch.nn.Linear(64, 512)
+
+        def forward(self, x):
+            return self.fc(x + self.pos[torch.arange(16)])
+
+    m = PosLinear().eval()
+    assert m.pos.numel() * 4 >= LAZY_MIN_BYTES and m.fc.weight.numel() * 4 >= LAZY_MIN_BYTES
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    torch.export.save(torch.export.export(m, (x,)), str(tmp_path / "m.pt2"))
+    ex = export(str(tmp_path / "m.pt2"), progress=Progress(stream=None))
+    assert {"p_pos_take", "p_fc_weight_permute_dims"} <= set(ex.params)
+    assert not ex.params.weights.is_lazy(ex.params.consts["p_pos_take"])  # folded by TVM: made real first
+    assert ex.params.weights.is_lazy(ex.params.consts["p_fc_weight_permute_dims"])  # a recipe until written
+    b = load_bundle(ex.write(tmp_path / "bundle"))
+    np.testing.assert_array_equal(b.params["p_pos_take"], m.pos.detach().numpy()[:16])
+    r = GraphRunner(b, backend="reference")
+    r.set_input(x=x.numpy())
+    r.run()
+    with torch.no_grad():
+        np.testing.assert_allclose(r.get_output(0), m(x).numpy(), rtol=1e-5, atol=1e-5)
