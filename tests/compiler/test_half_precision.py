@@ -129,3 +129,28 @@ def test_reference_rounds_bf16_per_op_to_nearest_even():
     (out,) = run_function(fn, [a, b])
     assert out.dtype == bf
     np.testing.assert_array_equal(out.astype(np.float32), [1.0, 1.0078125, 256.0])
+
+
+def test_float16_torch_program_compiles_to_an_f16_bundle(tmp_path):
+    """A torch program in float16 imports (re-exported in float32 over placeholder parameters, as
+    bf16 is) and compiles to a float16 bundle holding torch's own fp16 weights, pre-transposed."""
+    import torch
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.executor import GraphRunner
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32)).half().eval()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).half()
+    torch.export.save(torch.export.export(m, (x,)), str(tmp_path / "mlp16.pt2"))
+    ex = quiet(str(tmp_path / "mlp16.pt2"))
+    assert ex.dtype == "float16" and ex.input_dtypes == ["float16"]
+    b = load_bundle(ex.write(tmp_path / "bundle"))
+    assert {t["dtype"] for t in st_header(tmp_path / "bundle").values()} == {"F16"}
+    np.testing.assert_array_equal(b.params["p_0_weight_permute_dims"], m[0].weight.detach().T.numpy())
+    r = GraphRunner(b, backend="reference")
+    r.set_input(**{b.input_names[0]: x.numpy()})
+    r.run()
+    with torch.no_grad():
+        want = m.float()(x.float()).numpy()
+    assert np.abs(r.get_output(0).astype(np.float32) - want).max() <= 2e-2 * np.abs(want).max()
