@@ -1,10 +1,11 @@
 """The model zoo through both export paths: compile, numerics vs torch, K = 2, 3 splits, nvcc.
 
-    python bench/zoo.py [--models resnet50 gpt2 ...] [--paths pt2 onnx] [--no-nvcc]
+    python bench/zoo.py [--models resnet50 gpt2 ...] [--paths pt2 onnx] [--dtypes float32 float16] [--no-nvcc]
 
 Every zoo model (compiler/zoo.py: torchvision CNNs, transformers from small configs, random seeded
 weights, no downloads) is exported to .pt2 and to ONNX, compiled, and checked by
-`tvmpipe.app.zoocheck.check_model`. Prints the coverage table (the README's) and writes
+`tvmpipe.app.zoocheck.check_model`, in float32 and in float16 (`--dtype float16`, compared with the
+float32 torch model within zoocheck.FP16_TOLERANCE). Prints the coverage table (the README's) and writes
 bench/results/zoo.json with the machine's load average: this 2-core machine is shared, and other
 work inflates compile and run times. Exits 1 if any model fails a check (a path torch itself
 cannot export is listed, not counted).
@@ -13,6 +14,7 @@ cannot export is listed, not counted).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -33,16 +35,17 @@ def _short(error: str | None, limit: int = 150) -> str:
 
 def table(rows: list[dict]) -> str:
     """The README's coverage table, one row per (model, path)."""
-    head = ("| model | path | compile s | nodes / kernels | max error vs torch (of max\\|out\\|) "
-            "| reference ms / torch ms | K = 2, 3 bit-identical | result |\n|---|---|--:|--:|--:|--:|---|---|")
+    head = ("| model | path | dtype | compile s | nodes / kernels | max error vs torch (of max\\|out\\|) "
+            "| reference ms / torch ms | K = 2, 3 bit-identical | result |\n|---|---|---|--:|--:|--:|--:|---|---|")
     lines = [head]
     for r in rows:
         if r["compile_s"] is None:
-            lines.append(f"| {r['model']} | {r['path']} | — | — | — | — | — | fails: {_short(r['error'])} |")
+            lines.append(f"| {r['model']} | {r['path']} | {r.get('dtype', 'float32')} | — | — | — | — | — | "
+                         f"fails: {_short(r['error'])} |")
             continue
         same = ", ".join("yes" if r["split_identical"].get(k) else "NO" for k in ("K=2", "K=3"))
         lines.append(
-            f"| {r['model']} | {r['path']} | {r['compile_s']:.1f} | {r['nodes']} / {r['kernels']} | "
+            f"| {r['model']} | {r['path']} | {r.get('dtype', 'float32')} | {r['compile_s']:.1f} | {r['nodes']} / {r['kernels']} | "
             f"{r['ref_error']:.1e} | {r['ref_ms']:.1f} / {r['torch_ms']:.1f} | {same} | "
             f"{'ok' if r['ok'] else _short(r['error'])} |")
     return "\n".join(lines)
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO))
     ap.add_argument("--paths", nargs="+", default=list(EXPORT_PATHS), choices=list(EXPORT_PATHS))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16"],
+                    help="compile dtypes to check each row in (float16: --dtype float16)")
     ap.add_argument("--no-nvcc", action="store_true", help="skip the nvcc sm_80/sm_90 check")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = [json.loads(p.read_text()) for p in args.merge]
         order = {n: i for i, n in enumerate(ZOO)}
         rows = sorted((r for part in parts for r in part["results"]),
-                      key=lambda r: (order.get(r["model"], 99), EXPORT_PATHS.index(r["path"])))
+                      key=lambda r: (order.get(r["model"], 99), EXPORT_PATHS.index(r["path"]),
+                                     r.get("dtype", "float32") != "float32"))
         merged = {**parts[0], "results": rows, "merged_from": len(parts),
                   "total_s": max(p["total_s"] for p in parts)}
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
@@ -75,14 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     rows = []
     t0 = time.perf_counter()
-    for name in args.models:
-        for path in args.paths:
-            with tempfile.TemporaryDirectory(prefix=f"zoo-{name}-") as tmp:
-                r = check_model(name, path, Path(tmp), nvcc=not args.no_nvcc)
-            rows.append(r.to_json())
-            print(f"{name:16s} {path:5s} {'ok' if r.ok else 'FAIL'}"
-                  + (f" compile {r.compile_s:.1f}s err {r.ref_error:.1e}" if r.compile_s else "")
-                  + (f"  {r.error}" if r.error else ""), flush=True)
+    for name, path, dtype in itertools.product(args.models, args.paths, args.dtypes):
+        with tempfile.TemporaryDirectory(prefix=f"zoo-{name}-") as tmp:
+            r = check_model(name, path, Path(tmp), nvcc=not args.no_nvcc, dtype=dtype)
+        rows.append(r.to_json())
+        print(f"{name:16s} {path:5s} {dtype:8s} {'ok' if r.ok else 'FAIL'}"
+              + (f" compile {r.compile_s:.1f}s err {r.ref_error:.1e}" if r.compile_s else "")
+              + (f"  {r.error}" if r.error else ""), flush=True)
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({

@@ -23,9 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=None,
                    help="batch size (built-in models: default 1; files: must match a static batch, "
                         "or sets a symbolic leading ONNX dimension)")
-    p.add_argument("--dtype", choices=["float32", "float16"], default=None,
-                   help="compute dtype (default: the model's own, float32 for built-ins); float16 converts a "
-                        "float32 model's inputs, weights and compute, files included")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype (default: the model's own, float32 for built-ins; a bf16/fp16 torch "
+                        "program stays bf16/fp16); float16/bfloat16 converts a float32 model's inputs, weights "
+                        "and compute, files included")
     p.add_argument("--name", default=None,
                    help="the bundle's model name (default: the built-in's name, the .pt2 program's module "
                         "class, or the .onnx file's stem)")

@@ -11,16 +11,18 @@ import importlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
 from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError, one_line
+from tvmpipe.compiler.lazyweights import GraphParams, materialize_folded
 from tvmpipe.compiler.progress import Progress
 
 DEFAULT_ARCH = "sm_90"
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
+LOW = ("float16", "bfloat16")
 # dlight's fp16 matmul tensorization crashes for sm_70+ when any dimension exceeds 64 (see
 # docs/compiler.md); scheduling fp16 under this arch and generating code for the real one works.
 FP16_SCHEDULE_ARCH = "sm_61"
@@ -55,7 +57,7 @@ class Exported:
     kernels: dict[str, Any]
     ops: dict[str, Any]
     cuda_source: str
-    params: dict[str, np.ndarray]
+    params: Mapping[str, np.ndarray]  # a GraphParams from export(): each tensor valued on lookup
     tvm_version: str
     unscheduled: Any = None
     torch_module: Any = None
@@ -64,16 +66,29 @@ class Exported:
     generation: Any = None  # bundle.state.GenerationSpec
 
     def write(self, out_dir: str | Path, *, params_seed: int | None = None, overwrite: bool = False) -> Path:
-        """Write the bundle atomically. With `params_seed`, weights are left out and generated on load."""
+        """Write the bundle atomically. With `params_seed`, weights are left out and generated on load.
+
+        The weights are streamed: each tensor is computed (transposed, converted), written into a
+        safetensors file beside `out_dir` and dropped, and the file is then moved into the bundle."""
+        import os
+
         from tvmpipe.bundle import write_bundle
 
-        return write_bundle(
-            out_dir, model=self.model, source=self.source, target=self.target, batch=self.batch,
-            dtype=self.dtype, graph=self.graph, kernels=self.kernels, ops=self.ops,
-            cuda_source=self.cuda_source, inputs=self.inputs,
-            params=None if params_seed is not None else self.params, params_seed=params_seed,
-            tvm_version=self.tvm_version, overwrite=overwrite, state=self.state, generation=self.generation,
-        )
+        common = dict(model=self.model, source=self.source, target=self.target, batch=self.batch,
+                      dtype=self.dtype, graph=self.graph, kernels=self.kernels, ops=self.ops,
+                      cuda_source=self.cuda_source, inputs=self.inputs, tvm_version=self.tvm_version,
+                      overwrite=overwrite, state=self.state, generation=self.generation)
+        if params_seed is not None or not isinstance(self.params, GraphParams):
+            return write_bundle(out_dir, params=None if params_seed is not None else self.params,
+                                params_seed=params_seed, **common)
+        out = Path(out_dir).resolve()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.params-{os.getpid()}.safetensors")
+        try:
+            sums = self.params.write(tmp)
+            return write_bundle(out_dir, params=None, weights=(tmp, sums), **common)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -119,15 +134,18 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     target = launches.cuda_target(arch)
     names = imp.const_names
     with _step(progress, "fold"), target:
-        mod = _fold(imp.mod, names)
-        if dtype is not None and dtype != imp.dtype:
-            mod = _convert(mod, imp, dtype, names)
+        mod = _fold(imp.mod, names, imp.weights)
+        imp.mod = None  # the import's module holds the unfolded constants
+        want = dtype or imp.native_dtype or imp.dtype  # a bf16/fp16 torch program imports in float32
+        if want != imp.dtype:
+            mod = _convert(mod, imp, want, names)
+            mod = materialize_folded(mod, names, imp.weights)  # casts the conversion added on weights
     with _step(progress, "fuse"), target:
         fused = _fuse(mod, names)
     prims = {name: fused.mod[name] for name in fused.calls}
     with _step(progress, "schedule", f"{len(prims)} functions"):
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
-        fp16 = any(d == "float16" for n in fused.graph.nodes for _, d in n.outputs)
+        fp16 = any(d in LOW for n in fused.graph.nodes for _, d in n.outputs)
         with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
             scheduled = _schedule(fused, prims)
     with _step(progress, "codegen", f"CUDA {arch}"):
@@ -138,7 +156,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         graph=fused.graph.graph,
         kernels={"version": 1, "functions": {k: v.to_json() for k, v in kernels.items()}},
         ops={"version": 1, "functions": {k: v.to_json() for k, v in ops.items()}},
-        cuda_source=src, params=fused.graph.params, tvm_version=tvm.__version__,
+        cuda_source=src, params=GraphParams(fused.graph.params, imp.weights), tvm_version=tvm.__version__,
         unscheduled=tvm.IRModule(prims), torch_module=imp.torch_module, timings=dict(progress.timings),
         state=_check_state(imp, fused.graph.inputs), generation=imp.generation,
     )
@@ -153,32 +171,40 @@ def _check_state(imp: Any, inputs: list[str]) -> list[Any]:
     return list(imp.state)
 
 
-def _fold(mod: Any, names: Any) -> Any:
-    """Inference cleanups and constant folding (weights pre-transposed, batch norm folded)."""
+def _fold(mod: Any, names: Any, weights: Any = None) -> Any:
+    """Inference cleanups and constant folding (weights pre-transposed, batch norm folded).
+
+    Placeholder weights (lazyweights.py) are folded as recipes by the NumPy folder; any that TVM
+    would still compute with is given its real value first."""
     import tvm
     from tvm import relax
 
     from tvmpipe.compiler import lowfold, npfold
+    from tvmpipe.compiler.lazyweights import materialize_folded
 
     mod = tvm.transform.Sequential([
         relax.transform.FoldBatchnormToConv2D(), relax.transform.DecomposeOpsForInference(),
         relax.transform.CanonicalizeBindings(),  # without it batch-norm leftovers block relu fusion
     ])(mod)
-    mod = npfold.fold_constants(mod, names)
+    mod = npfold.fold_constants(mod, names, weights)
+    if weights is not None:
+        mod = materialize_folded(mod, names, weights)
     folded = relax.transform.FoldConstant()(mod)
     names.track_fold(mod["main"], folded["main"])
     return lowfold.fold_after_legalize(relax.transform.DeadCodeElimination()(folded), names)
 
 
 def _convert(mod: Any, imp: Any, dtype: str, names: Any) -> Any:
-    """--dtype float16 on a float32 model: convert inputs, weights and compute (after folding)."""
+    """--dtype float16/bfloat16 on a float32 model (or a bf16/fp16 torch program, imported in
+    float32): convert inputs, weights and compute (after folding)."""
     from tvmpipe.compiler.precision import to_float16
 
-    if (imp.dtype, dtype) != ("float32", "float16"):
-        raise CompileError(f"{imp.model}: cannot convert a {imp.dtype} model to {dtype} (only float32 -> float16)")
-    imp.input_dtypes = ["float16" if d == "float32" else d for d in imp.input_dtypes]
+    if imp.dtype != "float32" or dtype not in LOW:
+        raise CompileError(f"{imp.model}: cannot convert a {imp.dtype} model to {dtype} "
+                           "(only float32 -> float16 or bfloat16)")
+    imp.input_dtypes = [dtype if d == "float32" else d for d in imp.input_dtypes]
     imp.dtype = dtype
-    return to_float16(mod, names)
+    return to_float16(mod, names, imp.weights, dtype)
 
 
 @dataclass
@@ -225,7 +251,7 @@ def _fuse(mod: Any, names: Any) -> _Fused:
         hit = prog.ops.get(k) or (prog.ops.get(opmap.key(owner)) if owner is not None else None)
         return hit.op if hit else None
 
-    built = graphjson.build_graph(mod["main"], names.get, op_of_var)
+    built = graphjson.build_graph(mod["main"], names.get, op_of_var, value_of=lambda c: c)
     return _Fused(mod, built, fusion, prog, _calls_by_function(built, group_of))
 
 

@@ -1,9 +1,10 @@
 """Model sources -> one Relax `main` whose weights are bound as named constants.
 
 Three kinds of SOURCE: an ONNX file, a torch.export program (.pt2), or a built-in model name.
-Every importer ends the same way: the Relax module with weights as constants (so FoldConstant can
-pre-transpose them instead of emitting transpose kernels) and a map from each bound constant to the
-weight name, which the graph's null nodes carry.
+Every importer ends the same way: the Relax module with weights as constants (so constant folding
+can pre-transpose them instead of emitting transpose kernels) and a map from each bound constant to
+the weight name, which the graph's null nodes carry. Big weights are bound as placeholders whose
+value is read from the source tensor when the bundle is written (lazyweights.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from tvmpipe.bundle.bundle import sha256_file
 from tvmpipe.compiler.constnames import ConstNames
+from tvmpipe.compiler.lazyweights import LazyWeights
 from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.models import build_builtin, get_builtin
 from tvmpipe.compiler.boolcmp import bool_compares_as_int8
@@ -46,6 +48,8 @@ class Imported:
     torch_module: Any = None
     state: list = field(default_factory=list)  # bundle.state.StatePair: lifted buffers, decode caches
     generation: Any = None  # bundle.state.GenerationSpec of a decode step
+    weights: LazyWeights = field(default_factory=LazyWeights)
+    native_dtype: str | None = None  # bfloat16/float16: the program was imported in float32 (_as_float32)
 
 
 def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None) -> Imported:
@@ -131,6 +135,10 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
     from tvmpipe.compiler import lift
 
     state: list = []
+    native = _low_precision(ep)
+    sources: dict[str, Any] = {}
+    if native is not None:
+        ep, sources = _as_float32(ep, model)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -146,9 +154,67 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
         raise
     except Exception as exc:
         raise SourceError(f"TVM cannot import the torch program '{model}': {type(exc).__name__}: {exc}") from None
-    imp = _bind(mod, model, source)
+    imp = _bind(mod, model, source, sources)
+    imp.native_dtype = native
     imp.state = state
     return imp
+
+
+def _low_precision(ep: Any) -> str | None:
+    """'bfloat16' or 'float16' when the program's parameters (or inputs) are in that dtype."""
+    import torch
+
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    dts = [t.dtype for t in ep.state_dict.values()]
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind is torch.export.graph_signature.InputKind.USER_INPUT:
+            for node in ep.graph.find_nodes(op="placeholder", target=spec.target):
+                val = node.meta.get("val")
+                if val is not None and hasattr(val, "dtype"):
+                    dts.append(val.dtype)
+    found = [names[d] for d in dts if d in names]
+    return found[0] if found else None
+
+
+def _as_float32(ep: Any, model: str) -> tuple[Any, dict[str, Any]]:
+    """A bf16/fp16 program re-exported in float32, without a float32 copy of its weights.
+
+    TVM 0.27's torch importer hard-codes `out_dtype="float32"` for matmul/linear, so a half
+    precision program does not import (`R.add(p_bias, lv)`: bfloat16 vs float32). The program is
+    unlifted, its low-precision parameters are swapped for `torch.empty` float32 tensors (never
+    written, so never resident), its buffers are converted (small), and it is exported again with
+    float32 example inputs. The import then binds each parameter's *original* tensor, converted to
+    float32 lazily (lazyweights.py); export() converts the module back to the native dtype.
+    Returns the float32 program and {Relax parameter name: original tensor}."""
+    import torch
+
+    low = (torch.bfloat16, torch.float16)
+    try:
+        gm = ep.module()
+        originals: dict[str, Any] = {}
+        for fqn, p in list(gm.named_parameters()):
+            if p.dtype in low:
+                originals[fqn] = p.detach()
+                owner, _, leaf = fqn.rpartition(".")
+                setattr(gm.get_submodule(owner) if owner else gm, leaf,
+                        torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False))
+        for fqn, b in list(gm.named_buffers()):
+            if b.dtype in low:
+                owner, _, leaf = fqn.rpartition(".")
+                (gm.get_submodule(owner) if owner else gm).register_buffer(leaf, b.float())
+        args, kwargs = ep.example_inputs or ((), {})
+        cast = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t  # noqa: E731
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep32 = torch.export.export(gm, tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()})
+    except Exception as exc:  # noqa: BLE001 - torch's exporter raises anything
+        raise SourceError(f"{model}: cannot re-export the half-precision torch program in float32 for TVM's "
+                          f"importer: {type(exc).__name__}: {one_line(exc)}") from None
+    sources = {}
+    for spec in ep32.graph_signature.input_specs:
+        if spec.kind is torch.export.graph_signature.InputKind.PARAMETER and spec.target in originals:
+            sources[spec.arg.name] = originals[spec.target]
+    return ep32, sources
 
 
 # ---- onnx -----------------------------------------------------------------------------------------
@@ -209,8 +275,11 @@ def _from_onnx(path: Path, batch: int | None) -> Imported:
 
 # ---- binding --------------------------------------------------------------------------------------
 
-def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
-    """Bind main's weight parameters as constants we create, so we know each constant's name."""
+def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] | None = None) -> Imported:
+    """Bind main's weight parameters as constants we create, so we know each constant's name.
+
+    `sources` (a half-precision program imported in float32) gives, by parameter name, the original
+    tensor a parameter's float32 value is computed from."""
     from tvm import relax
 
     mod, detached = relax.frontend.detach_params(mod)
@@ -222,10 +291,16 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
         raise SourceError(f"{model}: {len(param_vars)} weight parameters but {len(weights)} weight values")
     binding: dict[Any, Any] = {}
     const_names = ConstNames()
+    lazy = LazyWeights()
     for var, value in zip(param_vars, weights):
-        const = relax.const(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+        # big weights are placeholders valued from the source tensor at write time (lazyweights.py)
+        if sources and var.name in sources:
+            const = lazy.bind_float32(sources[var.name])
+        else:
+            const = lazy.bind(value if hasattr(value, "shape") and hasattr(value, "dtype") else np.asarray(value))
         binding[var] = const
         const_names.add(const, var.name)
+    del weights, detached  # the placeholders' recipes hold the source tensors, nothing else does
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
     mod = drop_empty_concat_operands(bool_compares_as_int8(te_calls_to_ops(mod)))
@@ -241,4 +316,4 @@ def _bind(mod: Any, model: str, source: dict[str, Any]) -> Imported:
     float_dtypes = [d for d in dtypes if d.startswith("float")]
     return Imported(mod=mod, model=model, source=source, inputs=[v.name for v in inputs], input_shapes=shapes,
                     input_dtypes=dtypes, batch=batch, dtype=float_dtypes[0] if float_dtypes else "float32",
-                    const_names=const_names)
+                    const_names=const_names, weights=lazy)

@@ -39,7 +39,7 @@ class BuiltGraph:
 
     graph: dict[str, Any]
     nodes: list[GNode]
-    params: dict[str, np.ndarray]
+    params: dict[str, Any]  # name -> NumPy value, or what build_graph's value_of gives
     inputs: list[str]
 
 
@@ -58,16 +58,18 @@ class _Names:
         return name
 
 
-def build_graph(main: Any, const_name: Any, op_of_var: Any) -> BuiltGraph:
+def build_graph(main: Any, const_name: Any, op_of_var: Any, value_of: Any = None) -> BuiltGraph:
     """graph.json for `main`. `const_name(c)` names weight constants; `op_of_var(v)` names the model
-    op behind a binding var (for errors about bindings that are not kernels)."""
+    op behind a binding var (for errors about bindings that are not kernels); `value_of(c)` is what
+    `params` keeps for a constant (default: its data as NumPy; the export keeps the constant and
+    values it when writing)."""
     import tvm
     from tvm import relax
 
     names = _Names()
     nodes: list[GNode] = []
     entry_of: dict[int, Any] = {}  # expr -> (node, index) or a list of them for tuples
-    params: dict[str, np.ndarray] = {}
+    params: dict[str, Any] = {}
     inputs = []
 
     for p in main.params:
@@ -85,7 +87,7 @@ def build_graph(main: Any, const_name: Any, op_of_var: Any) -> BuiltGraph:
             return e
         if isinstance(expr, tvm.ir.GenericConst):
             name = names.take(const_name(expr) or f"p{len(params)}")
-            params[name] = expr.value.numpy()
+            params[name] = expr.value.numpy() if value_of is None else value_of(expr)
             nodes.append(GNode("null", name, outputs=tensor_types(expr.ty)))
             entry_of[k] = (len(nodes) - 1, 0)
             return entry_of[k]

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tvmpipe.compiler.constnames import ConstNames
+from tvmpipe.compiler.lazyweights import LazyWeights
 from tvmpipe.compiler.rewrite import rewrite_main
 
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -38,35 +39,78 @@ def _value(arg: Any) -> np.ndarray | None:
     return None
 
 
-def _evaluate(op: str, call: Any, args: list[Any]) -> np.ndarray | None:
-    from tvm import relax
+def _plan(op: str, call: Any, args: list[Any]) -> tuple[Callable[..., np.ndarray], list[Any]] | None:
+    """(fn, operands) when the call is one of the ops above on constants only: `fn` maps the
+    operands' values (constants, or NumPy arrays for literal scalars) to the result."""
+    import tvm
+    from tvm import relax, tirx
+
+    def operand(a: Any) -> Any:
+        if isinstance(a, tvm.ir.GenericConst):
+            return a
+        if isinstance(a, (tirx.FloatImm, tirx.IntImm)):
+            return np.array(a.value, dtype=str(a.ty))
+        return None
 
     if op in _BINARY or op in _UNARY:
-        vals = [_value(a) for a in args]
-        if any(v is None for v in vals):
+        ops = [operand(a) for a in args]
+        if any(o is None for o in ops):
             return None
-        return _BINARY[op](*vals) if op in _BINARY else _UNARY[op](*vals)
-    data = _value(args[0]) if args else None
-    if data is None:
+        return (_BINARY[op] if op in _BINARY else _UNARY[op]), ops
+    data = operand(args[0]) if args else None
+    if data is None or isinstance(data, np.ndarray):
         return None
     if op == "relax.reshape" and isinstance(args[1], relax.ShapeExpr):
-        return data.reshape([int(d.value) for d in args[1].values])
+        shape = [int(d.value) for d in args[1].values]
+        return (lambda a: a.reshape(shape)), [data]
     if op == "relax.permute_dims":
         axes = call.attrs.axes
-        return np.transpose(data, None if axes is None else [int(a) for a in axes])
+        perm = None if axes is None else [int(a) for a in axes]
+        return (lambda a: np.transpose(a, perm)), [data]
     return None
 
 
-def fold_constants(mod: Any, names: ConstNames) -> Any:
-    """`mod` with constant-only calls of the ops above replaced by named constants."""
+def _result_type(op: str, operands: list[Any]) -> str:
+    """The dtype NumPy's evaluation of a plan gives, from the operands' dtypes alone."""
+    from tvmpipe.bundle.dtypes import np_dtype
+
+    dts = [o.dtype if isinstance(o, np.ndarray) else np_dtype(str(o.ty.dtype)) for o in operands]
+    if op in _BINARY or op in ("relax.sqrt", "relax.negative"):
+        return str(np.result_type(*[np.empty(0, d) for d in dts]))
+    return str(dts[0])
+
+
+def _evaluate(op: str, call: Any, args: list[Any]) -> np.ndarray | None:
+    plan = _plan(op, call, args)
+    if plan is None:
+        return None
+    fn, operands = plan
+    return fn(*[o if isinstance(o, np.ndarray) else o.value.numpy() for o in operands])
+
+
+def fold_constants(mod: Any, names: ConstNames, weights: LazyWeights | None = None) -> Any:
+    """`mod` with constant-only calls of the ops above replaced by named constants. A call reading
+    a placeholder weight (`lazyweights`) gives a placeholder whose recipe is the call: nothing is
+    computed until the bundle is written."""
     from tvm import relax
 
     def call(binding: Any, op: Any, args: list[Any]) -> Any:
-        out = _evaluate(op.name, binding.value, args)
         ty = binding.var.ty
-        if out is not None and isinstance(ty, relax.TensorType) and ty.shape is not None \
-                and list(out.shape) == [int(d) for d in ty.shape.values] and str(out.dtype) == str(ty.dtype):
-            const = relax.const(np.ascontiguousarray(out))
+        typed = isinstance(ty, relax.TensorType) and ty.shape is not None
+        plan = _plan(op.name, binding.value, args) if typed else None
+        const = None
+        if plan is not None and weights is not None and any(
+                not isinstance(o, np.ndarray) and weights.is_lazy(o) for o in plan[1]):
+            shape = tuple(int(d) for d in ty.shape.values)
+            if _result_type(op.name, plan[1]) == str(ty.dtype):  # else TVM folds it, materialized
+                const = weights.derive(plan[0], plan[1], shape, str(ty.dtype), op.name,
+                                       "layout" if op.name in ("relax.reshape", "relax.permute_dims") else "op")
+        elif plan is not None:
+            fn, operands = plan
+            out = fn(*[o if isinstance(o, np.ndarray) else o.value.numpy() for o in operands])
+            if list(out.shape) == [int(d) for d in ty.shape.values] and str(out.dtype) == str(ty.dtype):
+                const = relax.const(np.ascontiguousarray(out))
+        if const is not None:
             root = next((names.root(a) for a in args if isinstance(a, type(const)) and names.root(a)), None)
             if root:
                 names.add(const, f"{root}_{op.name.split('.')[-1]}", root=root)

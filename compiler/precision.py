@@ -14,50 +14,106 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.compiler.constnames import ConstNames
+from tvmpipe.compiler.lazyweights import LazyWeights
 from tvmpipe.compiler.rewrite import rewrite_main
 
-F32, F16 = "float32", "float16"
+F32, F16, BF16 = "float32", "float16", "bfloat16"
+# ops whose TVM 0.27 legalization refuses bfloat16 ("only support float32 and float16 for now")
+F32_ONLY_BF16 = frozenset({"relax.nn.layer_norm", "relax.nn.group_norm", "relax.nn.instance_norm"})
 
 
-def _convert_attrs(attrs: Any) -> Any:
+def _is_low(expr: Any, target: str) -> bool:
+    from tvm import relax
+
+    ty = getattr(expr, "ty", None)
+    return isinstance(ty, relax.TensorType) and str(ty.dtype) == target
+
+
+def _convert_attrs(attrs: Any, target: str = F16) -> Any:
     if attrs is None:
         return None
     info = type(attrs).__tvm_ffi_type_info__
     fields = {f.name: getattr(attrs, f.name) for f in info.fields}
-    changed = {k: F16 for k, v in fields.items() if k in ("out_dtype", "dtype") and v is not None and str(v) == F32}
+    changed = {k: target for k, v in fields.items() if k in ("out_dtype", "dtype") and v is not None and str(v) == F32}
     if not changed:
         return attrs
     fields.update(changed)
     return type(attrs)(**fields)
 
 
-def to_float16(mod: Any, names: ConstNames) -> Any:
-    """The float16 module; its weight constants are named like the float32 ones they replace.
+def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, target: str = F16) -> Any:
+    """The `target` (float16 or bfloat16) module; its weight constants are named like the float32
+    ones they replace. Placeholder weights (lazyweights.py) get the rounding added to their recipe.
 
     Only `main` is rewritten: it is all there is before legalization."""
+    from tvmpipe.bundle.dtypes import np_dtype
+
+    low = np_dtype(target)
+    import tvm
     from tvm import relax, tirx
 
     def param(p: Any) -> Any:
         ty = p.ty
         if isinstance(ty, relax.TensorType) and str(ty.dtype) == F32:
-            ty = relax.TensorType(ty.shape, F16)
+            ty = relax.TensorType(ty.shape, target)
         return relax.Var(p.name, ty)
 
     def const(c: Any) -> Any:
-        arr = c.value.numpy()
-        if arr.dtype != np.float32:
+        if str(c.ty.dtype) != F32:
             return c
-        new = relax.const(arr.astype(np.float16))
+        if weights is not None and weights.is_lazy(c):  # a placeholder: rounded when written
+            shape = tuple(int(d) for d in c.ty.shape.values)
+            new = weights.derive(lambda a: a.astype(low), [c], shape, target, f"astype {target}", "cast")
+        else:
+            new = _const(c.value.numpy().astype(low))
         if names.get(c):
             names.add(new, names.get(c), root=names.root(c))
         return new
 
     def scalar(arg: Any) -> Any:  # literal scalars such as batch norm's epsilon
         if isinstance(arg, tirx.FloatImm) and str(arg.ty) == F32:
-            return tirx.FloatImm(F16, float(arg.value))
+            return tirx.FloatImm(target, float(arg.value))
         return arg
 
+    def to_f32(a: Any) -> Any:
+        """A bf16 operand as float32: a weight constant becomes a float32 constant of the same name
+        (exact: it was float32 before conversion), anything else is cast."""
+        if not _is_low(a, target):
+            return a
+        if isinstance(a, tvm.ir.GenericConst):
+            if weights is not None and weights.is_lazy(a):
+                shape = tuple(int(d) for d in a.ty.shape.values)
+                new = weights.derive(lambda v: v.astype(np.float32), [a], shape, F32, "astype float32", "cast")
+            else:
+                new = relax.const(a.value.numpy().astype(np.float32))
+            if names.get(a):
+                names.add(new, names.get(a), root=names.root(a))
+            return new
+        return relax.op.astype(a, F32)
+
     def call(binding: Any, op: Any, args: list[Any]) -> Any:
-        return relax.Call(op, [scalar(a) for a in args], _convert_attrs(binding.value.attrs), binding.value.ty_args)
+        if target == BF16 and op.name in F32_ONLY_BF16:
+            # TVM legalizes these norms for float32/float16 only: compute in float32 between casts,
+            # what a bf16 kernel does anyway (load bf16, compute float32, round on store)
+            return relax.op.astype(relax.Call(op, [to_f32(a) for a in args], binding.value.attrs,
+                                              binding.value.ty_args), target)
+        if target == BF16 and op.name == "relax.matmul":
+            # bf16 operands, float32 accumulation (the importer's out_dtype), rounded once at the end,
+            # as bf16 GEMMs run; accumulating in bf16 would lose 8 bits per partial sum
+            return relax.op.astype(relax.Call(op, args, binding.value.attrs, binding.value.ty_args), target)
+        return relax.Call(op, [scalar(a) for a in args], _convert_attrs(binding.value.attrs, target),
+                          binding.value.ty_args)
 
     return rewrite_main(mod, map_param=param, map_const=const, map_call=call)
+
+
+def _const(value: np.ndarray) -> Any:
+    """relax.const for any dtype bundle.dtypes knows, bfloat16 (ml_dtypes) included."""
+    import tvm
+    from tvm import relax
+
+    if value.dtype == np.float16 or value.dtype.kind != "V" and str(value.dtype) != "bfloat16":
+        return relax.const(value)
+    t = tvm.runtime.empty(value.shape, "bfloat16")
+    t.copyfrom(np.array(value, order="C"))
+    return relax.const(t)

@@ -4,7 +4,8 @@ fused function's op program.
 This is the oracle the CUDA kernels are checked against, so it shares no code with TVM and favours
 plain, obviously-right formulas (vectorised: im2col + matmul for convolution, strided windows for
 pooling). Every op computes in its recorded dtype and is cast to the recorded output dtype, so the
-result does not depend on NumPy's promotion rules. Op names are Relax names without `relax.`.
+result does not depend on NumPy's promotion rules; bfloat16 is computed in float32 and rounded to
+bfloat16 per op (`_widen`). Op names are Relax names without `relax.`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run_function(fn: FusedFunction, args: Sequence[np.ndarray]) -> list[np.ndarr
         return v[r.output] if isinstance(v, tuple) else v
 
     for i, rec in enumerate(fn.ops):
-        ins = [get(r) for r in rec.inputs]
+        ins = [_widen(get(r)) for r in rec.inputs]
         try:
             out = OPS[rec.op](ins, rec.attrs, rec)
         except OpFailure:
@@ -64,6 +65,18 @@ def run_function(fn: FusedFunction, args: Sequence[np.ndarray]) -> list[np.ndarr
             raise OpFailure(f"op {i} '{rec.op}' on ({shapes}) with attrs {rec.attrs}: {type(exc).__name__}: {exc}") from exc
         values.append(_conform(out, rec, i))
     return [np.asarray(get(r)) for r in fn.outputs]
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+    """bfloat16 operands are computed with in float32, as the kernels do: TVM's CUDA code loads a
+    bf16 value, computes in float32 (nv_bfloat16 arithmetic is float32 arithmetic rounded once,
+    exact for a product), and rounds to nearest even when it stores a bf16 result; _conform
+    rounds each op's result to its recorded dtype the same way (ml_dtypes' astype). A bf16 matmul
+    is recorded with a float32 output and a cast (compiler/precision.py): float32 accumulation."""
+    return a.astype(np.float32) if a.dtype == _BF16 else a
+
+
+_BF16 = np_dtype("bfloat16")
 
 
 def _conform(out: Any, rec: OpRecord, i: int) -> Any:

@@ -140,3 +140,20 @@ def test_state_pairs_round_trip_and_bad_pairs_are_named(tmp_path: Path):
         _st_bundle(tmp_path, state=[StatePair("kv", "x", 4)])
     with pytest.raises(BundleError, match=r"generation.vocab_size"):
         _st_bundle(tmp_path, generation=GenerationSpec("x", "x", 0, 8, 5))
+
+
+def test_zero_dim_tensors_round_trip(tmp_path):
+    """A scalar constant (an fp16 epsilon, a folded mask value) is written as shape [], not [1]
+    (np.ascontiguousarray makes a 0-d array 1-d, and the writer refused its own declared shape)."""
+    import ml_dtypes
+
+    from tvmpipe.bundle.weights import WeightsFile, save_safetensors
+
+    params = {"s16": np.array(1.5, np.float16), "s32": np.array(-2.0, np.float32),
+              "bf": np.array(3.0, ml_dtypes.bfloat16), "v": np.arange(3, dtype=np.float32)}
+    sums = save_safetensors(tmp_path / "w.safetensors", params)
+    f = WeightsFile(tmp_path / "w.safetensors", sums)
+    for name, want in params.items():
+        got = f.read(name)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))

@@ -162,7 +162,7 @@ def test_cli_compiles_a_bundle(tmp_path, capsys):
 @pytest.mark.parametrize("kw, message", [
     ({"arch": "sm_70"}, r"--arch 'sm_70': expected sm_XY with XY >= 75"),
     ({"arch": "hopper"}, r"--arch 'hopper': expected sm_XY"),
-    ({"dtype": "int8"}, r"unsupported --dtype 'int8' \(supported: float32, float16\)"),
+    ({"dtype": "int8"}, r"unsupported --dtype 'int8' \(supported: float32, float16, bfloat16\)"),
     ({"batch": 0}, r"--batch must be a positive integer, got 0"),
 ])
 def test_bad_options(tmp_path, kw, message):

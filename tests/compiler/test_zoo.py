@@ -69,6 +69,22 @@ def test_zoo_model_matches_torch_and_splits_bit_identical(name, path, tmp_path):
     assert r.nodes > 10 and r.kernels >= r.nodes - r.nodes // 2  # a real network, most nodes launch kernels
 
 
+# each zoo row is also checked in fp16 (bench/zoo.py --dtypes); two here: BERT through ONNX, Llama
+FP16_SUBSET = [("bert_mask", "onnx"), ("llama_mask", "pt2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, path", FP16_SUBSET, ids=[f"{n}-{p}-fp16" for n, p in FP16_SUBSET])
+def test_zoo_model_in_float16_matches_torch_and_splits_bit_identical(name, path, tmp_path):
+    from tvmpipe.app.zoocheck import FP16_CPU_TOLERANCE, FP16_TOLERANCE, check_model
+
+    r = check_model(name, path, tmp_path, nvcc=False, repeat=1, dtype="float16")
+    assert r.error is None, r.error
+    assert r.dtype == "float16" and r.ok and r.ref_error <= FP16_TOLERANCE and r.cpu_error <= FP16_CPU_TOLERANCE
+    assert r.ref_error > 1e-5  # really computed in fp16 (float32 would agree to ~1e-6)
+    assert r.split_identical == {"K=2": True, "K=3": True}
+
+
 def test_zoo_models_build_without_torchvision_import():
     """torchvision's CUDA wheel cannot be imported on the CPU torch; its model definitions can."""
     from tvmpipe.compiler import zoo
