@@ -33,7 +33,7 @@ import numpy as np
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle import dtypes
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import shm
+from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
@@ -84,6 +84,9 @@ class Wiring:
     # of `ring_slots` slots (shm.py; the driver decides from Ray node ids); every other edge is TCP.
     shm_to: frozenset[int] = frozenset()
     ring_slots: int = 0
+    # Consumer stages on this node whose edges keep tensors on the GPU (cudaipc.py: both stages on
+    # the cuda backend), through a ring of `ring_slots` device buffers.
+    ipc_to: frozenset[int] = frozenset()
 
 
 def read_bundle_files(path: str | Path) -> dict[str, bytes]:
@@ -171,6 +174,8 @@ class StageWorker:
         self.bytes_out: dict[int, int] = {}
         self.frames_out: dict[int, int] = {}
         self._listener = Listener(spec.host or "127.0.0.1", self._accept_hello, self._on_frame, self._on_close)
+        if spec.backend == "cuda":
+            self._listener.device_inbox = self._device_inbox
 
     # ---- control plane -----------------------------------------------------------------------------
     def address(self) -> Address:
@@ -234,8 +239,13 @@ class StageWorker:
         for edge, addr in w.outbound:
             frame_bytes = payload_bytes([self.program.entry_specs[e].nbytes for e in edge.entries])
             slots = w.ring_slots if edge.dst in w.shm_to and edge.carries_data else 0
+            device_ring = None
+            if edge.dst in w.ipc_to and edge.carries_data and self.spec.backend == "cuda":
+                sizes = [(e, self.program.entry_specs[e].nbytes) for e in edge.entries]
+                device_ring = lambda sizes=sizes: cudaipc.DeviceRing(  # noqa: E731
+                    self.stage.backend.dev, min(max(2, w.ring_slots), cudaipc.MAX_SLOTS), sizes)
             link = Link(tuple(addr), hello, w.secret, self._link_failed(edge.dst), depth=w.queue_depth,
-                        ring_slots=slots, frame_bytes=frame_bytes)
+                        ring_slots=slots, frame_bytes=frame_bytes, device_ring=device_ring)
             names = {e: self.program.entry_names[e] for e in edge.entries}
             self._links.append((edge, link, names))
             if edge.carries_data:
@@ -324,6 +334,13 @@ class StageWorker:
                 raise FrameError(f"{_name(peer.stage)} is already connected in epoch {peer.epoch}")
             self._admitted.add(peer.stage)
         return self._inbound[peer.stage]
+
+    def _device_inbox(self, peer: Peer, conn) -> "cudaipc.DeviceInbox | None":
+        """A connection from another stage may carry cuda-ipc notes (the producer decides, from the
+        wiring); the handles open in this stage's context."""
+        if peer.stage == DRIVER:
+            return None
+        return cudaipc.DeviceInbox(self.stage.backend.dev, conn)
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
         producer = peer.stage
@@ -424,8 +441,9 @@ class StageWorker:
             feed = {}
             for f in parts.values():
                 feed.update(f.tensors)
+        device = [f.device for f in parts.values() if f.device is not None]
         try:
-            outputs = self.stage.run(feed)
+            outputs = self.stage.run(feed, device=device) if device or self.spec.backend == "cuda" else self.stage.run(feed)
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
             _release(parts, {})
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
@@ -442,5 +460,7 @@ class StageWorker:
             self._next_seq = seq + 1
             if w.retain:
                 self._retained.append((seq, outputs))
+        ptrs = self.stage.send_pointers() if any(l.path == "cuda-ipc" for l, _, _ in self._data_links) else None
         for link, entries, names in self._data_links:
-            link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names))
+            link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names,
+                           device=ptrs if link.path == "cuda-ipc" else None))

@@ -1,0 +1,53 @@
+"""CUDA IPC between cuda stages on one node (cluster/cudaipc.py) over the strict fake PyCUDA, whose
+IPC rules (tests/fakecuda/pycuda/driver.py "CUDA IPC") hold across the stage processes: outputs
+byte-identical to the host path (TCP), and every stage-to-stage edge reports "cuda-ipc"."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tvmpipe.cluster.control import ProcessLauncher
+from tvmpipe.cluster.driver import Pipeline
+from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.executor import random_inputs
+from tvmpipe.bundle import load_bundle
+
+from tests.support.fake_cuda import fake_env, spawn_path
+from tests.support.pipeline_harness import assert_bit_identical
+
+
+@pytest.fixture
+def env(bundles, tmp_path):
+    e = fake_env(tmp_path / "cubins", [bundles["mlp"], bundles["cnn"]])
+    e["FAKE_PYCUDA_IPC_DIR"] = str(tmp_path / "ipc")
+    e["FAKE_PYCUDA_IPC_WAIT_S"] = "20"
+    return e
+
+
+def run(bundle, k, env, transport, batches, **kw):
+    with spawn_path():
+        pipe = Pipeline(bundle, k, backend="cuda", launcher=ProcessLauncher(env=env), transport=transport, **kw)
+    with pipe:
+        out = pipe.run(batches)
+        paths = pipe.edge_paths()
+    return out, paths
+
+
+@pytest.mark.parametrize("model,k", [("mlp", 2), ("cnn", 3)])
+def test_cuda_ipc_equals_the_host_path(bundles, env, tmp_path, model, k):
+    batches = [random_inputs(load_bundle(bundles[model]), seed=20 + i) for i in range(5)]
+    want, host_paths = run(bundles[model], k, env, "tcp", batches)
+    assert set(host_paths.values()) == {"tcp"}
+    got, paths = run(bundles[model], k, env, "auto", batches, window=2)  # 2 slots: backpressure is exercised
+    assert_bit_identical(got, want)
+    stage_edges = {e: p for e, p in paths.items() if DRIVER not in e}
+    assert stage_edges and set(stage_edges.values()) == {"cuda-ipc"}, paths
+    assert not os.listdir(tmp_path / "ipc"), "an exported allocation or event outlived the run"
+
+
+def test_forced_host_path_on_cuda(bundles, env):
+    batches = [random_inputs(load_bundle(bundles["mlp"]), seed=3)]
+    _, paths = run(bundles["mlp"], 2, env, "shm", batches)
+    assert "cuda-ipc" not in paths.values()
