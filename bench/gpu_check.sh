@@ -14,7 +14,7 @@
 #   ipc       bench/ipc_gpu.py: one stage-to-stage hop of 4 and 64 MB, CUDA IPC vs the host path, GB/s
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
 # GPU_CHECK_BUDGET_S (default 560 s, inside the tool's 600 s). Results: bench/results/gpu_check.json
-# (summary), executor_gpu.json, gpu_pipeline.json, and copies of them plus the logs in $OUT (7 files).
+# (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, and copies plus the logs in $OUT (8 files).
 # Exit status: 0 only if every step passed.
 # shellcheck disable=SC2317  # the step functions are called through `step NAME BUDGET FUNCTION`
 set -euo pipefail
