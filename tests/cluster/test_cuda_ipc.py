@@ -51,3 +51,32 @@ def test_forced_host_path_on_cuda(bundles, env):
     batches = [random_inputs(load_bundle(bundles["mlp"]), seed=3)]
     _, paths = run(bundles["mlp"], 2, env, "shm", batches)
     assert "cuda-ipc" not in paths.values()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_a_stage_killed_mid_run_recovers_on_cuda_ipc(bundles, env, tmp_path, transport):
+    """cnn in 3 cuda stage processes, both stage edges on CUDA IPC, stage 1 SIGKILLed while frames
+    stream: every output once, equal to the host path; after re-wiring the edges are cuda-ipc
+    again (a dead importer's opens do not block its producer's free, as in CUDA) and nothing
+    exported is left once the run ends."""
+    from tvmpipe.cluster.control import Timeouts
+
+    batches = [random_inputs(load_bundle(bundles["cnn"]), seed=40 + i) for i in range(24)]
+    want, _ = run(bundles["cnn"], 3, env, "tcp", batches)
+    with spawn_path():
+        pipe = Pipeline(bundles["cnn"], 3, backend="cuda", launcher=ProcessLauncher(env=env), window=3,
+                        timeouts=Timeouts(progress=30), transport=transport)
+    with pipe:
+        got = []
+        for i, x in enumerate(batches):
+            pipe.submit(x)
+            if i == 8:
+                pipe.launcher.kill(1)
+            while pipe.ready:
+                got.append(pipe.get())
+        got += list(pipe.results())
+        assert pipe.restarts == [0, 1, 0]
+        assert {p for e, p in pipe.edge_paths().items() if DRIVER not in e} == \
+            {"cuda-ipc" if transport == "auto" else "tcp"}
+    assert_bit_identical(got, want)
+    assert not os.path.exists(tmp_path / "ipc") or not os.listdir(tmp_path / "ipc")

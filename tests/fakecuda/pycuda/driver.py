@@ -592,8 +592,9 @@ class Event:
 # ---- CUDA IPC -----------------------------------------------------------------------------------
 # An exported allocation moves into a file (4096-byte header, then the bytes); an importer maps the
 # same file, so two processes really exchange data. Header: magic, nbytes, exporter pid, open count
-# (importers holding it now), last write stamp (the exporter's _ipc_clock at its latest write into
-# the allocation, counted when the write is enqueued). An interprocess event's file holds how many
+# (unused), last write stamp (the exporter's _ipc_clock at its latest write into
+# the allocation, counted when the write is enqueued), and the pids of the processes that hold it
+# open (a dead one's opens do not count: CUDA releases its mappings). An interprocess event's file holds how many
 # records were enqueued, how many have run, and the write stamp each of the last 64 records saw.
 # A stream that waits on an imported event keeps the stamp of the record it waited for (its fence);
 # reading opened memory whose last write stamp is above the stream's fence is a RuleViolation.
@@ -655,8 +656,34 @@ class _Shared:
         magic, self.nbytes, self.pid = struct.unpack_from("<8sQQ", mm, 0)
         self.data = np.frombuffer(mm, np.uint8, self.nbytes, _DATA_AT)
 
+    PIDS, MAX_IMPORTERS = 64, 64  # one u64 per open: the importing process's pid (0: free)
+
     def opens(self) -> int:
-        return self.c.get(self.OPENS)
+        """Opens by processes still alive: CUDA releases a dead process's mappings."""
+        n = 0
+        for i in range(self.MAX_IMPORTERS):
+            pid = self.c.get(self.PIDS + 8 * i)
+            if pid:
+                try:
+                    os.kill(pid, 0)
+                    n += 1
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    n += 1
+        return n
+
+    def add_importer(self, pid: int, add: bool) -> None:
+        fcntl.lockf(self.c.fd, fcntl.LOCK_EX)
+        try:
+            for i in range(self.MAX_IMPORTERS):
+                at = self.PIDS + 8 * i
+                if self.c.get(at) == (0 if add else pid):
+                    self.c.set(at, pid if add else 0)
+                    return
+        finally:
+            fcntl.lockf(self.c.fd, fcntl.LOCK_UN)
+        _violation("the fake tracks at most 64 opens of one IPC allocation")
 
     def last_write(self) -> int:
         return self.c.get(self.LAST_WRITE)
@@ -797,7 +824,7 @@ class IPCMemoryHandle:
             shared = _Shared(token.decode(), *_ipc_file(token.decode()))
         except OSError:
             _fail("cuIpcOpenMemHandle", 1, "the exported allocation no longer exists")
-        shared.c.add(shared.OPENS, 1)
+        shared.add_importer(os.getpid(), True)
         with _lock:
             ptr = _next_addr[0]
             _next_addr[0] += ((nbytes >> 20) + 2) << 20
@@ -819,7 +846,7 @@ class IPCMemoryHandle:
         self.valid = False
         del self.prim.allocs[self.ptr]
         del self.prim.imported[self.ptr]
-        self.shared.c.add(self.shared.OPENS, -1)
+        self.shared.add_importer(os.getpid(), False)
 
 
 # ---- modules and kernels ------------------------------------------------------------------------
