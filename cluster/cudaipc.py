@@ -13,9 +13,10 @@ connection, and the producer may refill that slot: memory is bounded by `slots` 
 consumer holds its producer back (backpressure).
 
 Teardown order is CUDA's rule: the importer closes its handles before the exporter frees. The
-consumer closes them when the connection ends and every notification it took has been released,
-then closes the connection; the producer shuts its side down, waits for that close (EOF), and only
-then frees the ring. A consumer that never closes (killed, hung) makes the producer leave the ring
+consumer closes them when the connection ends and every notification it took has been released
+(a stopping worker releases the micro-batches it will not compute; at most 5 s), then closes the
+connection; the producer shuts its side down, waits for that close (EOF), and only
+then frees the ring (it waits up to 10 s). A consumer that never closes (killed, hung) makes the producer leave the ring
 allocated (freed with its context at process exit) rather than free memory another process maps.
 
 What stays on the host: the producer still copies its outputs to page-locked memory as well (what it
@@ -191,7 +192,7 @@ class DeviceRing:
         self.ticket += 1
         return note
 
-    def close(self, sock: socket.socket, wait_s: float = 5.0) -> None:
+    def close(self, sock: socket.socket, wait_s: float = 10.0) -> None:
         """After the consumer has closed the connection (its handles closed first), free the ring."""
         try:
             sock.shutdown(socket.SHUT_WR)

@@ -274,13 +274,26 @@ class StageWorker:
         if self._compute is not None:
             self._compute.join()
             self._compute = None
+        self._release_pending()
         for edge, link, _ in self._links:
             link.close(flush=False)
             self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + link.bytes_sent
             self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + link.frames_sent
         self._links = []
         self._data_links = []
+        self._release_pending()
         self._listener.drop_connections()
+
+    def _release_pending(self) -> None:
+        """Hand back the slots of micro-batches that will not be computed in this epoch (the next
+        prepare() drops them): a cuda-ipc consumer closes its handles, and so lets its producer
+        free them, only once every note it took was released (cudaipc.py)."""
+        with self._cond:
+            frames = [f for parts in self._pending.values() for f in parts.values() if f.release is not None]
+        for f in frames:
+            release, f.release = f.release, None
+            if release is not None:
+                release()
 
     def status(self) -> WorkerStatus:
         with self._cond:
