@@ -87,3 +87,43 @@ def test_a_stage_killed_mid_run_recovers_on_cuda_ipc(bundles, env, tmp_path, tra
     assert_bit_identical(got, want)
     # the killed process could not free what it exported (CUDA would, for a dead process): only its files remain
     assert {exporter(f) for f in (tmp_path / "ipc").glob("*")} <= {killed[0]} if transport == "auto" else True
+
+
+def _ipc_frame(note):
+    import numpy as np
+
+    from tvmpipe.cluster.frames import Frame
+
+    return Frame("ipc", "r1", 0, 5, 0, {3: np.zeros((2, 4), np.float32)}, {3: "x"}, device=note)
+
+
+def test_ipc_notes_round_trip_and_are_checked():
+    """The ipc frame: header only, exact layout checked, the note and its offer decoded; a lying
+    note or offer is a one-line FrameError (nothing is opened or read)."""
+    import msgpack
+
+    from tvmpipe.cluster import frames
+    from tvmpipe.cluster.cudaipc import DeviceInbox, Note, Offer
+    from tvmpipe.cluster.frames import FrameError, FrameLimits
+
+    offer = Offer((b"m" * 64, b"n" * 64), (b"e" * 64, b"f" * 64), 4096)
+    limits = FrameLimits.exact([(3, "float32", (2, 4))])
+    data = frames.to_bytes(_ipc_frame(Note(0, offer)))
+    h = frames.PREFIX.size
+    frame, layout = frames.parse_header(data[h:], limits)
+    assert frame.kind == "ipc" and frame.device == Note(0, offer) and len(data) == h + frames.parse_prefix(data[:h], limits)
+    with pytest.raises(FrameError, match="does not match|exact|layout|expected"):
+        frames.parse_header(data[h:], FrameLimits.exact([(3, "float32", (2, 5))]))
+    for bad in ([0, ["zz", "", 4096]], [0, [offer.pack()[0], "", 4096]], [99, None], ["0", None]):
+        doc = msgpack.unpackb(data[h:])
+        doc["ipc"] = bad
+        with pytest.raises(FrameError, match="cuda-ipc"):
+            frames.parse_header(msgpack.packb(doc), limits)
+    inbox = DeviceInbox(dev=None, sock=None)
+    with pytest.raises(FrameError, match="before the offer"):
+        inbox.take(Note(0), layout.metas)
+    inbox.mems, inbox.events = [1, 2], [None, None]
+    with pytest.raises(FrameError, match="slot 1, expected slot 0"):
+        inbox.take(Note(1), layout.metas)
+    with pytest.raises(FrameError, match="second cuda-ipc offer"):
+        inbox.take(Note(0, offer), layout.metas)
