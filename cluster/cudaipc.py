@@ -27,6 +27,7 @@ frames); a consumer takes either kind of frame on one connection.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import threading
@@ -41,7 +42,11 @@ log = logging.getLogger("tvmpipe.cluster.cudaipc")
 HANDLE_BYTES = 64  # CUipcMemHandle, CUipcEventHandle
 MAX_SLOTS = 64
 WAKE_S = 0.005
-ACK = b"\x01"
+# What the consumer sends back on the connection: ACK per released micro-batch; OPENED + its pid
+# (8 bytes) once it has opened the handles; CLOSED once it has closed them. The producer frees its
+# ring after CLOSED, or after EOF when the process that opened it is gone (CUDA released its
+# mappings); after an EOF from a live opener (it cannot say CLOSED), the ring stays allocated.
+ACK, CLOSED, OPENED = b"\x01", b"\x02", b"\x03"
 
 
 def eligible(backend: str, same_node: bool, src_is_stage: bool, dst_is_stage: bool, transport: str) -> bool:
@@ -150,6 +155,26 @@ class DeviceRing:
                 raise
         self.ticket = 0  # of the next micro-batch
         self.acked = 0  # micro-batches the consumer has released
+        self.opener: int | None = None  # the consumer's pid, once it opened the handles
+        self.closed = False  # the consumer said it closed them
+        self._rx = b""
+
+    def _take(self, data: bytes) -> None:
+        buf = self._rx + data
+        i = 0
+        while i < len(buf):
+            c = buf[i:i + 1]
+            if c == ACK:
+                self.acked += 1
+            elif c == CLOSED:
+                self.closed = True
+            elif c == OPENED:
+                if len(buf) - i < 9:
+                    break
+                self.opener = int.from_bytes(buf[i + 1:i + 9], "little")
+                i += 8
+            i += 1
+        self._rx = buf[i:]
 
     def free(self) -> bool:
         return self.ticket < self.slots or self.acked >= self.ticket - self.slots + 1
@@ -164,7 +189,7 @@ class DeviceRing:
                 return True
             if not data:
                 return False
-            self.acked += len(data)
+            self._take(data)
         return True
 
     def wait_free(self, sock: socket.socket, alive) -> bool:
@@ -199,17 +224,17 @@ class DeviceRing:
         except OSError:
             pass
         end = time.monotonic() + (wait_s if self.ticket else 0.0)
-        closed = False
-        while time.monotonic() < end:
+        eof = False
+        while not self.closed and time.monotonic() < end:
             try:
                 if not self._read_acks(sock, 0.05):
-                    closed = True
+                    eof = True
                     break
             except OSError:
-                closed = True
+                eof = True
                 break
-        if not closed and self.ticket:
-            log.warning("CUDA IPC ring of %d slots left allocated: its consumer did not close the connection "
+        if self.ticket and not self.closed and not (eof and not _alive(self.opener)):
+            log.warning("CUDA IPC ring of %d slots left allocated: its consumer did not say it closed the handles "
                         "within %.1f s (it may still map it)", self.slots, wait_s)
             return
         if self.dev.ctx is None:
@@ -222,6 +247,19 @@ class DeviceRing:
                 except DeviceError as exc:  # a link's close never raises for it
                     log.warning("%s", exc)
         self.bufs = []
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether the process that opened a ring still runs (None: nobody opened it)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 class DeviceInbox:
@@ -252,6 +290,13 @@ class DeviceInbox:
                     m.close()
             raise
         self.mems = mems
+        self._say(OPENED + os.getpid().to_bytes(8, "little"))
+
+    def _say(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            pass  # the producer is gone, or the connection is closing
 
     def take(self, note: Note, metas: list) -> DeviceFeed:
         """The feed of one notification whose header (tensor list `metas`) was checked."""
@@ -278,10 +323,7 @@ class DeviceInbox:
         with self._cond:
             self._outstanding -= 1
             self._cond.notify_all()
-        try:
-            self.sock.send(ACK, socket.MSG_DONTWAIT)
-        except OSError:
-            pass  # the producer is gone, or the connection is closing
+        self._say(ACK)
 
     def close(self, wait_s: float = 5.0) -> None:
         """Close the handles once every micro-batch taken has been released (at most `wait_s`: a
@@ -290,10 +332,11 @@ class DeviceInbox:
         with self._cond:
             while self._outstanding > 0 and time.monotonic() < end:
                 self._cond.wait(0.05)
-        if self.mems is None or self.dev.ctx is None:
-            return
-        with self.dev.current():
-            for m in self.mems:
-                with self.dev.check("closing a CUDA IPC handle"):
-                    m.close()
-        self.mems, self.events = None, []
+        if self.mems is not None and self.dev.ctx is not None:
+            with self.dev.current():
+                for m in self.mems:
+                    with self.dev.check("closing a CUDA IPC handle"):
+                        m.close()
+            self.mems, self.events = None, []
+        if self.mems is None:
+            self._say(CLOSED)

@@ -27,6 +27,7 @@ import logging
 import selectors
 import socket
 import threading
+import weakref
 import time
 import traceback
 from collections import deque
@@ -60,6 +61,9 @@ class _Acceptor:
         self.secret = secret
         # (peer, conn) -> a cudaipc.DeviceInbox for a connection that may carry ipc notes, or None
         self.device_inbox: Callable[[Peer, socket.socket], Any] | None = None
+        # connections with one: shut for reading only, so that the consumer can still tell its
+        # producer that it closed the handles (cudaipc.CLOSED) before closing the connection
+        self._device_conns: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
         self._alloc = stream.retained_buffer if retains_frames else stream.fresh_buffer
         self._on_frame = on_frame
         self._on_close = on_close
@@ -77,6 +81,8 @@ class _Acceptor:
         """The gate admitted `conn` (gate thread)."""
         inbox = shm.Inbox(peer.run, peer.epoch, conn) if shm.usable(peer.run) else None
         device = self.device_inbox(peer, conn) if self.device_inbox is not None else None
+        if device is not None:
+            self._device_conns.add(conn)
         reader = stream.FrameReader(conn, limits, alloc=self._alloc, inbox=inbox,
                                     copy_shm=self._alloc is stream.retained_buffer, device_inbox=device)
         with self._lock:
@@ -94,7 +100,7 @@ class _Acceptor:
             self._dropped.update(conns)
         for c in conns:
             try:
-                c.shutdown(socket.SHUT_RDWR)
+                c.shutdown(socket.SHUT_RD if c in self._device_conns else socket.SHUT_RDWR)
             except OSError:
                 pass
         return conns

@@ -37,11 +37,7 @@ class Stage:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
         received from earlier stages); return the entries it sends, by entry id. `device`: feeds of
         entries that come device to device (cluster/cudaipc.py, cuda backend only), not in `inputs`."""
-        if device or getattr(self.backend, "device_fed", None):
-            self.backend.feed_device(device or [])
-            if device:
-                inputs = {**inputs, **{e: self._placeholder(e) for f in device for e in f.entries}}
-        return self._run(inputs, profile=False)[0]
+        return self._run(inputs, profile=False, device=device)[0]
 
     def _placeholder(self, e: int) -> np.ndarray:
         """What check_feeds sees for an entry fed on the device: its shape and dtype, no memory."""
@@ -56,7 +52,12 @@ class Stage:
         """`run`, plus the backend's per-step timings (wall, CUDA-event or modelled)."""
         return self._run(inputs, profile=True)
 
-    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool,
+             device: list[Any] | None = None) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+        if device or getattr(self.backend, "device_fed", None):  # a run without feeds resets them
+            self.backend.feed_device(device or [])
+            if device:
+                inputs = {**inputs, **{e: self._placeholder(e) for f in device for e in f.entries}}
         feeds = check_feeds(self.program, inputs, self._layout)
         for e, v in feeds.items():
             self.backend.write(e, v)

@@ -42,12 +42,14 @@ def run(bundle, k, env, transport, batches, **kw):
     return out, paths
 
 
-@pytest.mark.parametrize("model,k", [("mlp", 2), ("cnn", 3)])
-def test_cuda_ipc_equals_the_host_path(bundles, env, tmp_path, model, k):
+@pytest.mark.parametrize("model,k,graphs", [("mlp", 2, False), ("cnn", 3, False), ("cnn", 2, True)])
+def test_cuda_ipc_equals_the_host_path(bundles, env, tmp_path, model, k, graphs):
+    """graphs: the consumer's CUDA graph is captured without the host copy of its device-fed input."""
     batches = [random_inputs(load_bundle(bundles[model]), seed=20 + i) for i in range(5)]
     want, host_paths = run(bundles[model], k, env, "tcp", batches)
     assert set(host_paths.values()) == {"tcp"}
-    got, paths = run(bundles[model], k, env, "auto", batches, window=2)  # 2 slots: backpressure is exercised
+    got, paths = run(bundles[model], k, env, "auto", batches, window=2,  # 2 slots: backpressure is exercised
+                     backend_opts={"graphs": graphs})
     assert_bit_identical(got, want)
     stage_edges = {e: p for e, p in paths.items() if DRIVER not in e}
     assert stage_edges and set(stage_edges.values()) == {"cuda-ipc"}, paths
