@@ -13,11 +13,12 @@ connection, and the producer may refill that slot: memory is bounded by `slots` 
 consumer holds its producer back (backpressure).
 
 Teardown order is CUDA's rule: the importer closes its handles before the exporter frees. The
-consumer closes them when the connection ends and every notification it took has been released
-(a stopping worker releases the micro-batches it will not compute; at most 5 s), then closes the
-connection; the producer shuts its side down, waits for that close (EOF), and only
-then frees the ring (it waits up to 10 s). A consumer that never closes (killed, hung) makes the producer leave the ring
-allocated (freed with its context at process exit) rather than free memory another process maps.
+consumer closes them when the connection ends and every notification it took has been released (a
+stopping worker releases the micro-batches it will not compute; at most 5 s), then says CLOSED on
+the connection; the producer shuts its side down and frees the ring after CLOSED, or after EOF when
+the process that opened the handles is gone (CUDA releases a dead process's mappings). Otherwise
+(a live consumer that never says CLOSED within 10 s) the ring stays allocated, logged, until the
+producer's process ends, rather than free memory another process maps.
 
 What stays on the host: the producer still copies its outputs to page-locked memory as well (what it
 retains for upstream replay after a fault, and what replays are sent as, over TCP, as plain data
