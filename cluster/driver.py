@@ -120,7 +120,7 @@ class Pipeline:
             raise TvmpipeError(f"transport must be one of {', '.join(shm.TRANSPORTS)}, got {transport!r}")
         self.transport = transport
         self.backend = backend
-        self._pids: list[int] = []
+        self._pids: list[tuple[int, str | None]] = []  # (pid, CUDA_VISIBLE_DEVICES) per stage
         if max_restarts < 0:
             raise TvmpipeError(f"max_restarts must be >= 0, got {max_restarts}")
         self.timeouts = timeouts
@@ -442,7 +442,9 @@ class Pipeline:
         self._nodes = nodes
         node = lambda i: self._node if i == DRIVER else nodes[i]  # noqa: E731
         if self.backend == "cuda":  # CUDA IPC needs two processes (cudaipc.py): stages may share one
-            self._pids = [s.pid if isinstance(s, WorkerStatus) else -1 - i
+            # and both ends must see the same GPUs: a handle of a device the importer cannot see
+            # does not open (Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES)
+            self._pids = [(s.pid, s.devices) if isinstance(s, WorkerStatus) else (-1 - i, None)
                           for i, s in enumerate(self.launcher.call_all("status"))]
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
@@ -473,7 +475,8 @@ class Pipeline:
         if not edge.carries_data:
             return "tcp"
         two = (edge.src != DRIVER and edge.dst != DRIVER and len(self._pids) > max(edge.src, edge.dst)
-               and self._pids[edge.src] != self._pids[edge.dst])
+               and self._pids[edge.src][0] != self._pids[edge.dst][0]
+               and self._pids[edge.src][1] == self._pids[edge.dst][1])
         if cudaipc.eligible(self.backend, node(edge.src) == node(edge.dst), two, two, self.transport):
             return "cuda-ipc"
         if not shm.usable(self.run_id):

@@ -301,7 +301,8 @@ class StageWorker:
             return WorkerStatus(stage=self.index, pid=os.getpid(), epoch=self._wiring.epoch if self._wiring else None,
                                 next_seq=self._next_seq, busy_seq=busy[0] if busy else None,
                                 busy_for_s=time.time() - busy[1] if busy else 0.0,
-                                error=self._error, peer_errors=list(self._peer_errors), paths=self.paths())
+                                error=self._error, peer_errors=list(self._peer_errors), paths=self.paths(),
+                                devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def paths(self) -> dict[int, str]:
         """Consumer -> the path ("shm" or "tcp") its data edge from this stage took in the current
