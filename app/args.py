@@ -66,7 +66,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="restarts per stage before the run fails (default 3)")
     g.add_argument("--transport", choices=("auto", "tcp", "shm"), default="auto",
                    help="edges within one node: auto (shared memory for frames of 64 KB and more), shm "
-                   "(always shared memory), tcp (never); edges between nodes are always TCP")
+                   "(always shared memory), tcp (never); edges between nodes are always TCP. With the cuda backend, "
+                   "auto keeps tensors between two stage processes of one node on the GPU (CUDA IPC); shm and "
+                   "tcp force a host path")
     g.add_argument("--progress-timeout", type=POSITIVE, default=60.0,
                    help="seconds without a completed micro-batch before workers are checked (default 60)")
     g.add_argument("--ray-temp-dir", help="--local: Ray's session directory (default: a fresh one, removed)")

@@ -11,9 +11,10 @@
 #   pytest    pytest -m gpu, with resnet18/transformer from .gpu/bundles; fails if any test is skipped
 #   executor  bench/executor_gpu.py: run vs kernel time, plain and CUDA-graph replay, vs torch eager
 #   pipeline  bench/gpu_pipeline.py: 1-4 process-launched stages on the GPU, bit-exact, throughput, bubble
+#   ipc       bench/ipc_gpu.py: one stage-to-stage hop of 4 and 64 MB, CUDA IPC vs the host path, GB/s
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
 # GPU_CHECK_BUDGET_S (default 560 s, inside the tool's 600 s). Results: bench/results/gpu_check.json
-# (summary), executor_gpu.json, gpu_pipeline.json, and copies of them plus the logs in $OUT (7 files).
+# (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, and copies plus the logs in $OUT (8 files).
 # Exit status: 0 only if every step passed.
 # shellcheck disable=SC2317  # the step functions are called through `step NAME BUDGET FUNCTION`
 set -euo pipefail
@@ -291,6 +292,14 @@ s_pipeline() {
   return "$rc"
 }
 
+s_ipc() {  # CUDA IPC (cluster/cudaipc.py) against D2H + socket + H2D between two processes on GPU 0
+  local rc=0
+  rm -f bench/results/ipc_gpu.json
+  tmo "$PY" bench/ipc_gpu.py --mb 4,64 --iters 50 --out bench/results/ipc_gpu.json || rc=$?
+  [ -s bench/results/ipc_gpu.json ] && cp bench/results/ipc_gpu.json "$OUT/"
+  return "$rc"
+}
+
 step env 30 s_env
 step wheels 60 s_wheels
 step pycuda 240 s_pycuda
@@ -298,6 +307,7 @@ step tvmpipe 60 s_tvmpipe
 step pytest 180 s_pytest
 step executor 120 s_executor
 step pipeline 240 s_pipeline
+step ipc 60 s_ipc
 
 # ---- summary ------------------------------------------------------------------------------------
 FAILED=0

@@ -36,7 +36,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import shm
+from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
@@ -126,6 +126,8 @@ class Pipeline:
         if transport not in shm.TRANSPORTS:
             raise TvmpipeError(f"transport must be one of {', '.join(shm.TRANSPORTS)}, got {transport!r}")
         self.transport = transport
+        self.backend = backend
+        self._pids: list[tuple[int, str | None]] = []  # (pid, CUDA_VISIBLE_DEVICES) per stage
         if max_restarts < 0:
             raise TvmpipeError(f"max_restarts must be >= 0, got {max_restarts}")
         self.timeouts = timeouts
@@ -465,12 +467,17 @@ class Pipeline:
         _raise_first(nodes)
         self._nodes = nodes
         node = lambda i: self._node if i == DRIVER else nodes[i]  # noqa: E731
+        if self.backend == "cuda":  # CUDA IPC needs two processes (cudaipc.py): stages may share one
+            # and both ends must see the same GPUs: a handle of a device the importer cannot see
+            # does not open (Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES)
+            self._pids = [(s.pid, s.devices) if isinstance(s, WorkerStatus) else (-1 - i, None)
+                          for i, s in enumerate(self.launcher.call_all("status"))]
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
                           secret=self._secret, send_from={e.dst: start(e.dst) for e in topo.outbound(i)},
-                          retain=retain,
-                          shm_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "shm"),
-                          ring_slots=self.window)
+                          retain=retain, shm_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "shm"),
+                          ring_slots=self.window,
+                          ipc_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "cuda-ipc"))
                    for i in range(topo.num_stages)]
         self._feed_from = {i: resume[i] for i in range(topo.num_stages)}
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
@@ -489,8 +496,17 @@ class Pipeline:
         return payload_bytes([self.topology.specs[x].nbytes for x in edge.entries])
 
     def _path(self, edge: Edge, node: Callable[[int], shm.Node]) -> str:
-        """"shm" or "tcp" for `edge`, from the transport option and the two ends' node ids."""
-        if not edge.carries_data or not shm.usable(self.run_id):
+        """"cuda-ipc", "shm" or "tcp" for `edge`, from the transport option, the backend and the two
+        ends' node ids (and processes: CUDA IPC is between two)."""
+        if not edge.carries_data:
+            return "tcp"
+        two = (edge.src != DRIVER and edge.dst != DRIVER and len(self._pids) > max(edge.src, edge.dst)
+               and self._pids[edge.src][0] != self._pids[edge.dst][0]
+               and self._pids[edge.src][1] == self._pids[edge.dst][1])
+        same = node(edge.src).same(node(edge.dst))
+        if cudaipc.eligible(self.backend, same, two, two, self.transport):
+            return "cuda-ipc"
+        if not shm.usable(self.run_id):
             return "tcp"
         return shm.choose(self.transport, node(edge.src).same(node(edge.dst)), self._edge_payload(edge))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -25,7 +25,7 @@ MAGIC = b"TVPF"
 FORMAT_VERSION = 2  # 2: a hello carries `mac`, the proof that its sender holds the run's secret
 PREFIX = struct.Struct("<4sI")  # magic, header length in bytes
 ALIGN = 64  # payload offset of every tensor: cache-line aligned views, whatever the dtype
-KINDS = ("hello", "data", "error", "shm")  # shm: a data frame whose payload waits in a shared-memory slot (shm.py)
+KINDS = ("hello", "data", "error", "shm", "ipc")  # ipc: a data frame whose payload waits in a device slot (cudaipc.py)  # shm: a data frame whose payload waits in a shared-memory slot (shm.py)
 DRIVER = -1  # the `stage` of frames the driver sends (graph inputs)
 NAME_CHARS = 256  # tensor names are for people reading traces and errors: longer ones are cut
 # dtype lookups on the per-frame path: NumPy dtype -> tvmpipe name, and name -> itemsize
@@ -34,6 +34,7 @@ _ITEMSIZE = {n: dtypes.itemsize(n) for n in [*dtypes.DTYPES, "uint1"]}
 HEADER_KEYS = {"v", "kind", "run", "epoch", "seq", "stage", "tensors", "error"}
 HELLO_KEYS = HEADER_KEYS | {"mac"}
 SHM_KEYS = HEADER_KEYS | {"ring", "at", "len"}  # which segment, the slot's offset in it, the payload's length
+IPC_KEYS = HEADER_KEYS | {"ipc"}  # [slot, offer or nil] (cudaipc.Note)
 _ZEROS = bytes(ALIGN)
 # `seq` is written as a msgpack uint 64 (0xcf + 8 bytes, big endian) whatever its value: a valid,
 # merely non-minimal encoding that any msgpack reader takes, and one that lets a stream's header be
@@ -124,11 +125,14 @@ class Frame:
     # set on a received frame whose tensors are views of a shared-memory slot: call it once they are
     # no longer read, so that the producer may reuse the slot (shm.Inbox.release)
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    # ipc: the cudaipc.Note sent / received; on the consumer's data frame made of it, the
+    # cudaipc.DeviceFeed its stage runs; on a producer's data frame, its outputs' device pointers
+    device: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes the frame puts on the wire: a notification's tensors stay in shared memory."""
-        if self.slot is not None:
+        if self.slot is not None or self.kind == "ipc":
             return 0
         return sum([a.nbytes for a in self.tensors.values()])
 
@@ -167,7 +171,7 @@ class Encoder:
     def encode(self, frame: Frame) -> list[memoryview | bytes]:
         """The frame as an iovec (prefix+header, then tensor bytes with alignment padding) ready for
         `socket.sendmsg`; the tensors' memory is referenced, not copied (non-contiguous arrays are)."""
-        if frame.kind == "shm":
+        if frame.kind in ("shm", "ipc"):
             return [_pack_notification(frame)]
         arrays = [contiguous(a) for a in frame.tensors.values()]
         key = (frame.kind, frame.run, frame.epoch, frame.stage, frame.error,
@@ -221,10 +225,14 @@ def _pack_notification(frame: Frame) -> bytes:
         if name is None:
             raise FrameError(f"entry {eid}: dtype {arr.dtype} is not a tvmpipe dtype")
         metas.append((int(eid), frame.names.get(eid, "")[:NAME_CHARS], name, arr.shape, arr.nbytes))
-    ring, at, length = frame.slot
-    header = msgpack.packb({"v": FORMAT_VERSION, "kind": "shm", "run": frame.run, "epoch": frame.epoch,
-                            "seq": frame.seq, "stage": frame.stage, "tensors": metas, "error": None,
-                            "ring": ring, "at": at, "len": length})
+    doc = {"v": FORMAT_VERSION, "kind": frame.kind, "run": frame.run, "epoch": frame.epoch,
+           "seq": frame.seq, "stage": frame.stage, "tensors": metas, "error": None}
+    if frame.kind == "ipc":
+        doc["ipc"] = frame.device.pack()
+    else:
+        ring, at, length = frame.slot
+        doc.update(ring=ring, at=at, len=length)
+    header = msgpack.packb(doc)
     return PREFIX.pack(MAGIC, len(header)) + header
 
 
@@ -290,7 +298,7 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, UnicodeDecodeError, ...
         raise FrameError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     kind = h.get("kind") if type(h) is dict else None
-    keys = HELLO_KEYS if kind == "hello" else SHM_KEYS if kind == "shm" else HEADER_KEYS
+    keys = HELLO_KEYS if kind == "hello" else SHM_KEYS if kind == "shm" else IPC_KEYS if kind == "ipc" else HEADER_KEYS
     if type(h) is not dict or h.keys() != keys:
         got = sorted(h) if isinstance(h, dict) else type(h).__name__
         raise FrameError(f"header must be a map with keys {sorted(keys)}, got {got}")
@@ -309,14 +317,22 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
     raw = h["tensors"]
     layout = last if last is not None and last.limits is limits and last.raw == raw else _layout(raw, limits)
     if limits.layout is not None:  # data frames carry exactly the wired tensors; others none
-        _check_exact(layout.metas, limits.layout if h["kind"] in ("data", "shm") else ())
+        _check_exact(layout.metas, limits.layout if h["kind"] in ("data", "shm", "ipc") else ())
     slot = None
     if h["kind"] == "shm":
         if type(h["ring"]) is not str or error is not None:
             raise FrameError("a shm notification names its ring and carries no error")
         slot = (h["ring"], _int(h["at"], 0, "offset"), _int(h["len"], 0, "length"))
+    device = None
+    if h["kind"] == "ipc":
+        if error is not None:
+            raise FrameError("a cuda-ipc notification carries no error")
+        from tvmpipe.cluster.cudaipc import Note
+
+        device = Note.unpack(h["ipc"])
     frame = Frame(h["kind"], h["run"], _int(h["epoch"], 0, "epoch"), _int(h["seq"], 0, "seq"),
-                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error, mac=mac, slot=slot)
+                  _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error, mac=mac, slot=slot,
+                  device=device)
     return frame, layout
 
 

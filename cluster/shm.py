@@ -57,7 +57,7 @@ RELEASED_AT = 64
 HEADER_BYTES = 4096
 PAGE = 4096
 MAX_SLOTS = (HEADER_BYTES - RELEASED_AT) // 8
-TRANSPORTS = ("auto", "tcp", "shm")
+TRANSPORTS = ("auto", "tcp", "shm", "cuda-ipc")  # cuda-ipc: as auto (cudaipc.py takes cuda stage edges either way)
 # "auto" takes shared memory for edges whose frames are at least this large: below it a frame is
 # one sendmsg anyway, and the notification costs as much as the bytes it replaces (measured,
 # docs/cluster.md "Shared memory").

@@ -34,7 +34,8 @@ class WorkerStatus:
     busy_for_s: float
     error: str | None
     peer_errors: list[str] = field(default_factory=list)
-    paths: dict[int, str] = field(default_factory=dict)  # consumer -> "shm" or "tcp": what each outbound edge took
+    paths: dict[int, str] = field(default_factory=dict)  # consumer -> "shm", "cuda-ipc" or "tcp": what each outbound edge took
+    devices: str | None = None  # its CUDA_VISIBLE_DEVICES (CUDA IPC only between workers that see the same GPUs)
 
 
 @dataclass(frozen=True)

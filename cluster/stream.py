@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import socket
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -66,12 +66,13 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, limits: FrameLimits = DEFAULT_LIMITS, buffer_bytes: int = 64 << 10,
                  alloc: Callable[[int], np.ndarray] = fresh_buffer, inbox: Inbox | None = None,
-                 copy_shm: bool = False):
+                 copy_shm: bool = False, device_inbox: Any = None):
         self.sock = sock
         # shm notifications are taken only with an inbox (a listener's connection from a run's peer);
         # `copy_shm`: copy each slot out at once (the driver keeps outputs) instead of reading in place
         self.inbox = inbox
         self.copy_shm = copy_shm
+        self.device_inbox = device_inbox  # cudaipc.DeviceInbox: this connection takes ipc notes
         self.limits = limits
         self.alloc = alloc
         self._buf = bytearray(buffer_bytes)
@@ -155,6 +156,8 @@ class FrameReader:
             self._repeat = None
         if frame.kind == "shm":
             return self._from_slot(frame)
+        if frame.kind == "ipc":
+            return self._from_device(frame)
         payload = self.alloc(self._layout.size)  # a repeat's layout is the last one parsed
         self._take(memoryview(payload), "payload")
         return attach(frame, self._layout.metas, payload)
@@ -175,3 +178,14 @@ class FrameReader:
         inbox = self.inbox
         frame.release = lambda: inbox.release(ticket)
         return attach(frame, self._layout.metas, view)
+
+    def _from_device(self, frame: Frame) -> Frame:
+        """A cuda-ipc notification (its header checked like a data frame's): the data frame it
+        stands for carries no host tensors, only the DeviceFeed its stage runs (cudaipc.py)."""
+        if self.device_inbox is None:
+            raise FrameError("a cuda-ipc notification on a connection that takes none")
+        inbox = self.device_inbox
+        frame.device = inbox.take(frame.device, self._layout.metas)
+        frame.kind = "data"
+        frame.release = inbox.release
+        return frame

@@ -27,10 +27,11 @@ import logging
 import selectors
 import socket
 import threading
+import weakref
 import time
 import traceback
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 from tvmpipe.cluster import frames, shm, stream
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
@@ -58,6 +59,11 @@ class _Acceptor:
                  on_frame: Callable[[Peer, Frame], None], on_close: Callable[[Peer, Exception | None], None],
                  retains_frames: bool = False, secret: bytes | None = None):
         self.secret = secret
+        # (peer, conn) -> a cudaipc.DeviceInbox for a connection that may carry ipc notes, or None
+        self.device_inbox: Callable[[Peer, socket.socket], Any] | None = None
+        # connections with one: shut for reading only, so that the consumer can still tell its
+        # producer that it closed the handles (cudaipc.CLOSED) before closing the connection
+        self._device_conns: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
         self._alloc = stream.retained_buffer if retains_frames else stream.fresh_buffer
         self._on_frame = on_frame
         self._on_close = on_close
@@ -74,8 +80,11 @@ class _Acceptor:
     def _admitted(self, conn: socket.socket, peer: Peer, limits: FrameLimits) -> None:
         """The gate admitted `conn` (gate thread)."""
         inbox = shm.Inbox(peer.run, peer.epoch, conn) if shm.usable(peer.run) else None
+        device = self.device_inbox(peer, conn) if self.device_inbox is not None else None
+        if device is not None:
+            self._device_conns.add(conn)
         reader = stream.FrameReader(conn, limits, alloc=self._alloc, inbox=inbox,
-                                    copy_shm=self._alloc is stream.retained_buffer)
+                                    copy_shm=self._alloc is stream.retained_buffer, device_inbox=device)
         with self._lock:
             if self._closed:
                 conn.close()
@@ -91,7 +100,7 @@ class _Acceptor:
             self._dropped.update(conns)
         for c in conns:
             try:
-                c.shutdown(socket.SHUT_RDWR)
+                c.shutdown(socket.SHUT_RD if c in self._device_conns else socket.SHUT_RDWR)
             except OSError:
                 pass
         return conns
@@ -162,6 +171,11 @@ class Listener(_Acceptor):
                     error = None
                 self._dropped.discard(conn)
             _log_end(self.address, conn, peer, error)
+            if reader.device_inbox is not None:  # CUDA's rule: handles closed before the producer frees
+                try:
+                    reader.device_inbox.close()
+                except Exception as exc:  # noqa: BLE001 - reported, the connection still ends
+                    log.warning("closing CUDA IPC handles from stage %d: %s", peer.stage, exc)
             conn.close()
             if reader.inbox is not None:
                 reader.inbox.close()
@@ -391,11 +405,13 @@ class Link:
 
     def __init__(self, address: Address, hello: Frame, secret: bytes, on_error: Callable[[Exception], None],
                  depth: int = 8, connect_timeout_s: float = 10.0, inline_bytes: int = INLINE_BYTES,
-                 ring_slots: int = 0, frame_bytes: int = 0):
+                 ring_slots: int = 0, frame_bytes: int = 0, device_ring: Callable[[], Any] | None = None):
         """`ring_slots` > 0: the consumer runs on this node, so data frames go through a shared-memory
-        ring of that many slots of `frame_bytes` (shm.py; at least 2, at most shm.RING_BYTES); if
-        the ring cannot be made (no /dev/shm, no room) the link says so in the log and stays on
-        TCP. `path` says which it took."""
+        ring of that many slots of `frame_bytes` (shm.py; at least 2, at most shm.RING_BYTES); if the ring cannot be made (no /dev/shm,
+        no room) the link says so in the log and stays on TCP. `path` says which it took.
+        `device_ring`: makes the cudaipc.DeviceRing of an edge between two cuda stages on this node;
+        data frames that carry their outputs' device pointers (Frame.device) then go through it
+        ("cuda-ipc"), others (replays) over TCP; if it cannot be made, the edge stays on TCP."""
         self.address = address
         self.bytes_sent = 0
         self.frames_sent = 0
@@ -420,11 +436,30 @@ class Link:
             except (OSError, ValueError) as exc:
                 log.warning("edge from stage %d to %s:%d stays on TCP: no shared-memory ring (%s)", hello.stage,
                             *address, exc)
-        self.path = "shm" if self._ring is not None else "tcp"
+        self._device_ring = None
+        if device_ring is not None:
+            try:
+                self._device_ring = device_ring()
+            except Exception as exc:  # noqa: BLE001 - any driver refusal: the host path
+                log.warning("edge from stage %d to %s:%d stays on TCP: no CUDA IPC ring (%s)", hello.stage,
+                            *address, exc)
+        self.path = "shm" if self._ring is not None else "cuda-ipc" if self._device_ring is not None else "tcp"
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name=f"send-{address[1]}")
         self._thread.start()
 
     def put(self, frame: Frame) -> None:
+        dring = self._device_ring
+        if dring is not None and frame.kind == "data" and frame.device is not None:
+            with self._ring_lock:  # wait for a released slot (backpressure), copy on the device, notify
+                if not dring.wait_free(self._sock, lambda: not self._dead):
+                    self._fail(ConnectionError("the consumer closed the connection"))
+                    return
+                note = dring.write(frame.device)
+                self._put(Frame("ipc", frame.run, frame.epoch, frame.seq, frame.stage, frame.tensors, frame.names,
+                                device=note))
+            return
+        if frame.device is not None:  # device pointers mean nothing to another path
+            frame = Frame(frame.kind, frame.run, frame.epoch, frame.seq, frame.stage, frame.tensors, frame.names)
         ring = self._ring
         if ring is not None and frame.kind == "data":
             with self._ring_lock:  # wait for a released slot (backpressure), fill it, notify
@@ -469,6 +504,8 @@ class Link:
             n = stream.send(self._sock, frame, self._encoder)
             if frame.slot is not None:
                 n += frame.slot[2]  # the tensor bytes it carried through shared memory
+            elif frame.kind == "ipc":
+                n += sum([a.nbytes for a in frame.tensors.values()])  # copied device to device
         except (OSError, FrameError) as exc:
             error = exc
         with self._lock:
@@ -513,6 +550,9 @@ class Link:
         with self._work:
             self._dead = True
             self._room.notify_all()
+        if self._device_ring is not None:  # waits for the consumer to close its handles, then frees
+            with self._ring_lock:
+                self._device_ring.close(self._sock)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # unblocks a send in progress
         except OSError:

@@ -33,7 +33,7 @@ import numpy as np
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle import dtypes
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import shm
+from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
 from tvmpipe.cluster.shipping import Shipment, unpack, whole_files
@@ -87,6 +87,9 @@ class Wiring:
     # of `ring_slots` slots (shm.py; the driver decides from Ray node ids); every other edge is TCP.
     shm_to: frozenset[int] = frozenset()
     ring_slots: int = 0
+    # Consumer stages on this node whose edges keep tensors on the GPU (cudaipc.py: both stages on
+    # the cuda backend), through a ring of `ring_slots` device buffers.
+    ipc_to: frozenset[int] = frozenset()
 
 
 def read_bundle_files(path: str | Path) -> dict[str, bytes]:
@@ -187,6 +190,8 @@ class StageWorker:
         self.bytes_out: dict[int, int] = {}
         self.frames_out: dict[int, int] = {}
         self._listener = Listener(spec.host or "127.0.0.1", self._accept_hello, self._on_frame, self._on_close)
+        if spec.backend == "cuda":
+            self._listener.device_inbox = self._device_inbox
 
     # ---- control plane -----------------------------------------------------------------------------
     def address(self) -> Address:
@@ -250,8 +255,13 @@ class StageWorker:
         for edge, addr in w.outbound:
             frame_bytes = payload_bytes([self.program.entry_specs[e].nbytes for e in edge.entries])
             slots = w.ring_slots if edge.dst in w.shm_to and edge.carries_data else 0
+            device_ring = None
+            if edge.dst in w.ipc_to and edge.carries_data and self.spec.backend == "cuda":
+                sizes = [(e, self.program.entry_specs[e].nbytes) for e in edge.entries]
+                device_ring = lambda sizes=sizes: cudaipc.DeviceRing(  # noqa: E731
+                    self.stage.backend.dev, min(max(2, w.ring_slots), cudaipc.MAX_SLOTS), sizes)
             link = Link(tuple(addr), hello, w.secret, self._link_failed(edge.dst), depth=w.queue_depth,
-                        ring_slots=slots, frame_bytes=frame_bytes)
+                        ring_slots=slots, frame_bytes=frame_bytes, device_ring=device_ring)
             names = {e: self.program.entry_names[e] for e in edge.entries}
             self._links.append((edge, link, names))
             if edge.carries_data:
@@ -280,13 +290,26 @@ class StageWorker:
         if self._compute is not None:
             self._compute.join()
             self._compute = None
+        self._release_pending()
         for edge, link, _ in self._links:
             link.close(flush=False)
             self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + link.bytes_sent
             self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + link.frames_sent
         self._links = []
         self._data_links = []
+        self._release_pending()
         self._listener.drop_connections()
+
+    def _release_pending(self) -> None:
+        """Hand back the slots of micro-batches that will not be computed in this epoch (the next
+        prepare() drops them): a cuda-ipc consumer closes its handles, and so lets its producer
+        free them, only once every note it took was released (cudaipc.py)."""
+        with self._cond:
+            frames = [f for parts in self._pending.values() for f in parts.values() if f.release is not None]
+        for f in frames:
+            release, f.release = f.release, None
+            if release is not None:
+                release()
 
     def status(self) -> WorkerStatus:
         with self._cond:
@@ -294,7 +317,8 @@ class StageWorker:
             return WorkerStatus(stage=self.index, pid=os.getpid(), epoch=self._wiring.epoch if self._wiring else None,
                                 next_seq=self._next_seq, busy_seq=busy[0] if busy else None,
                                 busy_for_s=time.time() - busy[1] if busy else 0.0,
-                                error=self._error, peer_errors=list(self._peer_errors), paths=self.paths())
+                                error=self._error, peer_errors=list(self._peer_errors), paths=self.paths(),
+                                devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def paths(self) -> dict[int, str]:
         """Consumer -> the path ("shm" or "tcp") its data edge from this stage took in the current
@@ -342,6 +366,13 @@ class StageWorker:
                 raise FrameError(f"{_name(peer.stage)} is already connected in epoch {peer.epoch}")
             self._admitted.add(peer.stage)
         return self._inbound[peer.stage]
+
+    def _device_inbox(self, peer: Peer, conn) -> "cudaipc.DeviceInbox | None":
+        """A connection from another stage may carry cuda-ipc notes (the producer decides, from the
+        wiring); the handles open in this stage's context."""
+        if peer.stage == DRIVER:
+            return None
+        return cudaipc.DeviceInbox(self.stage.backend.dev, conn)
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
         producer = peer.stage
@@ -442,8 +473,9 @@ class StageWorker:
             feed = {}
             for f in parts.values():
                 feed.update(f.tensors)
+        device = [f.device for f in parts.values() if f.device is not None]
         try:
-            outputs = self.stage.run(feed)
+            outputs = self.stage.run(feed, device=device) if device or self.spec.backend == "cuda" else self.stage.run(feed)
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
             _release(parts, {})
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
@@ -460,5 +492,7 @@ class StageWorker:
             self._next_seq = seq + 1
             if w.retain:
                 self._retained.append((seq, outputs))
+        ptrs = self.stage.send_pointers() if any(l.path == "cuda-ipc" for l, _, _ in self._data_links) else None
         for link, entries, names in self._data_links:
-            link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names))
+            link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names,
+                           device=ptrs if link.path == "cuda-ipc" else None))

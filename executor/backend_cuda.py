@@ -84,6 +84,21 @@ class CudaBackend:
         self._plans: dict[tuple, list] = {}  # launch plans by bindings
         self._graphs: dict[tuple, Any] = {}  # captured graphs by bindings
         self._aliases: dict[int, set[int]] = {}
+        # Fed entries that arrive on the device (cluster/cudaipc.py): no host copy in; their
+        # DeviceFeeds enqueue a wait on the producer's event and device-to-device copies instead.
+        self.device_fed: frozenset[int] = frozenset()
+        self._device_feeds: list[Any] = []
+
+    def feed_device(self, feeds: list[Any]) -> None:
+        """This run's entries that come from another process's device memory (each feed has
+        `entries` and `enqueue(dev, ptr)`); every other fed entry comes through write(). A change of
+        the set re-captures the CUDA graph (its host copies differ)."""
+        fed = frozenset().union(*[f.entries for f in feeds]) if feeds else frozenset()
+        if fed != self.device_fed:
+            self.device_fed = fed
+            self.graph = None
+            self._graphs.clear()
+        self._device_feeds = list(feeds)
 
     def _upload_params(self, bundle: Bundle, program: StageProgram) -> None:
         """A safetensors bundle's params go from the file to the device through a bounded pair of
@@ -109,7 +124,8 @@ class CudaBackend:
         uploaded now, synchronously: the stream is idle between runs."""
         host = self.host_in.get(entry)
         if host is not None:
-            np.copyto(host, value)
+            if entry not in self.device_fed:
+                np.copyto(host, value)
             return
         if getattr(self.dev, "ctx", True) is None:
             raise DeviceError("the CUDA device is closed")
@@ -177,7 +193,8 @@ class CudaBackend:
 
     def _enqueue(self, events: list | None = None) -> None:
         for e, h in self.host_in.items():
-            self.dev.copy_in(self.ptr[e], h)
+            if e not in self.device_fed:
+                self.dev.copy_in(self.ptr[e], h)
         for p in self._current_plan()[1]:
             if events is not None:
                 events.append((p, self.dev.record()))
@@ -199,6 +216,10 @@ class CudaBackend:
     def _execute(self, profile: bool) -> list[StepTiming] | None:
         where = f"running nodes [{self.program.start}, {self.program.end}) of '{self.program.model}'"
         events: list | None = [] if profile else None
+        feeds, self._device_feeds = self._device_feeds, []
+        for f in feeds:  # on the stage's stream, ahead of everything below (outside any capture)
+            with self.dev.check("waiting for and copying a CUDA IPC input"):
+                f.enqueue(self.dev, self.ptr)
         if self.graphs and not profile:
             key = self._current_plan()[0]  # one graph per state binding (slot and buffer parity)
             graph = self.graph if key is None else self._graphs.get(key)

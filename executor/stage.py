@@ -50,16 +50,31 @@ class Stage:
     def stateful(self) -> bool:
         return self.state is not None
 
-    def run(self, inputs: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+    def run(self, inputs: Mapping[int, np.ndarray], device: list[Any] | None = None) -> dict[int, np.ndarray]:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
-        received from earlier stages); return the entries it sends, by entry id."""
-        return self._run(inputs, profile=False)[0]
+        received from earlier stages); return the entries it sends, by entry id. `device`: feeds of
+        entries that come device to device (cluster/cudaipc.py, cuda backend only), not in `inputs`."""
+        return self._run(inputs, profile=False, device=device)[0]
+
+    def _placeholder(self, e: int) -> np.ndarray:
+        """What check_feeds sees for an entry fed on the device: its shape and dtype, no memory."""
+        spec = self.program.entry_specs[e]
+        return np.broadcast_to(np.zeros((), np_dtype(spec.dtype)), tuple(spec.shape))
+
+    def send_pointers(self) -> dict[int, int]:
+        """Device pointers of the entries this stage sends (cuda backend), valid until its next run."""
+        return {e: self.backend.ptr[e] for e in self._send}
 
     def run_profiled(self, inputs: Mapping[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
         """`run`, plus the backend's per-step timings (wall, CUDA-event or modelled)."""
         return self._run(inputs, profile=True)
 
-    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool,
+             device: list[Any] | None = None) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+        if device or getattr(self.backend, "device_fed", None):  # a run without feeds resets them
+            self.backend.feed_device(device or [])
+            if device:
+                inputs = {**inputs, **{e: self._placeholder(e) for f in device for e in f.entries}}
         slot = None
         if self.state is not None:
             inputs = dict(inputs)

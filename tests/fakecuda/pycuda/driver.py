@@ -16,14 +16,26 @@ compute garbage, as a `RuleViolation` naming the rule:
     `__launch_bounds__` (and 1024), static + dynamic shared memory against 48 KiB unless the kernel
     opted in with MAX_DYNAMIC_SHARED_SIZE_BYTES, and against the device's opt-in limit;
   * graph capture (through the fake libcuda.so.1 that ctypes loads): no synchronous call while a
-    stream captures; a violated capture is invalidated; destroyed graphs cannot be used.
+    stream captures; a violated capture is invalidated; destroyed graphs cannot be used;
+  * CUDA IPC (`mem_get_ipc_handle`, `IPCMemoryHandle`, interprocess `Event`s, see "CUDA IPC" below):
+    handles only for the base pointer of a live cuMemAlloc allocation; opened only in another
+    process; the importer closes before the exporter frees; nothing reads opened memory before a
+    wait on the producer's event that covers the producer's last write to it. Exported allocations
+    and interprocess events live in files (FAKE_PYCUDA_IPC_DIR), so two processes really share them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import itertools
+import mmap
 import os
+import secrets
+import struct
+import tempfile
+import time
 import threading
 import weakref
 
@@ -81,6 +93,17 @@ class function_attribute:  # noqa: N801
     MAX_THREADS_PER_BLOCK = 0
     SHARED_SIZE_BYTES = 1
     MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class event_flags:  # noqa: N801
+    DEFAULT = 0
+    BLOCKING_SYNC = 1
+    DISABLE_TIMING = 2
+    INTERPROCESS = 4
+
+
+class ipc_mem_flags:  # noqa: N801
+    LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class device_attribute:  # noqa: N801
@@ -149,6 +172,8 @@ class _Primary:
     def __init__(self, ordinal: int):
         self.ordinal = ordinal
         self.allocs: dict[int, np.ndarray] = {}
+        self.exported: dict[int, "_Shared"] = {}  # base -> its shared file (mem_get_ipc_handle)
+        self.imported: dict[int, "_Shared"] = {}  # address -> what it maps (IPCMemoryHandle)
         self.streams: "weakref.WeakSet[Stream]" = weakref.WeakSet()
         self.sticky: str | None = None
         self.clock = 0.0  # ms, advanced by every executed operation
@@ -262,8 +287,15 @@ class DeviceAllocation:
         s = _stack()
         if not s or s[-1].prim is not self.prim:
             raise LogicError("cannot activate out-of-thread context")  # scoped_context_activation
+        shared = self.prim.exported.get(self.ptr)
+        if shared is not None and shared.opens() > 0:
+            _violation(f"device allocation {self.ptr:#x} freed while {shared.opens()} other process(es) hold it "
+                       "open through an IPC handle (the importer must close it first)")
         self.valid = False
         del self.prim.allocs[self.ptr]
+        if shared is not None:
+            del self.prim.exported[self.ptr]
+            shared.unlink()
 
 
 def mem_alloc(nbytes: int) -> DeviceAllocation:
@@ -361,6 +393,7 @@ def memcpy_htod(dest: int, src) -> None:
     prim.drain()  # the legacy default stream waits for every blocking stream
     data = _raw(src)
     stats["htod"].append(("pinned" if getattr(src, "_block", None) is not None else "pageable", int(data.size), "sync"))
+    _stamp_writes(prim, [int(dest)])
     prim.memory(int(dest), data.size, "cuMemcpyHtoD")[...] = data
 
 
@@ -384,6 +417,10 @@ def _host_copy_async(routine: str, stream, host, ptr: int, to_device: bool) -> N
     s = _stream_of(routine, stream)
     ptr, raw = int(ptr), _raw(host)
     s.prim.memory(ptr, raw.size, routine)
+    if to_device:
+        _stamp_writes(s.prim, [ptr])
+    else:
+        _check_ipc_reads(s, [ptr], routine, at_enqueue=True)
     block = getattr(host, "_block", None)
     # The bytes a host-to-device copy will read, fingerprinted when it is enqueued: a source changed
     # before the copy ran (a staging buffer refilled too early, by any means) is a RuleViolation.
@@ -393,6 +430,8 @@ def _host_copy_async(routine: str, stream, host, ptr: int, to_device: bool) -> N
 
     def run():
         dev = s.prim.memory(ptr, raw.size, routine)
+        if not to_device:
+            _check_ipc_reads(s, [ptr], routine)
         if to_device:
             if digest is not None and hash(raw.tobytes()) != digest:
                 _violation("page-locked buffer changed while a host-to-device copy from it was pending "
@@ -418,8 +457,10 @@ def memcpy_dtod_async(dest: int, src: int, size: int, stream=None) -> None:
     dest, src = int(dest), int(src)
     s.prim.memory(dest, size, "cuMemcpyDtoDAsync")
     s.prim.memory(src, size, "cuMemcpyDtoDAsync")
+    _stamp_writes(s.prim, [dest])
 
     def run():
+        _check_ipc_reads(s, [src], "cuMemcpyDtoDAsync")
         s.prim.memory(dest, size, "cuMemcpyDtoDAsync")[...] = s.prim.memory(src, size, "cuMemcpyDtoDAsync").copy()
     s._enqueue(run)
 
@@ -438,6 +479,7 @@ class Stream:
         self._capture_thread = None
         self._capture_bad: str | None = None
         self._emu_args: dict = {}  # function name -> args gathered from its launches so far
+        self._fence: dict[int, int] = {}  # exporter pid -> its IPC write stamp this stream has waited past
         self.prim.streams.add(self)
         _streams_by_handle[self.handle] = self
 
@@ -477,15 +519,47 @@ class Stream:
     def is_done(self) -> bool:
         return not self._ops
 
+    def wait_for_event(self, event: "Event") -> None:
+        """cuStreamWaitEvent: later work on this stream waits for the event's latest record as of
+        now. For an interprocess event, that record's write stamp becomes this stream's fence."""
+        _ctx("cuStreamWaitEvent")
+        shared = event._shared
+        if shared is None:
+            self._enqueue(lambda: None)  # same-process events: the fake runs streams in order anyway
+            return
+        target = shared.records()
+
+        def run():
+            stamp = shared.wait(target)
+            if stamp is not None:
+                self._fence[shared.pid] = max(self._fence.get(shared.pid, 0), stamp)
+        self._enqueue(run)
+
 
 class Event:
     def __init__(self, flags: int = 0):
         self.prim = _acquire()
         self.time: float | None = None
+        self.flags = flags
+        self._shared: _SharedEvent | None = None
+        if flags & event_flags.INTERPROCESS:
+            if not flags & event_flags.DISABLE_TIMING:
+                _fail("cuEventCreate", 1, "an INTERPROCESS event must also be DISABLE_TIMING")
+            self._shared = _SharedEvent.create()
+            weakref.finalize(self, self._shared.unlink)
 
     def record(self, stream=None) -> "Event":
         s = _stream_of("cuEventRecord", stream)
         self.time = None
+        if self._shared is not None:
+            if self._shared.pid != os.getpid():
+                _fail("cuEventRecord", 1, "the fake records interprocess events in their exporter only")
+            n, stamp = self._shared.add_record(), _ipc_clock[0]
+
+            def run():
+                self._shared.complete(n, stamp)
+            s._enqueue(run)
+            return self
 
         def run():
             self.time = s.prim.clock
@@ -495,14 +569,300 @@ class Event:
     def synchronize(self) -> "Event":
         _no_capture("cuEventSynchronize", _ctx("cuEventSynchronize"))
         self.prim.drain()
+        if self._shared is not None:
+            self._shared.wait(self._shared.records())
         return self
+
+    def query(self) -> bool:
+        _ctx("cuEventQuery")
+        if self._shared is not None:
+            return self._shared.completed() >= self._shared.records()
+        return self.time is not None
 
     def time_since(self, other: "Event") -> float:
         prim = _ctx("cuEventElapsedTime")
         _no_capture("cuEventElapsedTime", prim)
+        if self.flags & event_flags.DISABLE_TIMING or other.flags & event_flags.DISABLE_TIMING:
+            _fail("cuEventElapsedTime", 400, "an event created with DISABLE_TIMING")
         if self.time is None or other.time is None:
             _fail("cuEventElapsedTime", 600)
         return self.time - other.time
+
+    def ipc_handle(self) -> bytes:
+        """cuIpcGetEventHandle: only for INTERPROCESS | DISABLE_TIMING events."""
+        _ctx("cuIpcGetEventHandle")
+        if self._shared is None:
+            _fail("cuIpcGetEventHandle", 1, "the event was not created with event_flags.INTERPROCESS")
+        return self._shared.handle()
+
+    @staticmethod
+    def from_ipc_handle(handle) -> "Event":
+        """cuIpcOpenEventHandle, in the current context; never in the exporting process."""
+        _ctx("cuIpcOpenEventHandle")
+        shared = _SharedEvent.open(bytes(handle))
+        ev = Event.__new__(Event)
+        ev.prim, ev.time, ev.flags, ev._shared = _acquire(), None, event_flags.DISABLE_TIMING, shared
+        return ev
+
+
+# ---- CUDA IPC -----------------------------------------------------------------------------------
+# An exported allocation moves into a file (4096-byte header, then the bytes); an importer maps the
+# same file, so two processes really exchange data. Header: magic, nbytes, exporter pid, open count
+# (unused), last write stamp (the exporter's _ipc_clock at its latest write into
+# the allocation, counted when the write is enqueued), and the pids of the processes that hold it
+# open (a dead one's opens do not count: CUDA releases its mappings). An interprocess event's file holds how many
+# records were enqueued, how many have run, and the write stamp each of the last 64 records saw.
+# A stream that waits on an imported event keeps the stamp of the record it waited for (its fence);
+# reading opened memory whose last write stamp is above the stream's fence is a RuleViolation.
+# Decision, stricter than CUDA: a handle is only given for an allocation's base pointer (CUDA
+# returns the base allocation's handle for an interior pointer, and the importer then silently
+# sees the base); tvmpipe exports base pointers only.
+IPC_DIR = os.environ.get("FAKE_PYCUDA_IPC_DIR") or os.path.join(
+    "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"fakecuda-ipc-{os.getuid()}")
+_MEM_MAGIC, _EVT_MAGIC = b"FKIPCMEM", b"FKIPCEVT"
+_HANDLE = struct.Struct("<8sQQQ32s")  # magic, pid, base, nbytes, token: 64 bytes like CUipcMemHandle
+_DATA_AT = 4096
+_ipc_clock = [0]
+EVENT_WAIT_S = float(os.environ.get("FAKE_PYCUDA_IPC_WAIT_S", "30"))
+
+
+def _ipc_file(token: str, create_bytes: int | None = None):
+    os.makedirs(IPC_DIR, mode=0o700, exist_ok=True)
+    path = os.path.join(IPC_DIR, token)
+    if create_bytes is not None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, create_bytes)
+    else:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        return path, fd, mmap.mmap(fd, os.fstat(fd).st_size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _Counters:
+    """u64 fields of a shared file's header, updated under an fcntl lock."""
+
+    def __init__(self, fd: int, mm: mmap.mmap):
+        self.fd, self.mm = fd, mm
+
+    def get(self, at: int) -> int:
+        return struct.unpack_from("<Q", self.mm, at)[0]
+
+    def add(self, at: int, n: int) -> int:
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        try:
+            v = self.get(at) + n
+            struct.pack_into("<Q", self.mm, at, v)
+            return v
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def set(self, at: int, v: int) -> None:
+        struct.pack_into("<Q", self.mm, at, v)
+
+
+class _Shared:
+    """One exported allocation's file, as its exporter or an importer sees it."""
+    OPENS, LAST_WRITE = 24, 32
+
+    def __init__(self, token: str, path: str, fd: int, mm: mmap.mmap):
+        self.token, self.path, self.c = token, path, _Counters(fd, mm)
+        magic, self.nbytes, self.pid = struct.unpack_from("<8sQQ", mm, 0)
+        self.data = np.frombuffer(mm, np.uint8, self.nbytes, _DATA_AT)
+
+    PIDS, MAX_IMPORTERS = 64, 64  # one u64 per open: the importing process's pid (0: free)
+
+    def opens(self) -> int:
+        """Opens by processes still alive: CUDA releases a dead process's mappings."""
+        n = 0
+        for i in range(self.MAX_IMPORTERS):
+            pid = self.c.get(self.PIDS + 8 * i)
+            if pid:
+                try:
+                    os.kill(pid, 0)
+                    n += 1
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    n += 1
+        return n
+
+    def add_importer(self, pid: int, add: bool) -> None:
+        fcntl.lockf(self.c.fd, fcntl.LOCK_EX)
+        try:
+            for i in range(self.MAX_IMPORTERS):
+                at = self.PIDS + 8 * i
+                if self.c.get(at) == (0 if add else pid):
+                    self.c.set(at, pid if add else 0)
+                    return
+        finally:
+            fcntl.lockf(self.c.fd, fcntl.LOCK_UN)
+        _violation("the fake tracks at most 64 opens of one IPC allocation")
+
+    def last_write(self) -> int:
+        return self.c.get(self.LAST_WRITE)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class _SharedEvent:
+    RECORDS, DONE, STAMPS = 24, 32, 64
+    KEPT = 64
+
+    def __init__(self, token: str, path: str, fd: int, mm: mmap.mmap):
+        self.token, self.path, self.c = token, path, _Counters(fd, mm)
+        self.pid = struct.unpack_from("<8sQ", mm, 0)[1]
+
+    @classmethod
+    def create(cls) -> "_SharedEvent":
+        token = secrets.token_hex(16)
+        path, fd, mm = _ipc_file(token, create_bytes=_DATA_AT)
+        struct.pack_into("<8sQ", mm, 0, _EVT_MAGIC, os.getpid())
+        return cls(token, path, fd, mm)
+
+    @classmethod
+    def open(cls, handle: bytes) -> "_SharedEvent":
+        if len(handle) != _HANDLE.size:
+            _fail("cuIpcOpenEventHandle", 1, f"a handle is {_HANDLE.size} bytes, got {len(handle)}")
+        magic, pid, _, _, token = _HANDLE.unpack(handle)
+        if magic != _EVT_MAGIC:
+            _fail("cuIpcOpenEventHandle", 1, "not an event handle")
+        if pid == os.getpid():
+            _fail("cuIpcOpenEventHandle", 201, "an IPC event handle cannot be opened in the process that made it")
+        try:
+            return cls(token.decode(), *_ipc_file(token.decode()))
+        except OSError:
+            _fail("cuIpcOpenEventHandle", 1, "the exporting event no longer exists")
+
+    def handle(self) -> bytes:
+        return _HANDLE.pack(_EVT_MAGIC, self.pid, 0, 0, self.token.encode())
+
+    def records(self) -> int:
+        return self.c.get(self.RECORDS)
+
+    def completed(self) -> int:
+        return self.c.get(self.DONE)
+
+    def add_record(self) -> int:
+        return self.c.add(self.RECORDS, 1)
+
+    def complete(self, n: int, stamp: int) -> None:
+        self.c.set(self.STAMPS + 8 * (n % self.KEPT), stamp)
+        self.c.set(self.DONE, n)
+
+    def wait(self, target: int) -> int | None:
+        """Block until record `target` has run in the exporter (None if target is 0: no record);
+        its write stamp. A record that never runs is a RuleViolation after EVENT_WAIT_S."""
+        if target <= 0:
+            return None
+        end = time.monotonic() + EVENT_WAIT_S
+        while self.completed() < target:
+            if time.monotonic() > end:
+                _violation(f"waited {EVENT_WAIT_S:g} s for record {target} of an IPC event that never ran "
+                           "(the exporter never ran its stream)")
+            time.sleep(0.0005)
+        if self.completed() - target >= self.KEPT:
+            _violation("the fake keeps the stamps of the last 64 records of an IPC event only")
+        return self.c.get(self.STAMPS + 8 * (target % self.KEPT))
+
+    def unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def _stamp_writes(prim: _Primary, ptrs) -> None:
+    """Note, at enqueue, a write into exported allocations (their importers must wait past it)."""
+    if not prim.exported:
+        return
+    for p in ptrs:
+        for base, shared in prim.exported.items():
+            if base <= p < base + shared.nbytes:
+                _ipc_clock[0] += 1
+                shared.c.set(shared.LAST_WRITE, _ipc_clock[0])
+
+
+def _check_ipc_reads(s: "Stream", ptrs, routine: str, at_enqueue: bool = False) -> None:
+    """A read of IPC-opened memory must come after a wait (on this stream) on the producer's event
+    recorded after the producer's last write to it."""
+    if not s.prim.imported or at_enqueue:
+        return
+    for p in ptrs:
+        for base, shared in s.prim.imported.items():
+            if base <= p < base + shared.nbytes:
+                fence, last = s._fence.get(shared.pid, 0), shared.last_write()
+                if last > fence:
+                    _violation(f"{routine} reads IPC-opened memory {base:#x} before waiting on the producer's event "
+                               f"that follows its last write (write stamp {last}, this stream waited past {fence})")
+
+
+def mem_get_ipc_handle(devptr) -> bytes:
+    """cuIpcGetMemHandle: the 64-byte handle of a cuMemAlloc allocation, given its base pointer."""
+    prim = _ctx("cuIpcGetMemHandle")
+    if isinstance(devptr, np.ndarray):
+        _fail("cuIpcGetMemHandle", 1, "host memory (page-locked or not) has no IPC handle; only cuMemAlloc memory")
+    ptr = int(devptr)
+    if ptr in prim.imported:
+        _fail("cuIpcGetMemHandle", 1, "memory opened from an IPC handle cannot be exported again")
+    if ptr not in prim.allocs:
+        inside = [b for b, buf in prim.allocs.items() if b < ptr < b + buf.size]
+        _fail("cuIpcGetMemHandle", 1, f"{ptr:#x} is inside the allocation at {inside[0]:#x}: the fake exports base "
+                                      "pointers only" if inside else f"{ptr:#x} is not a cuMemAlloc allocation")
+    shared = prim.exported.get(ptr)
+    if shared is None:
+        old = prim.allocs[ptr]
+        token = secrets.token_hex(16)
+        path, fd, mm = _ipc_file(token, create_bytes=_DATA_AT + old.size)
+        struct.pack_into("<8sQQ", mm, 0, _MEM_MAGIC, old.size, os.getpid())
+        shared = prim.exported[ptr] = _Shared(token, path, fd, mm)
+        shared.data[...] = old
+        prim.allocs[ptr] = shared.data
+    return _HANDLE.pack(_MEM_MAGIC, os.getpid(), ptr, shared.nbytes, shared.token.encode())
+
+
+class IPCMemoryHandle:
+    """cuIpcOpenMemHandle in the current context; int() is the opened pointer; close() unmaps."""
+
+    def __init__(self, ipc_handle, flags: int = ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS):
+        prim = _ctx("cuIpcOpenMemHandle")
+        h = bytes(ipc_handle)
+        if len(h) != _HANDLE.size:
+            _fail("cuIpcOpenMemHandle", 1, f"a handle is {_HANDLE.size} bytes, got {len(h)}")
+        magic, pid, base, nbytes, token = _HANDLE.unpack(h)
+        if magic != _MEM_MAGIC:
+            _fail("cuIpcOpenMemHandle", 1, "not a memory handle")
+        if pid == os.getpid():
+            _fail("cuIpcOpenMemHandle", 201, "an IPC memory handle cannot be opened in the process that exported it")
+        try:
+            shared = _Shared(token.decode(), *_ipc_file(token.decode()))
+        except OSError:
+            _fail("cuIpcOpenMemHandle", 1, "the exported allocation no longer exists")
+        shared.add_importer(os.getpid(), True)
+        with _lock:
+            ptr = _next_addr[0]
+            _next_addr[0] += ((nbytes >> 20) + 2) << 20
+        prim.allocs[ptr] = shared.data
+        prim.imported[ptr] = shared
+        self.prim, self.ptr, self.shared, self.valid = prim, ptr, shared, True
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    __index__ = __int__
+
+    def close(self) -> None:
+        if not self.valid:
+            _fail("cuIpcCloseMemHandle", 1, "already closed")
+        s = _stack()
+        if not s or s[-1].prim is not self.prim:
+            raise LogicError("cannot activate out-of-thread context")
+        self.valid = False
+        del self.prim.allocs[self.ptr]
+        del self.prim.imported[self.ptr]
+        self.shared.add_importer(os.getpid(), False)
 
 
 # ---- modules and kernels ------------------------------------------------------------------------
@@ -572,6 +932,8 @@ class Function:
         emu = self.module.info.emulation
         if emu is None or info.name not in emu.by_kernel:  # every check above passed
             raise RuleViolation(f"kernel {info.name}: no registered bundle computes it (FAKE_PYCUDA_BUNDLES)")
+        ptrs = [int.from_bytes(argbuf[o:o + 8], "little") for o, size, p in info.params if p]
+        _stamp_writes(s.prim, ptrs)  # conservative: every exported operand counts as written
         s._enqueue(lambda: _run_kernel(s, info, emu, argbuf))
 
 
@@ -580,6 +942,7 @@ def _run_kernel(s: Stream, info, emu, argbuf: bytes) -> None:
     ptrs = [int.from_bytes(argbuf[o:o + 8], "little") for o, size, p in info.params if p]
     for p in ptrs:
         s.prim.memory(p, 1, f"kernel {info.name}")  # an illegal address faults the context
+    _check_ipc_reads(s, ptrs, f"kernel {info.name}")
     fe, i = emu.by_kernel[info.name]
     launch = fe.launches[i]
     got = s._emu_args.setdefault(fe.name, {})
