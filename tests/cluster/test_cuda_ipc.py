@@ -129,3 +129,24 @@ def test_ipc_notes_round_trip_and_are_checked():
         inbox.take(Note(1), layout.metas)
     with pytest.raises(FrameError, match="second cuda-ipc offer"):
         inbox.take(Note(0, offer), layout.metas)
+
+
+def test_generation_over_cuda_ipc_keeps_caches_resident(decode_bundle, tmp_path):
+    """Stateful cuda stages in two processes on the fake: hidden states cross by CUDA IPC, the KV
+    caches stay in each stage, and the tokens are the single-process loop's."""
+    from tests.support.decode_bundle import runner_greedy
+    from tvmpipe.cluster.driver import Pipeline
+
+    prompts = [[5, 17, 3], [60], [1, 2, 3, 4]]
+    want = [runner_greedy(load_bundle(decode_bundle), p, 5)[0] for p in prompts]
+    env = fake_env(tmp_path / "cubins", [decode_bundle])
+    env["FAKE_PYCUDA_IPC_DIR"] = str(tmp_path / "ipc")
+    env["FAKE_PYCUDA_IPC_WAIT_S"] = "20"
+    with spawn_path():
+        pipe = Pipeline(decode_bundle, 2, backend="cuda", launcher=ProcessLauncher(env=env), slots=2)
+    with pipe:
+        res = pipe.generate_all(prompts, 5)
+        paths = pipe.edge_paths()
+    assert [r.tokens for r in res] == want
+    assert {p for e, p in paths.items() if DRIVER not in e} == {"cuda-ipc"}, paths
+    assert not os.listdir(tmp_path / "ipc")
