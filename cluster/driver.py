@@ -392,8 +392,11 @@ class Pipeline:
         links, start = self._links, self._feed_from
         for seq, arrays in todo:
             for dst, entries, names in self._feeds:
+                link = links.get(dst)
+                if link is None:  # a re-wiring failed part-way: the next one resends from its first
+                    continue
                 if seq >= start.get(dst, 0):  # below: the stage computed it before the fault
-                    links[dst].put(Frame("data", self.run_id, epoch, seq, DRIVER, {x: arrays[x] for x in entries}, names))
+                    link.put(Frame("data", self.run_id, epoch, seq, DRIVER, {x: arrays[x] for x in entries}, names))
 
     # ---- receiving -------------------------------------------------------------------------------
     def _accept_hello(self, peer: Peer) -> FrameLimits:
