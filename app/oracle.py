@@ -36,6 +36,7 @@ def _run_streamed(bundle_path: str, backend: str, opts: dict, batches: list[dict
 
     from tvmpipe.bundle import load_bundle
     from tvmpipe.executor import Stage
+    from tvmpipe.executor.runner import head_outputs
 
     bundle = load_bundle(bundle_path)
     g = bundle.graph
@@ -60,17 +61,7 @@ def _run_streamed(bundle_path: str, backend: str, opts: dict, batches: list[dict
         for kept in carried:
             for e in [e for e in kept if e not in later]:
                 del kept[e]
-    out = []
-    for mb, kept in zip(batches, carried):
-        row = []
-        for e in g.head_entries:
-            if e in kept:
-                row.append(kept[e])
-            else:  # a head that is a null node: an input or a param passed straight through
-                name = g.nodes[g.entries[e].node].name
-                row.append(np.array(mb[name]) if name in mb else np.array(bundle.params[name]))
-        out.append(row)
-    return out
+    return [head_outputs(bundle, kept, mb) for mb, kept in zip(batches, carried)]
 
 
 def reference_outputs(bundle_path: str | Path, batches: list[dict[str, np.ndarray]],

@@ -25,6 +25,20 @@ from tvmpipe.executor.profile import Profile, build_profile
 from tvmpipe.executor.stage import Stage, as_bundle
 
 
+def head_outputs(bundle: Bundle, computed: Mapping[int, np.ndarray], inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """The graph's outputs in head order: computed entries as they are; a head that is a null node
+    (an input or a param passed straight through) as a copy of the input or param."""
+    g = bundle.graph
+    outs = []
+    for e in g.head_entries:
+        if e in computed:
+            outs.append(computed[e])
+        else:
+            name = g.nodes[g.entries[e].node].name
+            outs.append(np.array(inputs[name] if name in inputs else bundle.params[name]))
+    return outs
+
+
 class GraphRunner:
     def __init__(self, bundle: Bundle | str | Path, backend: str = "reference", **opts: Any):
         self.bundle = as_bundle(bundle)
@@ -77,15 +91,7 @@ class GraphRunner:
         self._outputs = self._collect(self.stage.run(self._feeds()))
 
     def _collect(self, sent: Mapping[int, np.ndarray]) -> list[np.ndarray]:
-        g = self.bundle.graph
-        outs = []
-        for e in g.head_entries:
-            if e in sent:
-                outs.append(sent[e])
-            else:  # a head that is a null node: an input or a param passed straight through
-                name = g.nodes[g.entries[e].node].name
-                outs.append(self._inputs[name].copy() if name in self._inputs else self.bundle.params[name].copy())
-        return outs
+        return head_outputs(self.bundle, sent, self._inputs)
 
     def get_output(self, index: int) -> np.ndarray:
         if self._outputs is None:
