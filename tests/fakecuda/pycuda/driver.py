@@ -621,6 +621,19 @@ IPC_DIR = os.environ.get("FAKE_PYCUDA_IPC_DIR") or os.path.join(
     "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"fakecuda-ipc-{os.getuid()}")
 _MEM_MAGIC, _EVT_MAGIC = b"FKIPCMEM", b"FKIPCEVT"
 _HANDLE = struct.Struct("<8sQQQ32s")  # magic, pid, base, nbytes, token: 64 bytes like CUipcMemHandle
+
+
+def _open_handle(routine: str, handle: bytes, magic: bytes, what: str) -> tuple[int, int, str]:
+    """(base, nbytes, token) of an IPC handle opened by `routine`: CUDA's checks for both kinds
+    (size, kind, and not in the process that exported it)."""
+    if len(handle) != _HANDLE.size:
+        _fail(routine, 1, f"a handle is {_HANDLE.size} bytes, got {len(handle)}")
+    got, pid, base, nbytes, token = _HANDLE.unpack(handle)
+    if got != magic:
+        _fail(routine, 1, f"not {what} handle")
+    if pid == os.getpid():
+        _fail(routine, 201, f"an IPC {what.split()[-1]} handle cannot be opened in the process that exported it")
+    return base, nbytes, token.decode()
 _DATA_AT = 4096
 _ipc_clock = [0]
 EVENT_WAIT_S = float(os.environ.get("FAKE_PYCUDA_IPC_WAIT_S", "30"))
@@ -726,15 +739,9 @@ class _SharedEvent:
 
     @classmethod
     def open(cls, handle: bytes) -> "_SharedEvent":
-        if len(handle) != _HANDLE.size:
-            _fail("cuIpcOpenEventHandle", 1, f"a handle is {_HANDLE.size} bytes, got {len(handle)}")
-        magic, pid, _, _, token = _HANDLE.unpack(handle)
-        if magic != _EVT_MAGIC:
-            _fail("cuIpcOpenEventHandle", 1, "not an event handle")
-        if pid == os.getpid():
-            _fail("cuIpcOpenEventHandle", 201, "an IPC event handle cannot be opened in the process that made it")
+        _, _, token = _open_handle("cuIpcOpenEventHandle", handle, _EVT_MAGIC, "an event")
         try:
-            return cls(token.decode(), *_ipc_file(token.decode()))
+            return cls(token, *_ipc_file(token))
         except OSError:
             _fail("cuIpcOpenEventHandle", 1, "the exporting event no longer exists")
 
@@ -828,16 +835,9 @@ class IPCMemoryHandle:
 
     def __init__(self, ipc_handle, flags: int = ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS):
         prim = _ctx("cuIpcOpenMemHandle")
-        h = bytes(ipc_handle)
-        if len(h) != _HANDLE.size:
-            _fail("cuIpcOpenMemHandle", 1, f"a handle is {_HANDLE.size} bytes, got {len(h)}")
-        magic, pid, base, nbytes, token = _HANDLE.unpack(h)
-        if magic != _MEM_MAGIC:
-            _fail("cuIpcOpenMemHandle", 1, "not a memory handle")
-        if pid == os.getpid():
-            _fail("cuIpcOpenMemHandle", 201, "an IPC memory handle cannot be opened in the process that exported it")
+        base, nbytes, token = _open_handle("cuIpcOpenMemHandle", bytes(ipc_handle), _MEM_MAGIC, "a memory")
         try:
-            shared = _Shared(token.decode(), *_ipc_file(token.decode()))
+            shared = _Shared(token, *_ipc_file(token))
         except OSError:
             _fail("cuIpcOpenMemHandle", 1, "the exported allocation no longer exists")
         shared.add_importer(os.getpid(), True)
