@@ -16,7 +16,7 @@ from tvmpipe.executor import random_inputs
 from tvmpipe.bundle import load_bundle
 
 from tests.support.fake_cuda import fake_env, spawn_path
-from tests.support.pipeline_harness import assert_bit_identical
+from tests.support.pipeline_harness import assert_bit_identical, run_killing
 
 
 @pytest.fixture
@@ -74,15 +74,8 @@ def test_a_stage_killed_mid_run_recovers_on_cuda_ipc(bundles, env, tmp_path, tra
     want, _ = run(bundles["cnn"], 3, env, "tcp", batches)
     with spawn_path(), Pipeline(bundles["cnn"], 3, backend="cuda", launcher=ProcessLauncher(env=env), window=3,
                                 timeouts=Timeouts(progress=30), transport=transport) as pipe:  # restarts spawn too
-        got = []
-        for i, x in enumerate(batches):
-            pipe.submit(x)
-            if i == 8:
-                killed = [pipe.status()[1].pid]
-                pipe.launcher.kill(1)
-            while pipe.ready:
-                got.append(pipe.get())
-        got += list(pipe.results())
+        killed = []
+        got = run_killing(pipe, batches, at=8, stage=1, before_kill=lambda: killed.append(pipe.status()[1].pid))
         assert pipe.restarts == [0, 1, 0]
         assert {p for e, p in pipe.edge_paths().items() if DRIVER not in e} == \
             {"cuda-ipc" if transport == "auto" else "tcp"}

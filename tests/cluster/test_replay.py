@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from tests.support.pipeline_harness import FlakyWorker, ThreadLauncher, assert_bit_identical, case
+from tests.support.pipeline_harness import FlakyWorker, ThreadLauncher, assert_bit_identical, case, run_killing
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.control import Timeouts
@@ -32,14 +32,7 @@ def test_a_killed_middle_stage_is_replayed_from_its_upstream_neighbour(bundles, 
     inputs, want = case(bundles["cnn"], 120)
     with Pipeline(bundles["cnn"], 4, launcher="process", window=6, replay=replay, transport=transport,
                   timeouts=Timeouts(progress=20)) as pipe:
-        got = []
-        for i, x in enumerate(inputs):
-            pipe.submit(x)
-            if i == 50:
-                pipe.launcher.kill(2)
-            while pipe.ready:
-                got.append(pipe.get())
-        got += list(pipe.results())
+        got = run_killing(pipe, inputs, at=50, stage=2)
         assert pipe.restarts == [0, 0, 1, 0]
         counts = computes(pipe)
         (rp,) = pipe.replays

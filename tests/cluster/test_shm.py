@@ -232,7 +232,7 @@ def test_sweep_removes_only_older_epochs_of_the_run():
 
 # ---- pipelines ---------------------------------------------------------------------------------------
 
-from tests.support.pipeline_harness import assert_bit_identical, case  # noqa: E402
+from tests.support.pipeline_harness import assert_bit_identical, case, run_killing  # noqa: E402
 
 from tvmpipe.cluster.control import Timeouts  # noqa: E402
 from tvmpipe.cluster.driver import Pipeline  # noqa: E402
@@ -277,14 +277,7 @@ def test_a_stage_killed_mid_run_leaves_no_segment_and_the_run_recovers(bundles):
     with Pipeline(bundles["cnn"], 3, launcher="process", window=6, transport="shm",
                   timeouts=Timeouts(progress=20)) as pipe:
         run = pipe.run_id
-        got = []
-        for i, x in enumerate(inputs):
-            pipe.submit(x)
-            if i == 30:
-                pipe.launcher.kill(1)
-            while pipe.ready:
-                got.append(pipe.get())
-        got += list(pipe.results())
+        got = run_killing(pipe, inputs, at=30, stage=1)
         assert pipe.restarts == [0, 1, 0]
         assert set(pipe.edge_paths().values()) == {"shm"}
         assert segments(run) == []
@@ -336,14 +329,7 @@ def test_a_stage_killed_while_8_mb_frames_stream_through_rings(tmp_path):
                   window=4, transport="shm", warmup=0, timeouts=Timeouts(progress=20)) as pipe:
         run = pipe.run_id
         assert set(pipe.edge_paths().values()) == {"shm"}
-        got = []
-        for i in range(40):
-            pipe.submit(x)
-            if i == 15:
-                pipe.launcher.kill(1)
-            while pipe.ready:
-                got.append(pipe.get())
-        got += list(pipe.results())
+        got = run_killing(pipe, [x] * 40, at=15, stage=1)
         assert pipe.restarts == [0, 1, 0]
         assert set(pipe.edge_paths().values()) == {"shm"}
     assert len(got) == 40 and all(o[0].shape == (16,) for o in got)

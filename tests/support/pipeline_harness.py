@@ -115,6 +115,21 @@ def assert_bit_identical(got: list[list[np.ndarray]], want: list[list[np.ndarray
             assert a.tobytes() == b.tobytes(), f"micro-batch {i} output {k} differs"
 
 
+def run_killing(pipe, inputs: list, at: int, stage: int, before_kill=None) -> list:
+    """Submit `inputs` to `pipe` in order, SIGKILL stage `stage`'s process right after submitting
+    micro-batch `at` (`before_kill()` runs just before), and collect every output, in order."""
+    got = []
+    for i, x in enumerate(inputs):
+        pipe.submit(x)
+        if i == at:
+            if before_kill is not None:
+                before_kill()
+            pipe.launcher.kill(stage)
+        while pipe.ready:
+            got.append(pipe.get())
+    return got + list(pipe.results())
+
+
 class FlakyWorker(StageWorker):
     """A worker whose stage raises on chosen micro-batches: `fail[(stage, seq)]` = how many times."""
 
