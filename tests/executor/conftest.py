@@ -7,7 +7,6 @@ examples/mlp and examples/cnn are the compiler's real bundles, committed to the 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,4 @@ def fake_cuda(monkeypatch, tmp_path, bundle_dirs):
     activate(monkeypatch, tmp_path / "cubins", bundle_dirs.values())
     import pycuda.driver as drv
 
-    yield drv
-    for name in [m for m in sys.modules if m == "pycuda" or m.startswith("pycuda.")]:
-        del sys.modules[name]
+    yield drv  # activate's monkeypatch takes the fake's modules out of sys.modules again
