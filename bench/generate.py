@@ -15,8 +15,13 @@ For K = 1..4 stages (stage processes, no Ray) and S = 1, K, 2K sequences in flig
   included), and the largest of them against the smallest cache entry: no cache byte may cross.
 Target: with S >= K and 1 ms stages, tokens/s >= 0.85 x 1/(slowest stage).
 
-Also, side by side: the single-process reference loop (GraphRunner, caches fed by hand) against
-the same model's greedy loop in torch eager on this CPU (tokens/s). Writes bench/results/generate.json.
+Also, side by side in one run on this CPU (tokens/s):
+- the fixture: the single-process reference loop (GraphRunner, caches fed by hand) against the same
+  model's greedy loop in torch eager;
+- published decoders (GPT-2, Llama; the zoo's tiny configs, seeded weights, `tvmpipe compile NAME
+  --decode`): the single-process reference loop against transformers' own `generate(do_sample=False)`
+  in torch on the same weights and prompts, with their tokens compared.
+Writes bench/results/generate.json.
 """
 
 from __future__ import annotations
@@ -134,6 +139,50 @@ def single_process(bundle_dir: Path, tokens: int) -> dict:
             "torch_eager_tokens_per_s": round(made / t_eager, 1), "same_tokens": ref == eager}
 
 
+HF_DECODERS = ("gpt2", "llama")
+HF_SEED = 1  # the token-exact tests' seed: seed 0's GPT-2 and Llama repeat one token
+HF_MAX_CONTEXT = 64
+
+
+def transformers_side_by_side(cache: Path, prompts: int) -> list[dict]:
+    """Per decoder: the reference loop's tokens/s against transformers' `generate` on the same
+    random weights, prompts of 4 tokens, max context - 4 new tokens each; tokens compared."""
+    from tests.support.decode_bundle import runner_greedy
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decode import build_decoder, transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    out = []
+    rng = __import__("random").Random(0)
+    for name in HF_DECODERS:
+        bdir = cache / f"{name}-T{HF_MAX_CONTEXT}-s{HF_SEED}"
+        if not (bdir / "bundle.json").is_file():
+            export(name, progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED).write(bdir)
+        b = load_bundle(bdir)
+        model = build_decoder(name, HF_SEED)
+        vocab = b.generation.vocab_size
+        ps = [[rng.randrange(vocab) for _ in range(4)] for _ in range(prompts)]
+        new = HF_MAX_CONTEXT - 4
+        transformers_generate(model, ps[0], 2)  # warm: first-call costs out of the timing
+        runner_greedy(b, ps[0], 2)
+        t0 = time.perf_counter()
+        ref = [runner_greedy(b, p, new)[0] for p in ps]
+        t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf = [transformers_generate(model, p, new) for p in ps]
+        t_hf = time.perf_counter() - t0
+        made = prompts * new
+        out.append({"decoder": name, "max_context": HF_MAX_CONTEXT, "sequences": prompts, "tokens": made,
+                    "reference_loop_tokens_per_s": round(made / t_ref, 1),
+                    "transformers_generate_tokens_per_s": round(made / t_hf, 1),
+                    "same_tokens": ref == hf})
+        r = out[-1]
+        print(f"{name}: reference loop {r['reference_loop_tokens_per_s']} tok/s, transformers generate "
+              f"{r['transformers_generate_tokens_per_s']} tok/s, same tokens: {r['same_tokens']}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens per point")
@@ -152,6 +201,7 @@ def main() -> int:
     sp = single_process(bundle_dir, 60 if args.quick else 300)
     print(f"single process: reference loop {sp['reference_loop_tokens_per_s']} tok/s, torch eager "
           f"{sp['torch_eager_tokens_per_s']} tok/s, same tokens: {sp['same_tokens']}")
+    hf = transformers_side_by_side(args.bundle.parent / (args.bundle.name + "-hf"), 2 if args.quick else 6)
     checked = [r for r in rows if r["stage_ms"] == 1.0 and r["in_flight"] >= r["stages"]]
     ok_rate = all(r["fraction_of_ideal"] >= TARGET for r in checked)
     ok_bytes = all(r["max_hop_bytes_per_token"] < r["smallest_cache_entry_bytes"] for r in rows)
@@ -165,11 +215,11 @@ def main() -> int:
                                             "load_average_at_end": os.getloadavg()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
            "target": {"fraction_of_ideal": TARGET, "met": ok_rate, "no_cache_bytes": ok_bytes},
-           "rows": rows, "single_process": sp}
+           "rows": rows, "single_process": sp, "transformers": hf}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
-    return 0 if ok_bytes else 1
+    return 0 if ok_bytes and all(r["same_tokens"] for r in hf) and sp["same_tokens"] else 1
 
 
 if __name__ == "__main__":
