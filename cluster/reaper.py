@@ -19,7 +19,8 @@ reaper still sweeps (a lingering agent is killed sooner) and exits.
 Shared memory (shm.py): a ring's name lives in /dev/shm from its producer's creation until its
 consumer maps it (then the consumer unlinks it). A SIGKILL in that window would leave the name,
 and its memory, behind; so before killing, the reaper notes every `/dev/shm/tvmpipe-*` segment the
-run's processes have mapped (/proc/PID/maps) and unlinks those still named once they are dead.
+run's processes have mapped (/proc/PID/maps) and unlinks those still named once they are dead. Likewise the shipments the run's actors unpacked
+(shipping.py): once their users are dead, no lock holds them, and the sweep removes them.
 
     python -m tvmpipe.cluster.reaper DRIVER_PID HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
 """
@@ -117,6 +118,9 @@ def sweep(home: str, temp_dir: str, dirs: list[str], spare: int, budget_s: float
         time.sleep(0.05)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+    from tvmpipe.cluster.shipping import sweep_unused
+
+    sweep_unused()  # shipments the killed actors had unpacked (their locks died with them)
     for path in segments:
         try:
             os.unlink(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.weights import LazyParams, safetensors_header
 
 DONE = ".complete"  # written last into an unpacked shipment directory
+SHIP_PREFIX = "tvmpipe-ship-"  # unpacked shipments: <tmp>/tvmpipe-ship-<key> and its lock file <...>.lock
 
 
 @dataclass
@@ -131,22 +133,116 @@ def _digest(parts: list[str]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> tuple[str, bool, str | None]:
-    """Write a shipment where this node's workers find it: (bundle path, partial weights, directory
-    this worker created and must remove, or None). A shipment already unpacked on this node (by
-    another stage actor) is reused, not written again."""
+@dataclass
+class Lease:
+    """This process's use of an unpacked shipment directory on its node.
+
+    Every process using the directory holds a shared `flock` on its lock file (`<dir>.lock`) for
+    as long as it uses it; the kernel drops the lock when the process dies, however it dies. Whoever
+    then finds the lock free for an exclusive hold (the last user at `release`, or any later
+    `unpack` on the node, which sweeps) removes the directory: a SIGKILLed actor's gigabytes of
+    weights do not outlive the run, and a restarted actor that reused its predecessor's copy still
+    cleans it up."""
+
+    directory: Path
+    fd: int | None
+
+    def release(self) -> None:
+        """Stop using the directory; remove it if no other process uses it. Idempotent."""
+        if self.fd is None:
+            return
+        os.close(self.fd)  # drops this process's shared lock
+        self.fd = None
+        _remove_if_unused(self.directory)
+
+
+@dataclass
+class Unpacked:
+    path: str  # the bundle (a directory, or a bare graph.json)
+    partial: bool  # the weights file holds only this node's stages' tensors
+    lease: Lease
+
+
+def _lock_path(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".lock")
+
+
+def _locked(directory: Path, mode: int) -> int | None:
+    """An fd holding `mode` (fcntl.LOCK_SH or LOCK_EX, maybe | LOCK_NB) on `directory`'s lock file,
+    or None when a non-blocking lock is taken. Retries when the file was replaced while waiting
+    (a remover unlinks it): the lock must be on the file the path names now."""
+    import fcntl
+
+    lock = _lock_path(directory)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, mode)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def _remove_if_unused(directory: Path) -> bool:
+    """Remove `directory` (and the temporary directories of an unpack that died part-way) when no
+    process holds its lock; True if removed."""
+    import fcntl
+
+    fd = _locked(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd is None:
+        return False
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+        for part in directory.parent.glob(f".{directory.name}-*"):
+            shutil.rmtree(part, ignore_errors=True)
+        _lock_path(directory).unlink(missing_ok=True)  # while still held: a waiter re-opens (see _locked)
+    finally:
+        os.close(fd)
+    return True
+
+
+def sweep_unused(root: str | Path | None = None) -> list[Path]:
+    """Remove every shipment directory on this node that no live process uses (left by processes
+    that were killed). Returns those removed."""
+    root = Path(root or tempfile.gettempdir())
+    removed = []
+    for lock in root.glob(f"{SHIP_PREFIX}*.lock"):
+        directory = lock.with_name(lock.name[:-len(".lock")])
+        if _remove_if_unused(directory):
+            removed.append(directory)
+    return removed
+
+
+def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> Unpacked:
+    """Write a shipment where this node's workers find it, and lease it (`Lease`: release it when
+    done). A shipment already unpacked on this node (by another stage actor) is reused, not written
+    again. Directories that no live process uses any more are swept first."""
+    import fcntl
+
+    sweep_unused()
     if isinstance(shipment, dict):  # legacy: every file, one private copy
-        tmp = tempfile.mkdtemp(prefix=f"tvmpipe-{owner}-")
+        final = Path(tempfile.gettempdir(), f"{SHIP_PREFIX}{owner}-{secrets.token_hex(8)}")
+        fd = _locked(final, fcntl.LOCK_SH)  # before the directory exists: a sweep never sees it unlocked
+        final.mkdir(mode=0o700)
         for name, data in shipment.items():
-            Path(tmp, name).write_bytes(data)
-        path = tmp if len(shipment) > 1 else str(Path(tmp, next(iter(shipment))))
-        return path, False, tmp
-    final = Path(tempfile.gettempdir(), f"tvmpipe-ship-{shipment.key}")
+            Path(final, name).write_bytes(data)
+        path = str(final) if len(shipment) > 1 else str(Path(final, next(iter(shipment))))
+        return Unpacked(path, False, Lease(final, fd))
+    final = Path(tempfile.gettempdir(), f"{SHIP_PREFIX}{shipment.key}")
     # a bare graph.json shipped alone is loaded as the file, a bundle as its directory
     where = str(final / next(iter(shipment.files))) if shipment.weights is None and len(shipment.files) == 1 else str(final)
+    fd = _locked(final, fcntl.LOCK_SH)  # held from here: no sweep removes what this process unpacks or uses
+    lease = Lease(final, fd)
     if (final / DONE).is_file():
-        return where, shipment.partial, None
-    tmp = Path(tempfile.mkdtemp(prefix=f".tvmpipe-ship-{shipment.key}-", dir=final.parent))
+        return Unpacked(where, shipment.partial, lease)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         for name, data in shipment.files.items():
             (tmp / name).write_bytes(data)
@@ -165,5 +261,6 @@ def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> tuple[str, bool
                 raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        lease.release()
         raise
-    return where, shipment.partial, str(final)
+    return Unpacked(where, shipment.partial, lease)

@@ -19,7 +19,6 @@ see every worker) and re-wires.
 from __future__ import annotations
 
 import os
-import shutil
 from collections import deque
 import tempfile
 import threading
@@ -130,7 +129,7 @@ class StageWorker:
         t0 = time.time()
         self.spec = spec
         self.index = spec.index
-        self._tmpdir: str | None = None
+        self._shipment = None  # the lease on this node's unpacked shipment (ship path)
         path, partial = spec.bundle_path, False
         self.shipped_bytes = 0  # what this worker was sent (ship path): small files + its node's weights slice
         if isinstance(bundle_files, list):  # [shipment]: taken out, so only this frame holds it
@@ -138,11 +137,17 @@ class StageWorker:
         if bundle_files is not None:
             self.shipped_bytes = (bundle_files.nbytes if isinstance(bundle_files, Shipment)
                                   else sum(len(b) for b in bundle_files.values()))
-            path, partial, self._tmpdir = unpack(bundle_files, f"stage{spec.index}")
+            self._shipment = unpack(bundle_files, f"stage{spec.index}")
+            path, partial = self._shipment.path, self._shipment.partial
             bundle_files = None  # the node's copy is on disk now; this process keeps none in memory
-        bundle = load_bundle(path, partial_weights=partial)
-        self.stage = Stage(bundle, spec.start, spec.end, backend=spec.backend,
-                           state_slots=spec.state_slots, **spec.backend_opts)
+        try:
+            bundle = load_bundle(path, partial_weights=partial)
+            self.stage = Stage(bundle, spec.start, spec.end, backend=spec.backend,
+                               state_slots=spec.state_slots, **spec.backend_opts)
+        except BaseException:
+            if self._shipment is not None:
+                self._shipment.lease.release()
+            raise
         wf = getattr(bundle.params, "file", None)  # a safetensors bundle: what this process read of it
         self.weights_read = dict(wf.reads) if wf is not None else {}
         self.weights_bytes_read = wf.bytes_read if wf is not None else 0
@@ -350,8 +355,8 @@ class StageWorker:
         if self._wiring is not None:
             shm.sweep(self._wiring.run)
         self.stage.close()
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._shipment is not None:
+            self._shipment.lease.release()
 
     # ---- data plane --------------------------------------------------------------------------------
     def _accept_hello(self, peer: Peer) -> FrameLimits:

@@ -67,9 +67,9 @@ def test_a_shipment_carries_only_its_stages_weights(stack: Path, tmp_path: Path)
         slice_header = ship.weight_bytes - own
         assert 8 < slice_header < 4096
         assert ship.nbytes == small + slice_header + own
-        path, partial, made = unpack(ship, f"test{i}")
+        made = unpack(ship, f"test{i}")
         try:
-            got = load_bundle(path, partial_weights=True)
+            got = load_bundle(made.path, partial_weights=True)
             stage = Stage(got, start, end, backend="reference")
             want = Stage(load_bundle(stack), start, end, backend="reference")
             feed = random_feed(want.program, 1)
@@ -79,9 +79,7 @@ def test_a_shipment_carries_only_its_stages_weights(stack: Path, tmp_path: Path)
             with pytest.raises(BundleError, match=f"'{other}'.*not in the file .*slice"):
                 got.params[other]
         finally:
-            if made:
-                import shutil
-                shutil.rmtree(made)
+            made.lease.release()
 
 
 def test_a_corrupt_tensor_in_a_shipped_slice_is_named(stack: Path, tmp_path: Path):
@@ -90,9 +88,9 @@ def test_a_corrupt_tensor_in_a_shipped_slice_is_named(stack: Path, tmp_path: Pat
     ship.weights = ship.weights.copy()
     ship.weights[-1] ^= 0xFF  # the last byte of the slice's last tensor
     ship.key = "corrupt-" + ship.key
-    path, _, made = unpack(ship, "test")
+    made = unpack(ship, "test")
     try:
-        got = load_bundle(path, partial_weights=True)
+        got = load_bundle(made.path, partial_weights=True)
         last = ship.tensors[-1]
         with pytest.raises(BundleError) as err:
             Stage(got, 0, 4, backend="reference")
@@ -100,8 +98,7 @@ def test_a_corrupt_tensor_in_a_shipped_slice_is_named(stack: Path, tmp_path: Pat
         assert "params.safetensors" in msg and f"'{last}'" in msg and "sha256" in msg
         assert len(err.value.problems) == 1, msg  # one line: the file and the tensor
     finally:
-        import shutil
-        shutil.rmtree(made)
+        made.lease.release()
 
 
 def test_process_launcher_ships_each_stage_its_own_weights(stack: Path):
