@@ -147,8 +147,9 @@ def run_command(args: argparse.Namespace) -> int:
           f"state {m.steady_throughput:.1f}/s), latency p50 {m.latency_p50_ms:.3f} ms, "
           f"p99 {m.latency_p99_ms:.3f} ms, restarts {sum(m.restarts)}")
     if run.time_to_first_output is not None:
-        print(f"time to first output {run.time_to_first_output:.2f} s (cluster start, stage builds and weight "
-              f"loads included); weights {format_bytes(bundle.weight_bytes)} in all")
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in run.startup_s.items())
+        print(f"time to first output {run.time_to_first_output:.2f} s ({parts}); weights "
+              f"{format_bytes(bundle.weight_bytes)} in all")
     for f in done.written:
         print(f"wrote {f}")
     print(f"checked: {done.checked}")

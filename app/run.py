@@ -52,6 +52,7 @@ class PipelineRun:
     edge_paths: dict[str, str] = field(default_factory=dict)  # "producer->consumer" -> "shm" | "tcp"
     started_at: float | None = None  # wall clock when execute() began (before the cluster opens)
     first_output_at: float | None = None  # wall clock when the first micro-batch's outputs arrived
+    phase_at: dict[str, float] = field(default_factory=dict)  # wall clock each phase began
 
     @property
     def time_to_first_output(self) -> float | None:
@@ -61,8 +62,24 @@ class PipelineRun:
             return None
         return self.first_output_at - self.started_at
 
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Where the time to first output went, in seconds: `cluster` (Ray up or reached),
+        `stages` (stage processes started, weights read, stages built and wired), `first_output`
+        (the first micro-batch through every stage)."""
+        at = self.phase_at
+        out = {}
+        if "connect" in at and "start" in at:
+            out["cluster"] = at["start"] - at["connect"]
+        if "start" in at and "run" in at:
+            out["stages"] = at["run"] - at["start"]
+        if "run" in at and self.first_output_at is not None:
+            out["first_output"] = self.first_output_at - at["run"]
+        return out
+
     def _enter(self, phase: str) -> None:
         self.phase = phase
+        self.phase_at[phase] = time.time()
         self.on_phase(phase)
 
     def execute(self) -> None:
@@ -180,7 +197,7 @@ class CheckedRun:
                 "match": None if self.check == "none" else not self.mismatches, "check": self.check,
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
                 "edge_paths": run.edge_paths,
-                "time_to_first_output_s": run.time_to_first_output,
+                "time_to_first_output_s": run.time_to_first_output, "startup_s": run.startup_s,
                 "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
 
 

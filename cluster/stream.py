@@ -9,17 +9,17 @@ Payload buffers are allocated only after the codec has checked every size agains
 
 from __future__ import annotations
 
-import mmap
 import socket
 from typing import Any, Callable
 
 import numpy as np
 
 from tvmpipe.cluster.shm import Inbox
+from tvmpipe.core.memory import POPULATE_FROM, populated_bytes
 from tvmpipe.cluster.frames import (DEFAULT_LIMITS, PREFIX, SEQ_VALUE, Encoder, Frame, FrameError, FrameLimits,
                                     Layout, Repeat, attach, parse_header, parse_prefix)
 
-RETAINED_MMAP_BYTES = 1 << 20  # retained payloads from this size on get pre-populated mappings
+RETAINED_MMAP_BYTES = POPULATE_FROM  # retained payloads from this size on get pre-populated mappings
 
 
 def send(sock: socket.socket, frame: Frame, encoder: Encoder | None = None) -> int:
@@ -46,13 +46,8 @@ def fresh_buffer(size: int) -> np.ndarray:
 def retained_buffer(size: int) -> np.ndarray:
     """A payload buffer for frames whose arrays the receiver keeps (graph outputs handed to the
     user). Short-lived payloads reuse freed memory through malloc and cost nothing; a kept one
-    needs fresh pages, and NumPy asks for huge pages on large arrays, which with the usual THP
-    setting (defrag=madvise) stalls in compaction: ~5 ms per fresh 4 MB array against ~1 ms for
-    an anonymous mapping populated in one call (measured, docs/cluster.md)."""
-    if size < RETAINED_MMAP_BYTES:
-        return fresh_buffer(size)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return np.frombuffer(mmap.mmap(-1, size, flags=flags), dtype=np.uint8)
+    needs fresh pages, populated in one call (core/memory.py)."""
+    return fresh_buffer(size) if size < RETAINED_MMAP_BYTES else populated_bytes(size)
 
 
 class FrameReader:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import hashlib
 import weakref
 from typing import Any, Iterator
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
-from tvmpipe.bundle.weights import LazyParams, WeightsFile
+from tvmpipe.bundle.weights import BackgroundHash, LazyParams, WeightsFile
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.cubin import compile_cubin
 from tvmpipe.executor.errors import BackendUnavailable, DeviceError, ExecutorError
@@ -370,6 +369,7 @@ class PyCudaDevice:
         with self.check(f"allocating 2 x {chunk} bytes of page-locked staging memory"):
             self._staging = [self.cuda.pagelocked_empty(chunk, np.uint8) for _ in range(2)]
         self._staged_events: list[Any] = [None, None]
+        self._staged_hashes: list[Any] = [None, None]  # the sha256 piece still reading each buffer
         self._staged_n = 0
         try:
             yield
@@ -378,23 +378,28 @@ class PyCudaDevice:
         finally:
             with contextlib.suppress(self.cuda.Error):  # never free a buffer a copy still reads
                 self.stream.synchronize()
-            self._staging, self._staged_events = [], [None, None]
+            for f in self._staged_hashes:
+                if f is not None:
+                    f.result()
+            self._staging, self._staged_events, self._staged_hashes = [], [None, None], [None, None]
 
     def upload_staged(self, ptr: int, weights: WeightsFile, name: str) -> None:
         """Tensor `name` from the weights file to device `ptr`, chunk by chunk through the staging
         buffers: a buffer is refilled only after the event recorded behind its last copy has
-        completed. Its sha256 is computed on the chunks as they pass and checked against
-        bundle.json once the tensor is read."""
+        completed and its sha256 piece (hashed on a helper thread while the other buffer fills,
+        BackgroundHash) is done. The tensor's sha256 is checked against bundle.json once it is read."""
         chunk = self._staging[0].size
-        h = hashlib.sha256()
+        h = BackgroundHash()
         for off, n in weights.chunks(name, chunk):
             b = self._staged_n % 2
             self._staged_n += 1
             if self._staged_events[b] is not None:
                 self._staged_events[b].synchronize()
+            if self._staged_hashes[b] is not None:
+                self._staged_hashes[b].result()
             buf = self._staging[b][:n]
             weights.read_into(name, buf, off, n)
-            h.update(memoryview(buf).cast("B"))
+            self._staged_hashes[b] = h.update(memoryview(buf).cast("B"))
             self.cuda.memcpy_htod_async(ptr + off, buf, self.stream)
             ev = self._staged_events[b] = self.cuda.Event()
             ev.record(self.stream)

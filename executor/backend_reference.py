@@ -14,6 +14,7 @@ import numpy as np
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.bundle.weights import param_into
+from tvmpipe.core.memory import POPULATE_FROM, populated_bytes
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.errors import ExecutorError, UnsupportedOpError
 from tvmpipe.executor.program import COPY, KERNELS, NOP, StageProgram
@@ -23,6 +24,10 @@ ALIGN = 64  # slot alignment, so BLAS sees the same alignment whichever stage a 
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:
+    """A slot's zeroed bytes, ALIGN-aligned. Large slots (weights read straight into them) are
+    page-aligned mappings populated in one call (core/memory.py: ~1.5-6x faster to fill)."""
+    if nbytes >= POPULATE_FROM:
+        return populated_bytes(nbytes)
     raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
     off = (-raw.ctypes.data) % ALIGN
     return raw[off:off + nbytes]

@@ -157,3 +157,31 @@ def test_zero_dim_tensors_round_trip(tmp_path):
         got = f.read(name)
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("flip", [None, 0, 37, 199])
+def test_a_tensor_read_in_pieces_is_verified_whole(tmp_path: Path, monkeypatch, flip):
+    """load_into reads a large tensor piece by piece, each hashed on a helper thread while the next
+    is read: the bytes land exactly, and a flipped byte in any piece (first, middle, last) is caught."""
+    from tvmpipe.bundle import weights
+
+    monkeypatch.setattr(weights, "READ_CHUNK", 64)  # 200 bytes: four pieces
+    big = np.arange(50, dtype=np.float32)
+    sums = save_safetensors(tmp_path / "w.safetensors", {"x": big, "y": np.ones(3, np.float32)})
+    if flip is not None:
+        data = bytearray((tmp_path / "w.safetensors").read_bytes())
+        wf = WeightsFile(tmp_path / "w.safetensors")
+        data[wf.info("x").begin + flip] ^= 0x01
+        wf.close()
+        (tmp_path / "w.safetensors").write_bytes(bytes(data))
+    wf = WeightsFile(tmp_path / "w.safetensors", sums)
+    out = np.zeros(50, np.float32)
+    if flip is None:
+        wf.load_into("x", out)
+        np.testing.assert_array_equal(out, big)
+        assert wf.reads["x"] == big.nbytes
+        wf.load_into("x", out)  # verified once: the second read only copies
+    else:
+        with pytest.raises(BundleError, match="tensor 'x'.*sha256"):
+            wf.load_into("x", out)
+    wf.close()
