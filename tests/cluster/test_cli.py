@@ -29,6 +29,9 @@ def test_run_builtin_example_with_processes_json(capsys):
     m = summary["metrics"]
     assert m["micro_batches"] == 6 and m["throughput"] > 0 and m["latency_p99_ms"] >= m["latency_p50_ms"] > 0
     assert [s["micro_batches"] for s in m["stages"]] == [6, 6, 6]
+    phases = summary["startup_s"]  # where the time to first output went
+    assert set(phases) == {"cluster", "stages", "first_output"} and all(v >= 0 for v in phases.values())
+    assert abs(sum(phases.values()) - summary["time_to_first_output_s"]) < 0.05
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
