@@ -12,9 +12,15 @@
 #   executor  bench/executor_gpu.py: run vs kernel time, plain and CUDA-graph replay, vs torch eager
 #   pipeline  bench/gpu_pipeline.py: 1-4 process-launched stages on the GPU, bit-exact, throughput, bubble
 #   ipc       bench/ipc_gpu.py: one stage-to-stage hop of 4 and 64 MB, CUDA IPC vs the host path, GB/s
+#   upload    bench/upload_gpu.py: a 2 GiB model's stages built at K = 1, 2, 4: device memory per stage
+#             against its weights, staged upload GB/s against the page-locked copy limit
+#   decode    bench/decode_gpu.py: .gpu/bundles/gpt2_decode as K = 1, 2 cuda stages, caches on the
+#             device: the reference's tokens, tokens/s with 1, 2, 4 sequences in flight
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
 # GPU_CHECK_BUDGET_S (default 560 s, inside the tool's 600 s). Results: bench/results/gpu_check.json
-# (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, and copies plus the logs in $OUT (8 files).
+# (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, upload_gpu.json, decode_gpu.json, and
+# copies plus the logs in $OUT. Steps that found no time left can be run in a second call while the
+# machine is warm (pycuda stays built in $SITE): GPU_CHECK_STEPS=tvmpipe,upload,decode.
 # Exit status: 0 only if every step passed.
 # shellcheck disable=SC2317  # the step functions are called through `step NAME BUDGET FUNCTION`
 set -euo pipefail
@@ -26,6 +32,9 @@ SITE=${GPU_CHECK_SITE:-/tmp/site}
 SHIM=${GPU_CHECK_SHIM:-/tmp/tvmpipe-shim}
 ONLY=${GPU_CHECK_STEPS:-}  # a comma-separated subset of the steps (tests/bench runs some on the CPU)
 PIPELINE_ARGS=${GPU_CHECK_PIPELINE_ARGS:---stages 1,2,3,4 --graphs both --micro-batches 200}
+UPLOAD_ARGS=${GPU_CHECK_UPLOAD_ARGS:---gib 2 --stages 1,2,4}
+DECODE_BUNDLE=${GPU_CHECK_DECODE_BUNDLE:-.gpu/bundles/gpt2_decode}
+DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}
 BUDGET=${GPU_CHECK_BUDGET_S:-560}
 T0=$(date +%s)
@@ -300,6 +309,25 @@ s_ipc() {  # CUDA IPC (cluster/cudaipc.py) against D2H + socket + H2D between tw
   return "$rc"
 }
 
+s_upload() {  # big-model weights: per-stage device memory, staged upload GB/s vs the pinned limit
+  local rc=0
+  rm -f bench/results/upload_gpu.json
+  # shellcheck disable=SC2086  # UPLOAD_ARGS is a list of options
+  tmo "$PY" bench/upload_gpu.py $UPLOAD_ARGS --work "$WORK" --out bench/results/upload_gpu.json || rc=$?
+  [ -s bench/results/upload_gpu.json ] && cp bench/results/upload_gpu.json "$OUT/"
+  return "$rc"
+}
+
+s_decode() {  # generation with the KV caches on the device, tokens against the reference backend
+  local rc=0
+  [ -f "$DECODE_BUNDLE/bundle.json" ] || { echo "no decode bundle at $DECODE_BUNDLE (run bench/gpu_prep.sh and carry .gpu)"; return 1; }
+  rm -f bench/results/decode_gpu.json
+  # shellcheck disable=SC2086  # DECODE_ARGS is a list of options
+  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS --out bench/results/decode_gpu.json || rc=$?
+  [ -s bench/results/decode_gpu.json ] && cp bench/results/decode_gpu.json "$OUT/"
+  return "$rc"
+}
+
 step env 30 s_env
 step wheels 60 s_wheels
 step pycuda 240 s_pycuda
@@ -308,6 +336,8 @@ step pytest 180 s_pytest
 step executor 120 s_executor
 step pipeline 240 s_pipeline
 step ipc 60 s_ipc
+step upload 90 s_upload
+step decode 90 s_decode
 
 # ---- summary ------------------------------------------------------------------------------------
 FAILED=0
@@ -355,6 +385,20 @@ if pl:
          "speedup_vs_1_stage": p.get("speedup_vs_1_stage"), "mean_idle_fraction": p.get("mean_idle_fraction"),
          "error": p.get("error")}
         for m in pl.get("models", []) for run in m.get("runs", []) for p in run.get("pipelines", [])]}
+ip = load("bench/results/ipc_gpu.json")
+if ip:
+    summary["ipc"] = ip.get("rows")
+up = load("bench/results/upload_gpu.json")
+if up:
+    summary["upload"] = {"ok": up.get("ok"), "weight_bytes": up.get("weight_bytes"), "limit": up.get("limit"),
+                         "runs": [{"stages": r["stages"], "per_stage": [{k: x.get(k) for k in (
+                             "weight_bytes", "device_over_weights", "upload_gbps", "upload_over_limit",
+                             "host_rss_growth_bytes", "error") if k in x} for x in r["per_stage"]]} for r in up.get("runs", [])]}
+de = load("bench/results/decode_gpu.json")
+if de:
+    summary["decode"] = {"all_exact": de.get("all_exact"), "model": de.get("model"), "rows": [
+        {k: r.get(k) for k in ("stages", "in_flight", "same_tokens_as_reference", "tokens_per_s", "itl_ms_p50",
+                               "max_hop_bytes_per_step", "cache_bytes_per_slot")} for r in de.get("rows", [])]}
 text = json.dumps(summary, indent=1) + "\n"
 open("bench/results/gpu_check.json", "w").write(text)
 open(os.path.join(out, "gpu_check.json"), "w").write(text)

@@ -6,7 +6,9 @@
 # 1. .whl/: the PyCUDA 2026.1 sdist and the wheels it needs on the GPU machine (CPython 3.12,
 #    x86-64 manylinux) that its image lacks (docs/gpu-validation.md lists why each one);
 # 2. .gpu/bundles/{resnet18,transformer}: compiled here (TVM is not on the GPU machine), with
-#    generated weights (--omit-params: params.generated = {"seed": 0}) so they stay small;
+#    generated weights (--omit-params: params.generated = {"seed": 0}) so they stay small; and
+#    .gpu/bundles/gpt2_decode, GPT-2's decode step (tiny config, seeded weights, max context 64),
+#    for the `decode` step;
 # 3. checks the sizes against the device tool's 64 MiB working-tree limit and prints the exact `run`
 #    call that does the whole check (bench/gpu_check.sh) there, also saved as .gpu/run-call.json.
 # Both folders are git-ignored; the run call carries them. Re-run this in every new session: they
@@ -78,6 +80,8 @@ for m in resnet18 transformer; do
   "$PY" -m tvmpipe compile "$m" -o ".gpu/bundles/$m" --omit-params --force --quiet
 done
 # Each bundle must load, use generated weights, and give finite outputs on the reference backend.
+say "compiling gpt2 --decode -> .gpu/bundles/gpt2_decode (max context 64, seeded weights)"
+"$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
 "$PY" - <<'EOF'
 import json, numpy as np
 from tvmpipe.bundle import load_bundle
@@ -147,4 +151,5 @@ open(".gpu/run-call.json", "w").write(json.dumps(call, indent=1) + "\n")
 print(json.dumps(call))
 EOF
 say "next (a session whose task has a GPU): call the device tool's run with the JSON above, then copy"
-say "the returned gpu_check.json, executor_gpu.json and gpu_pipeline.json into bench/results/."
+say "the returned gpu_check.json and the step files (executor_gpu, gpu_pipeline, ipc_gpu, upload_gpu,"
+say "decode_gpu .json) into bench/results/, named with the GPU model and driver (docs/gpu-validation.md)."

@@ -30,6 +30,15 @@ def graph_json(fixtures_dir: Path) -> Callable[[str], dict[str, Any]]:
     return lambda stem: json.loads((fixtures_dir / f"{stem}.json").read_text())
 
 
+@pytest.fixture(scope="session")
+def decode_bundle(tmp_path_factory) -> Path:
+    """The tiny 2-layer GPT-style decode step with declared KV-cache state (tests/support/decode_bundle.py),
+    compiled once per session (~40 s on 2 cores): tests/cluster and the GPU kit's CPU run share it."""
+    from tests.support.decode_bundle import decode_bundle as build
+
+    return build(tmp_path_factory.mktemp("decode"))
+
+
 @pytest.fixture
 def tiny_bundle(tmp_path: Path) -> Path:
     """A valid tiny bundle with real CUDA kernels (tests/support/tiny_bundle.py), in a fresh directory."""

@@ -56,3 +56,36 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
     assert {(x["model"], x["graphs"], x["stages"]) for x in runs} == \
         {(m, g, k) for m in ("mlp", "cnn") for g in (False, True) for k in (1, 2)}
     assert all(x["exact"] for x in runs)
+
+
+def test_gpu_check_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle):
+    """The big-model upload and the decode steps of the kit, end to end on the fake: a stage's
+    device memory is its weights, and a 2-stage cuda decode pipeline (caches on the device, CUDA IPC
+    between the stages) gives the reference backend's tokens."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))
+    python = image_python(tmp_path / "image")
+    env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle])}
+    env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
+               GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
+               GPU_CHECK_STEPS="tvmpipe,upload,decode", GPU_CHECK_FORCE_SHIM="1",
+               GPU_CHECK_UPLOAD_ARGS="--gib 0.02 --width 256 --stages 1,2",
+               GPU_CHECK_DECODE_BUNDLE=str(decode_bundle),
+               GPU_CHECK_DECODE_ARGS="--stages 1,2 --in-flight 1,2 --new 4")
+    r = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh")], cwd=tree, env=env, capture_output=True,
+                       text=True, timeout=500)
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
+    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "upload", "decode"]
+    up = summary["upload"]
+    assert up["ok"] and [x["stages"] for x in up["runs"]] == [1, 2]
+    for run in up["runs"]:
+        for st in run["per_stage"]:  # the fake allocates exactly what the stage asks for
+            assert 1.0 <= st["device_over_weights"] < 1.1 and st["upload_gbps"] > 0, st
+    assert sum(st["weight_bytes"] for st in up["runs"][1]["per_stage"]) == up["runs"][0]["per_stage"][0]["weight_bytes"]
+    de = summary["decode"]
+    assert de["all_exact"] and {(x["stages"], x["in_flight"]) for x in de["rows"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert all(x["max_hop_bytes_per_step"] < x["cache_bytes_per_slot"] for x in de["rows"])
+    full = json.loads((tmp_path / "out" / "decode_gpu.json").read_text())
+    assert full["rows"][-1]["edge_paths"]["0->1"] == "cuda-ipc"

@@ -37,15 +37,6 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def decode_bundle(tmp_path_factory) -> Path:
-    """The tiny 2-layer GPT-style decode step with declared KV-cache state (tests/support/decode_bundle.py),
-    compiled once per session (~40 s on 2 cores)."""
-    from tests.support.decode_bundle import decode_bundle as build
-
-    return build(tmp_path_factory.mktemp("decode"))
-
-
-@pytest.fixture(scope="session")
 def ray_cluster():
     """The one embedded Ray cluster of the session, on 127.0.0.1 only."""
     from tvmpipe.cluster.local import local_ray

@@ -298,11 +298,23 @@ class DeviceAllocation:
             shared.unlink()
 
 
+def mem_get_info() -> tuple[int, int]:
+    """(free, total) device bytes, as cuMemGetInfo: needs a current context; `total` is
+    FAKE_PYCUDA_MEMORY_GIB (default 80) and every live cuMemAlloc allocation in this process is used."""
+    _ctx("cuMemGetInfo")
+    total = int(float(os.environ.get("FAKE_PYCUDA_MEMORY_GIB", "80")) * (1 << 30))
+    with _lock:
+        used = sum(buf.size for prim in _primaries.values() for buf in prim.allocs.values())
+    return total - used, total
+
+
 def mem_alloc(nbytes: int) -> DeviceAllocation:
     prim = _ctx("cuMemAlloc")
     _no_capture("cuMemAlloc", prim)
     if nbytes <= 0:
         _fail("cuMemAlloc", 1)
+    if nbytes > mem_get_info()[0]:
+        _fail("cuMemAlloc", 2)  # CUDA_ERROR_OUT_OF_MEMORY
     with _lock:  # 1 MiB-aligned, with a gap after each, so neighbours never touch
         ptr = _next_addr[0]
         _next_addr[0] += ((nbytes >> 20) + 2) << 20

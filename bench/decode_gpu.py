@@ -1,0 +1,94 @@
+"""A decode pipeline on the GPU (docs/gpu-validation.md, step `decode`): KV caches resident on the
+device, the reference's tokens, tokens/s against stages and sequences in flight.
+
+    python bench/decode_gpu.py BUNDLE [--stages 1,2] [--in-flight 1,2,4] [--new 24]
+                               [--out bench/results/decode_gpu.json]
+
+BUNDLE is a decode-step bundle (`tvmpipe compile gpt2 --decode --max-context 64`, carried by
+bench/gpu_prep.sh). The oracle is the single-process greedy loop on the reference backend
+(tests/support/decode_bundle.runner_greedy: caches fed by hand). For each K, a pipeline of K cuda
+stage processes on GPU 0 (hops between them: CUDA IPC) runs every S of --in-flight: 2S prompts
+of 4 tokens, --new tokens each, greedy. Per (K, S): whether every sequence's tokens equal the
+oracle's, generated tokens/s and decode steps/s over the whole run, inter-token latency p50, and the
+largest bytes per step on any hop against one slot's cache bytes (state never crosses: it must be
+far below). Exits 1 if any tokens differ. Runs on the fake PyCUDA too (tests put tests/fakecuda
+first on PYTHONPATH, with the bundle in FAKE_PYCUDA_BUNDLES): numbers then mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle")
+    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--in-flight", default="1,2,4")
+    ap.add_argument("--new", type=int, default=24, help="tokens generated per sequence")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_gpu.json"))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from tests.support.decode_bundle import runner_greedy
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+
+    b = load_bundle(args.bundle)
+    gen = b.generation
+    new = min(args.new, gen.max_context - 4)
+    flights = [int(x) for x in args.in_flight.split(",")]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(gen.vocab_size) for _ in range(4)] for _ in range(2 * max(flights))]
+    t = time.perf_counter()
+    want = [runner_greedy(b, p, new)[0] for p in prompts]
+    print(f"[decode] oracle (reference backend, one process): {len(prompts)} sequences in "
+          f"{time.perf_counter() - t:.1f} s", flush=True)
+    rows, exact = [], True
+    for k in [int(x) for x in args.stages.split(",")]:
+        with Pipeline(b, k, backend="cuda", launcher="process", slots=max(flights)) as pipe:
+            pipe.generate_all(prompts[:1], 2)  # warm: links up, kernels loaded, slot state allocated
+            paths = {f"{s}->{d}": p for (s, d), p in sorted(pipe.edge_paths().items())}
+            for s in flights:
+                batch = prompts[:2 * s]
+                before, seq0 = pipe.record(), pipe.submitted
+                t = time.perf_counter()
+                res = pipe.generate_all(batch, new, in_flight=s)
+                wall = time.perf_counter() - t
+                after = pipe.record()
+                steps = pipe.submitted - seq0
+                made = sum(len(r.tokens) for r in res)
+                same = [r.tokens == want[i] for i, r in enumerate(res)]
+                exact = exact and all(same)
+                hop = 0.0
+                for w0, w1 in zip(before.worker_stats, after.worker_stats):
+                    for dst, n in w1.bytes_out.items():
+                        hop = max(hop, (n - w0.bytes_out.get(dst, 0)) / steps)
+                itl = [(y - x) * 1e3 for r in res for x, y in zip(r.token_times, r.token_times[1:])]
+                row = {"stages": k, "in_flight": s, "sequences": len(batch), "tokens": made, "steps": steps,
+                       "same_tokens_as_reference": all(same), "tokens_per_s": round(made / wall, 1),
+                       "steps_per_s": round(steps / wall, 1), "itl_ms_p50": round(statistics.median(itl), 3) if itl else None,
+                       "max_hop_bytes_per_step": round(hop, 1), "cache_bytes_per_slot": b.state_bytes_per_slot,
+                       "edge_paths": paths}
+                print(f"[decode] {json.dumps(row)}", flush=True)
+                rows.append(row)
+    import pycuda
+
+    doc = {"fake": bool(getattr(pycuda, "FAKE", False)), "bundle": str(args.bundle), "model": b.name,
+           "max_context": gen.max_context, "vocab_size": gen.vocab_size, "new_tokens": new,
+           "all_exact": exact, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"[decode] wrote {args.out}; tokens equal the reference's: {exact}")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
