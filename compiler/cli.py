@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tvmpipe.compiler.decode import DECODERS
 from tvmpipe.compiler.models import BUILTIN_MODELS
 
 
@@ -35,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="leave the weights out; the bundle says they are generated from --seed on load "
                         "(tvmpipe.bundle.params.generate_params, not the built-in model's weights)")
     p.add_argument("--decode", action="store_true",
-                   help="compile one decode step of the decoder SOURCE (gpt2, llama, qwen2, mistral: tiny "
+                   help=f"compile one decode step of the decoder SOURCE ({', '.join(DECODERS)}: tiny "
                         "transformers configs, weights from --seed): inputs input_ids [B,1], position [B] and "
                         "per-layer K/V caches, outputs logits [B,1,V] and the updated caches, declared as state")
     p.add_argument("--max-context", type=int, default=None, metavar="T",

@@ -46,6 +46,18 @@ _DECODERS: dict[str, tuple[str, str, dict[str, Any]]] = {
                 dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
                      rms_norm_eps=1e-6, sliding_window=None)),
+    # the zoo's forward-pass decoders that the Llama-style step also covers
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",  # RMSNorm on q and k per head
+              dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256,
+                   rms_norm_eps=1e-6)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",  # multi-query, GeGLU, scaled embeddings
+              dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=16, intermediate_size=128, max_position_embeddings=256)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",  # fused qkv and gate-up projections
+             dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)),
 }
 DECODERS = tuple(_DECODERS)
 
@@ -85,9 +97,15 @@ class _Layout:
     dtype: Any
 
 
+def _is_gpt2(model: Any) -> bool:
+    """GPT-2's layout (transformer.h of blocks with a fused c_attn), not merely a `transformer`
+    attribute: Falcon has one too, with different blocks."""
+    return getattr(model.config, "model_type", None) == "gpt2"
+
+
 def _layout(model: Any) -> _Layout:
     cfg = model.config
-    if hasattr(model, "transformer"):  # GPT-2
+    if _is_gpt2(model):
         heads = cfg.n_head
         return _Layout(cfg.n_layer, heads, cfg.n_embd // heads, cfg.vocab_size, model.lm_head.weight.dtype)
     attn = model.model.layers[0].self_attn
@@ -142,11 +160,23 @@ def _gpt2_step(model: Any) -> Callable:
     return step
 
 
+def _qkv(attn: Any, x: Any, heads: int, kv_heads: int) -> tuple[Any, Any, Any]:
+    """q, k, v projections of `x`: separate (Llama) or one fused qkv_proj (Phi-3), split as HF does."""
+    if hasattr(attn, "qkv_proj"):
+        d = attn.head_dim
+        qkv = attn.qkv_proj(x)
+        return qkv[..., :heads * d], qkv[..., heads * d:(heads + kv_heads) * d], qkv[..., (heads + kv_heads) * d:]
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
 def _llama_step(model: Any) -> Callable:
-    """Llama, Qwen2, Mistral (and Qwen3-style q/k norms): RMSNorm, rotary, GQA, gated MLP."""
+    """Llama, Qwen2, Mistral, Qwen3 (q/k norms), Gemma (scaled embeddings, GeGLU), Phi-3 (fused
+    projections): RMSNorm, rotary, GQA, gated MLP, each from the HF model's own modules."""
     inner = model.model
     modeling = sys.modules[type(inner.layers[0].self_attn).__module__]
     apply_rotary, repeat_kv = modeling.apply_rotary_pos_emb, modeling.repeat_kv
+    heads = model.config.num_attention_heads
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
 
     def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
         b = input_ids.shape[0]
@@ -157,9 +187,8 @@ def _llama_step(model: Any) -> Callable:
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             d = attn.head_dim
-            q = attn.q_proj(x).view(b, 1, -1, d)
-            k = attn.k_proj(x).view(b, 1, -1, d)
-            v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)
+            q, k, v = _qkv(attn, x, heads, kv_heads)
+            q, k, v = q.view(b, 1, -1, d), k.view(b, 1, -1, d), v.view(b, 1, -1, d).transpose(1, 2)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -205,19 +234,19 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[An
     if max_context < 1:
         raise SourceError(f"--max-context must be a positive integer, got {max_context}")
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if hasattr(model, "transformer") and limit is not None and max_context > limit:
+    if _is_gpt2(model) and limit is not None and max_context > limit:
         raise SourceError(f"--max-context {max_context} exceeds the model's {limit} learned positions")
     window = getattr(model.config, "sliding_window", None)
     if window and getattr(model.config, "use_sliding_window", True) and window < max_context:
         raise SourceError(f"{type(model).__name__}: sliding-window attention ({window} tokens) is not supported "
                           f"by the decode step; use --max-context {window} or less")
-    if hasattr(model, "transformer"):
+    if _is_gpt2(model):
         step = _gpt2_step(model)
     elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model.model, "rotary_emb"):
         step = _llama_step(model)
     else:
         raise SourceError(f"{type(model).__name__}: no decode step for this architecture (GPT-2 and "
-                          "Llama-style decoders: Llama, Qwen2, Mistral)")
+                          f"Llama-style decoders: {', '.join(DECODERS)})")
     spec = DecodeStepSpec(_layout(model), batch, max_context)
     args = ", ".join(spec.caches)
     ns: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """Decode-step bundles (compiler/decode.py), lifted buffer mutations (compiler/lift.py) and the
 single-process greedy loop (executor/decode.py) against transformers' own generate().
 
-Token-exact: for GPT-2, Llama and Qwen2 (tiny configs, seeded random weights) the greedy loop over
+Token-exact: for GPT-2, Llama, Qwen2, Qwen3, Gemma and Phi-3 (tiny configs, seeded random weights) the greedy loop over
 GraphRunner on the reference backend yields the tokens of `generate(do_sample=False)`, and at every
 step its logits are within 1e-4 x max|ref| of transformers' logits for the same prefix.
 """
@@ -22,7 +22,7 @@ MAX_CONTEXT = 24
 SEED = 1  # seed 0's GPT-2 and Llama repeat one token; seed 1 gives varied greedy streams
 PROMPT = [5, 17, 3, 60, 9]
 NEW = 12
-DECODERS = ["gpt2", "llama", "qwen2"]
+DECODERS = ["gpt2", "llama", "qwen2", "qwen3", "gemma", "phi3"]
 
 
 def _export(source: str, **kw):
@@ -165,6 +165,10 @@ def test_decode_refusals_are_one_line():
         decode_step_module(build_decoder("mistral", 0, sliding_window=8), 16)
     with pytest.raises(SourceError, match="exceeds the model's 256 learned positions"):
         decode_step_module(build_decoder("gpt2"), 300)
+    for zoo_name, cls in (("falcon_mask", "FalconForCausalLM"), ("opt_mask", "OPTForCausalLM"),
+                          ("gpt_neox_mask", "GPTNeoXForCausalLM")):  # Falcon has a `transformer` too, not GPT-2's
+        with pytest.raises(SourceError, match=f"^{cls}: no decode step for this architecture .*phi3\\)$"):
+            decode_step_module(build_decoder(zoo_name), 16)
 
 
 def test_cli_max_context_needs_decode(capsys):
