@@ -54,6 +54,17 @@ _DECODERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM",  # multi-query, GeGLU, scaled embeddings
               dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=1, head_dim=16, intermediate_size=128, max_position_embeddings=256)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",  # Pythia: interleaved fused qkv, partial rotary
+                 dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=128, max_position_embeddings=256, rotary_pct=0.25, bos_token_id=0,
+                      eos_token_id=0)),
+    "opt": ("OPTConfig", "OPTForCausalLM",  # learned positions, pre-LayerNorm, ReLU MLP
+            dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                 max_position_embeddings=256, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=2,
+                 eos_token_id=2)),
+    "falcon": ("FalconConfig", "FalconForCausalLM",  # multi-query fused qkv, parallel attention
+               dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=256, bos_token_id=0, eos_token_id=0)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM",  # fused qkv and gate-up projections
              dict(vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, pad_token_id=0,
@@ -108,11 +119,12 @@ def _layout(model: Any) -> _Layout:
     if _is_gpt2(model):
         heads = cfg.n_head
         return _Layout(cfg.n_layer, heads, cfg.n_embd // heads, cfg.vocab_size, model.lm_head.weight.dtype)
-    attn = model.model.layers[0].self_attn
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // heads
-    return _Layout(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size, model.lm_head.weight.dtype)
+    if cfg.model_type == "falcon":
+        kv = cfg.num_kv_heads if cfg.new_decoder_architecture or not cfg.multi_query else 1
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return _Layout(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size, model.get_output_embeddings().weight.dtype)
 
 
 def _masked_attention(q: Any, k: Any, v: Any, position: Any, scaling: float) -> Any:
@@ -204,6 +216,105 @@ def _llama_step(model: Any) -> Callable:
     return step
 
 
+def _neox_step(model: Any) -> Callable:
+    """GPT-NeoX (Pythia): one fused qkv projection interleaved per head, rotary over part of each
+    head, parallel (or sequential) residual, LayerNorm."""
+    inner = model.gpt_neox
+    apply_rotary = sys.modules[type(inner.layers[0].attention).__module__].apply_rotary_pos_emb
+
+    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
+        b = input_ids.shape[0]
+        h = inner.embed_in(input_ids)
+        cos, sin = inner.rotary_emb(h, position[:, None])
+        out = []
+        for i, layer in enumerate(inner.layers):
+            attn = layer.attention
+            qkv = attn.query_key_value(layer.input_layernorm(h)).view(b, 1, -1, 3 * attn.head_size).transpose(1, 2)
+            q, k, v = qkv.chunk(3, dim=-1)
+            q, k = apply_rotary(q, k, cos, sin)
+            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+            ctx = _masked_attention(q, kc, vc, position, attn.scaling)
+            a = attn.dense(ctx.transpose(1, 2).reshape(b, 1, -1))
+            if layer.use_parallel_residual:
+                h = h + a + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = h + a
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out += [kc, vc]
+        return [model.get_output_embeddings()(inner.final_layer_norm(h))] + out
+
+    return step
+
+
+def _opt_step(model: Any) -> Callable:
+    """OPT: learned positions (offset 2), LayerNorm before or after each block, ReLU MLP."""
+    dec = model.model.decoder
+    pos_emb = dec.embed_positions
+
+    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
+        import torch
+
+        b = input_ids.shape[0]
+        h = dec.embed_tokens(input_ids)
+        if dec.project_in is not None:
+            h = dec.project_in(h)
+        h = h + torch.nn.Embedding.forward(pos_emb, position[:, None] + pos_emb.offset)
+        out = []
+        for i, layer in enumerate(dec.layers):
+            attn = layer.self_attn
+            x = layer.self_attn_layer_norm(h) if layer.do_layer_norm_before else h
+            q, k, v = (p(x).view(b, 1, -1, attn.head_dim).transpose(1, 2)
+                       for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+            ctx = _masked_attention(q, kc, vc, position, attn.scaling)
+            h = h + attn.out_proj(ctx.transpose(1, 2).reshape(b, 1, -1))
+            if not layer.do_layer_norm_before:
+                h = layer.self_attn_layer_norm(h)
+            x = layer.final_layer_norm(h) if layer.do_layer_norm_before else h
+            h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+            if not layer.do_layer_norm_before:
+                h = layer.final_layer_norm(h)
+            out += [kc, vc]
+        if dec.final_layer_norm is not None:
+            h = dec.final_layer_norm(h)
+        if dec.project_out is not None:
+            h = dec.project_out(h)
+        return [model.lm_head(h)] + out
+
+    return step
+
+
+def _falcon_step(model: Any) -> Callable:
+    """Falcon (7B-style): multi-query fused qkv (the key and value are its last two heads), rotary,
+    attention and MLP in parallel from one LayerNorm."""
+    tr = model.transformer
+    cfg = model.config
+    if cfg.alibi or cfg.new_decoder_architecture or not cfg.multi_query or not cfg.parallel_attn:
+        raise SourceError("FalconForCausalLM: the decode step covers multi-query, rotary, parallel-attention "
+                          "Falcon (alibi, new_decoder_architecture and sequential blocks are not supported)")
+    apply_rotary = sys.modules[type(tr.h[0].self_attention).__module__].apply_rotary_pos_emb
+
+    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
+        b = input_ids.shape[0]
+        h = tr.word_embeddings(input_ids)
+        cos, sin = tr.rotary_emb(h, position[:, None])
+        out = []
+        for i, layer in enumerate(tr.h):
+            attn = layer.self_attention
+            x = layer.input_layernorm(h)
+            qkv = attn.query_key_value(x).view(b, 1, attn.num_heads + 2, attn.head_dim)
+            q, k, v = (t.transpose(1, 2) for t in (qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]))
+            q, k = apply_rotary(q, k, cos, sin)
+            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+            ctx = _masked_attention(q, kc, vc, position, attn.inv_norm_factor)  # one KV head, broadcast
+            a = attn.dense(ctx.transpose(1, 2).reshape(b, 1, -1))
+            h = h + a + layer.mlp(x)
+            out += [kc, vc]
+        return [model.lm_head(tr.ln_f(h))] + out
+
+    return step
+
+
 def cache_names(layers: int) -> list[str]:
     return [f"{kv}_cache_{i}" for i in range(layers) for kv in ("k", "v")]
 
@@ -240,8 +351,15 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[An
     if window and getattr(model.config, "use_sliding_window", True) and window < max_context:
         raise SourceError(f"{type(model).__name__}: sliding-window attention ({window} tokens) is not supported "
                           f"by the decode step; use --max-context {window} or less")
+    kind = getattr(model.config, "model_type", None)
     if _is_gpt2(model):
         step = _gpt2_step(model)
+    elif kind == "gpt_neox":
+        step = _neox_step(model)
+    elif kind == "opt":
+        step = _opt_step(model)
+    elif kind == "falcon":
+        step = _falcon_step(model)
     elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model.model, "rotary_emb"):
         step = _llama_step(model)
     else:
