@@ -34,9 +34,12 @@ TOLERANCE = 1e-4  # of max|torch output|: float32 summation-order noise is ~1e-6
 # the zoo: up to ~1.5% of max|torch| (docs/compiler.md); 5% keeps margin and still catches a wrong
 # op (an error is O(1) of max|out|).
 FP16_TOLERANCE = 5e-2
-# TVM's own CPU build of an fp16 bundle accumulates every conv/matmul in fp16 (the reference
-# accumulates in float32): measured 6.7% of max|torch| on MobileNetV2 (50-odd layers) where the
-# reference is at 2.7%. It is a cross-check of the fused functions, so it gets twice the room.
+# Rounding every activation to fp16 costs deep CNNs more than that whoever computes: torch's own
+# fp16 run of resnet50 is 5.7e-2 of max|out| off its float32 run (shufflenet_v2 3.9e-2). So an fp16
+# bundle passes when it is within FP16_TOLERANCE, or within FP16_VS_TORCH_HALF x the error of torch
+# running the same model in fp16 (measured in the check, `torch_fp16_error`): no worse than fp16 is.
+FP16_VS_TORCH_HALF = 1.5
+# TVM's own CPU build of the fused functions: a cross-check, given twice the room.
 FP16_CPU_TOLERANCE = 1e-1
 TOLERANCES = {"float32": TOLERANCE, "float16": FP16_TOLERANCE}
 CPU_TOLERANCES = {"float32": TOLERANCE, "float16": FP16_CPU_TOLERANCE}
@@ -59,6 +62,7 @@ class ZooResult:
     cpu_error: float | None = None  # max|TVM CPU build - torch| / max|torch|
     ref_ms: float | None = None
     torch_ms: float | None = None
+    torch_fp16_error: float | None = None  # fp16 mode: torch's own fp16 run vs its float32 run, same measure
     split_identical: dict[str, bool] = field(default_factory=dict)  # "K=2" -> bit-identical
     nvcc_ok: bool | None = None
     exporter_failed: bool = False  # torch's exporter, not tvmpipe, could not produce the file
@@ -90,6 +94,25 @@ def _median_ms(fn: Any, repeat: int) -> float:
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def torch_half_error(module: Any, inputs: dict[str, np.ndarray], want: np.ndarray, scale: float) -> float | None:
+    """max|torch fp16 - torch float32| / max|torch float32|: what running in fp16 costs this model
+    in torch itself (a copy of the module in half precision, float inputs rounded to fp16); None
+    when torch cannot run it in half precision on the CPU."""
+    import copy
+
+    import torch
+
+    try:
+        half = copy.deepcopy(module).half()
+        args = tuple(torch.from_numpy(v).half() if v.dtype == np.float32 else torch.from_numpy(v)
+                     for v in inputs.values())
+        with torch.no_grad():
+            out = half(*args).float().numpy()
+        return float(np.max(np.abs(out.astype(np.float64) - want))) / scale
+    except Exception:  # noqa: BLE001 - an op without a CPU half kernel: the fixed tolerance applies
+        return None
 
 
 def split_outputs(bundle: Any, k: int, feeds: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -172,6 +195,12 @@ def _run_checks(result: ZooResult, exported: Any, module: Any, inputs: dict[str,
     torch_args = tuple(torch.from_numpy(v) for v in inputs.values())
     with torch.no_grad():
         result.torch_ms = _median_ms(lambda: module(*torch_args), repeat)
+
+    if dtype == "float16":
+        result.torch_fp16_error = torch_half_error(module, inputs, want, scale)
+        if result.torch_fp16_error is not None:
+            tolerance = max(tolerance, FP16_VS_TORCH_HALF * result.torch_fp16_error)
+            cpu_tolerance = max(cpu_tolerance, 2 * FP16_VS_TORCH_HALF * result.torch_fp16_error)
 
     cpu = CpuRunner.build(exported.unscheduled).run(g, named, bundle.params)[0]
     result.cpu_error = float(np.max(np.abs(cpu.astype(np.float64) - want))) / scale

@@ -33,6 +33,11 @@ def _short(error: str | None, limit: int = 150) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _half(r: dict) -> str:
+    """An fp16 row's error cell also gives torch's own fp16 run's error (zoocheck.torch_half_error)."""
+    return f" (torch fp16: {r['torch_fp16_error']:.1e})" if r.get("torch_fp16_error") is not None else ""
+
+
 def table(rows: list[dict]) -> str:
     """The README's coverage table, one row per (model, path)."""
     head = ("| model | path | dtype | compile s | nodes / kernels | max error vs torch (of max\\|out\\|) "
@@ -46,7 +51,7 @@ def table(rows: list[dict]) -> str:
         same = ", ".join("yes" if r["split_identical"].get(k) else "NO" for k in ("K=2", "K=3"))
         lines.append(
             f"| {r['model']} | {r['path']} | {r.get('dtype', 'float32')} | {r['compile_s']:.1f} | {r['nodes']} / {r['kernels']} | "
-            f"{r['ref_error']:.1e} | {r['ref_ms']:.1f} / {r['torch_ms']:.1f} | {same} | "
+            f"{r['ref_error']:.1e}{_half(r)} | {r['ref_ms']:.1f} / {r['torch_ms']:.1f} | {same} | "
             f"{'ok' if r['ok'] else _short(r['error'])} |")
     return "\n".join(lines)
 

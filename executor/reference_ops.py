@@ -324,7 +324,17 @@ def _dropout(x, a, r):
 
 @op("matmul")
 def _matmul(x, a, r):
-    return np.matmul(x[0], x[1])
+    a0, a1 = accumulating(r, x[0], x[1])
+    return np.matmul(a0, a1)
+
+
+def accumulating(r: OpRecord, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Operands in the op's accumulation dtype: a float16/bfloat16 matmul or convolution with a
+    float32 out_dtype (compiler/precision.py) sums in float32, as its kernel does."""
+    dt = out_dtype(r, xs[0].dtype)
+    if dt.kind == "f" and dt.itemsize > xs[0].dtype.itemsize and xs[0].dtype.kind in "fV":
+        return tuple(v.astype(dt) for v in xs)
+    return xs
 
 
 @op("nn.dense", "dense")
@@ -381,7 +391,7 @@ def conv_nd(v: np.ndarray, w: np.ndarray, strides: Any, padding: Any, dilation: 
 
 @op("nn.conv1d", "nn.conv2d", "nn.conv3d")
 def _conv(x, a, r):
-    v, w = x[0], x[1]
+    v, w = accumulating(r, x[0], x[1])
     nd = v.ndim - 2
     sp = "DHW"[-nd:] if nd <= 3 else None
     dlay = a.get("data_layout") or "NC" + sp

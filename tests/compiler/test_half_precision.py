@@ -44,6 +44,13 @@ def test_float16_bundle_stores_f16_weights_at_half_the_bytes(tmp_path):
     for name in h16:  # the same weights, rounded once
         assert b16.params[name].dtype == np.float16
         np.testing.assert_array_equal(b16.params[name], b32.params[name].astype(np.float16))
+    # every matmul takes fp16 operands, accumulates in float32 and is rounded once, as cuBLAS runs it
+    recs = [r for f in b16.ops.values() for r in f.ops]
+    matmuls = [i for i, r in enumerate(recs) if r.op == "matmul"]
+    assert matmuls and all(recs[i].input_dtypes == ["float16", "float16"] and recs[i].output_dtypes == ["float32"]
+                           for i in matmuls)
+    assert not [r for r in recs if r.output_dtypes and r.output_dtypes[-1] == "float32" and r.op != "matmul"
+                and r.op != "astype"], "only the accumulators are float32"
 
 
 class Block:

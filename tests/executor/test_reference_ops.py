@@ -273,3 +273,22 @@ def test_index_tensor_refuses_indices_tvm_reads_out_of_row():
     close(apply("index_tensor", {}, x, np.array([2, 0], np.int64), np.array([3, 1], np.int64)), x[[2, 0], [3, 1]])
     with pytest.raises(OpFailure, match=r"'index_tensor' index -1 outside \[0, 3\) on axis 0"):
         apply("index_tensor", {}, x, np.array([-1, 0], np.int64))
+
+
+def test_half_matmul_and_conv_with_float32_out_dtype_accumulate_in_float32():
+    """compiler/precision.py gives fp16 matmuls and convolutions out_dtype float32 (then a cast),
+    as cuBLAS/cuDNN accumulate; the reference must sum in float32 too, not round every partial sum
+    to fp16."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 4096)).astype(np.float16)
+    b = rng.standard_normal((4096, 8)).astype(np.float16)
+    got = apply("matmul", {"out_dtype": "float32"}, a, b, out_shapes=[[4, 8]], out_dtypes=["float32"])
+    want = a.astype(np.float32) @ b.astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    half = apply("matmul", {"out_dtype": "float16"}, a, b, out_shapes=[[4, 8]], out_dtypes=["float16"])
+    assert half.dtype == np.float16 and not np.array_equal(half.astype(np.float32), want)
+    x = rng.standard_normal((1, 64, 6, 6)).astype(np.float16)
+    w = rng.standard_normal((8, 64, 3, 3)).astype(np.float16)
+    got = apply("nn.conv2d", {"out_dtype": "float32"}, x, w, out_shapes=[[1, 8, 4, 4]], out_dtypes=["float32"])
+    close(got, F.conv2d(t(x.astype(np.float32)), t(w.astype(np.float32))), rtol=1e-5, atol=1e-4)
+    assert got.dtype == np.float32
