@@ -475,12 +475,12 @@ class Pipeline:
             # does not open (Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES)
             self._pids = [(s.pid, s.devices) if isinstance(s, WorkerStatus) else (-1 - i, None)
                           for i, s in enumerate(self.launcher.call_all("status"))]
+        path = {(e.src, e.dst): self._path(e, node) for e in topo.edges}  # each edge's, decided once
+        via = lambda i, kind: frozenset(e.dst for e in topo.outbound(i) if path[e.src, e.dst] == kind)  # noqa: E731
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
                           secret=self._secret, send_from={e.dst: start(e.dst) for e in topo.outbound(i)},
-                          retain=retain, shm_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "shm"),
-                          ring_slots=self.window,
-                          ipc_to=frozenset(e.dst for e in topo.outbound(i) if self._path(e, node) == "cuda-ipc"))
+                          retain=retain, shm_to=via(i, "shm"), ring_slots=self.window, ipc_to=via(i, "cuda-ipc"))
                    for i in range(topo.num_stages)]
         self._feed_from = {i: resume[i] for i in range(topo.num_stages)}
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
@@ -488,7 +488,7 @@ class Pipeline:
         for e in topo.outbound(DRIVER):
             hello = Frame("hello", self.run_id, epoch, resume[e.dst], DRIVER)
             try:
-                shared = self._path(e, node) == "shm"
+                shared = path[e.src, e.dst] == "shm"
                 self._links[e.dst] = Link(self._addresses[e.dst], hello, self._secret, self._link_failed(epoch, e.dst),
                                           depth=self.window + 1, ring_slots=self.window if shared else 0,
                                           frame_bytes=self._edge_payload(e))
@@ -511,7 +511,7 @@ class Pipeline:
             return "cuda-ipc"
         if not shm.usable(self.run_id):
             return "tcp"
-        return shm.choose(self.transport, node(edge.src).same(node(edge.dst)), self._edge_payload(edge))
+        return shm.choose(self.transport, same, self._edge_payload(edge))
 
     def _close_links(self) -> None:
         """Close the driver's outbound links (_wire_lock held), keeping their byte counts."""

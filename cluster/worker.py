@@ -149,7 +149,6 @@ class StageWorker:
                 self._shipment.lease.release()
             raise
         wf = getattr(bundle.params, "file", None)  # a safetensors bundle: what this process read of it
-        self.weights_read = dict(wf.reads) if wf is not None else {}
         self.weights_bytes_read = wf.bytes_read if wf is not None else 0
         self.program = self.stage.program
         self.specs = dict(self.program.entry_specs)  # what inbound frames may carry
@@ -480,7 +479,7 @@ class StageWorker:
                 feed.update(f.tensors)
         device = [f.device for f in parts.values() if f.device is not None]
         try:
-            outputs = self.stage.run(feed, device=device) if device or self.spec.backend == "cuda" else self.stage.run(feed)
+            outputs = self.stage.run(feed, device=device)
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
             _release(parts, {})
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
