@@ -1,7 +1,7 @@
 """A decode pipeline on the GPU (docs/gpu-validation.md, step `decode`): KV caches resident on the
 device, the reference's tokens, tokens/s against stages and sequences in flight.
 
-    python bench/decode_gpu.py BUNDLE [--stages 1,2] [--in-flight 1,2,4] [--new 24]
+    python bench/decode_gpu.py [BUNDLE] [--stages 1,2] [--in-flight 1,2,4] [--new 24]
                                [--out bench/results/decode_gpu.json]
 
 BUNDLE is a decode-step bundle (`tvmpipe compile gpt2 --decode --max-context 64`, carried by
@@ -30,12 +30,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bundle")
+    ap.add_argument("bundle", nargs="?", default=str(ROOT / ".gpu" / "bundles" / "gpt2_decode"),
+                    help="a decode-step bundle (default: .gpu/bundles/gpt2_decode, from bench/gpu_prep.sh)")
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--in-flight", default="1,2,4")
     ap.add_argument("--new", type=int, default=24, help="tokens generated per sequence")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_gpu.json"))
+    ap.add_argument("--require-gpu", action="store_true",
+                    help="fail (exit 1) without a GPU instead of skipping (exit 0), as bench/gpu_check.sh runs it")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tvmpipe.executor.backend_cuda import cuda_unavailable
+
+    if (why := cuda_unavailable()) is not None:  # like executor_gpu.py: `make bench` runs on CPU machines
+        print(f"decode_gpu: no GPU here ({why}); nothing to benchmark", file=sys.stderr if args.require_gpu else sys.stdout)
+        return 1 if args.require_gpu else 0
     sys.path.insert(0, str(ROOT))
     from tests.support.decode_bundle import runner_greedy
     from tvmpipe.bundle import load_bundle

@@ -32,14 +32,15 @@ TARGET = 1.05
 
 
 def gpu_name() -> str | None:
-    try:
-        import pycuda.driver as cuda
+    from tvmpipe.executor.backend_cuda import cuda_unavailable
 
-        cuda.init()
-        return cuda.Device(0).name() if cuda.Device.count() else None
-    except Exception as exc:  # no pycuda, no driver, no device
-        print(f"executor_gpu: no GPU here ({type(exc).__name__}: {exc}); nothing to benchmark")
+    why = cuda_unavailable()
+    if why is not None:
+        print(f"executor_gpu: no GPU here ({why}); nothing to benchmark")
         return None
+    import pycuda.driver as cuda
+
+    return cuda.Device(0).name()
 
 
 def torch_eager_us(bundle, inputs, repeat: int) -> float | None:

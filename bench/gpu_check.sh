@@ -32,6 +32,7 @@ SITE=${GPU_CHECK_SITE:-/tmp/site}
 SHIM=${GPU_CHECK_SHIM:-/tmp/tvmpipe-shim}
 ONLY=${GPU_CHECK_STEPS:-}  # a comma-separated subset of the steps (tests/bench runs some on the CPU)
 PIPELINE_ARGS=${GPU_CHECK_PIPELINE_ARGS:---stages 1,2,3,4 --graphs both --micro-batches 200}
+IPC_ARGS=${GPU_CHECK_IPC_ARGS:---mb 4,64 --iters 50}
 UPLOAD_ARGS=${GPU_CHECK_UPLOAD_ARGS:---gib 2 --stages 1,2,4}
 DECODE_BUNDLE=${GPU_CHECK_DECODE_BUNDLE:-.gpu/bundles/gpt2_decode}
 DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
@@ -304,7 +305,8 @@ s_pipeline() {
 s_ipc() {  # CUDA IPC (cluster/cudaipc.py) against D2H + socket + H2D between two processes on GPU 0
   local rc=0
   rm -f bench/results/ipc_gpu.json
-  tmo "$PY" bench/ipc_gpu.py --mb 4,64 --iters 50 --out bench/results/ipc_gpu.json || rc=$?
+  # shellcheck disable=SC2086  # IPC_ARGS is a list of options
+  tmo "$PY" bench/ipc_gpu.py $IPC_ARGS --require-gpu --out bench/results/ipc_gpu.json || rc=$?
   [ -s bench/results/ipc_gpu.json ] && cp bench/results/ipc_gpu.json "$OUT/"
   return "$rc"
 }
@@ -313,7 +315,7 @@ s_upload() {  # big-model weights: per-stage device memory, staged upload GB/s v
   local rc=0
   rm -f bench/results/upload_gpu.json
   # shellcheck disable=SC2086  # UPLOAD_ARGS is a list of options
-  tmo "$PY" bench/upload_gpu.py $UPLOAD_ARGS --work "$WORK" --out bench/results/upload_gpu.json || rc=$?
+  tmo "$PY" bench/upload_gpu.py $UPLOAD_ARGS --work "$WORK" --require-gpu --out bench/results/upload_gpu.json || rc=$?
   [ -s bench/results/upload_gpu.json ] && cp bench/results/upload_gpu.json "$OUT/"
   return "$rc"
 }
@@ -323,7 +325,7 @@ s_decode() {  # generation with the KV caches on the device, tokens against the 
   [ -f "$DECODE_BUNDLE/bundle.json" ] || { echo "no decode bundle at $DECODE_BUNDLE (run bench/gpu_prep.sh and carry .gpu)"; return 1; }
   rm -f bench/results/decode_gpu.json
   # shellcheck disable=SC2086  # DECODE_ARGS is a list of options
-  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS --out bench/results/decode_gpu.json || rc=$?
+  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS --require-gpu --out bench/results/decode_gpu.json || rc=$?
   [ -s bench/results/decode_gpu.json ] && cp bench/results/decode_gpu.json "$OUT/"
   return "$rc"
 }

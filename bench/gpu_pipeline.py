@@ -70,17 +70,6 @@ def gpu_info() -> dict[str, Any]:
     return {"name": name, "driver": driver, "memory": mem, "count": len(lines)}
 
 
-def cuda_unavailable() -> str | None:
-    """Why the cuda backend cannot run here (no pycuda, no driver, no device), or None."""
-    try:
-        import pycuda.driver as cuda
-
-        cuda.init()
-        return None if cuda.Device.count() else "no CUDA device"
-    except Exception as exc:  # noqa: BLE001 - ImportError (no pycuda / no libcuda) or a driver error
-        return f"{type(exc).__name__}: {exc}"
-
-
 def make_batches(bundle, distinct: int) -> list[dict[str, np.ndarray]]:
     from tvmpipe.executor import random_inputs
 
@@ -301,6 +290,8 @@ def main() -> int:
     if graphs != "off" and args.backend != "cuda":
         ap.error("--graphs on/both needs --backend cuda")
     modes = {"off": [False], "on": [True], "both": [False, True]}[graphs]
+    from tvmpipe.executor.backend_cuda import cuda_unavailable
+
     if args.backend == "cuda" and (why := cuda_unavailable()) is not None:
         print(f"gpu_pipeline: no GPU here ({why}); nothing to benchmark",
               file=sys.stderr if args.require_gpu else sys.stdout)

@@ -8,7 +8,7 @@ weights, no downloads) is exported to .pt2 and to ONNX, compiled, and checked by
 float32 torch model within zoocheck.FP16_TOLERANCE). Prints the coverage table (the README's) and writes
 bench/results/zoo.json with the machine's load average: this 2-core machine is shared, and other
 work inflates compile and run times. Exits 1 if any model fails a check (a path torch itself
-cannot export is listed, not counted).
+cannot export, and the KNOWN_FAILURES of TVM's importer, are listed, not counted).
 """
 
 from __future__ import annotations
@@ -25,6 +25,24 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "zoo.json"
+# Rows that fail in TVM itself, documented in the README ("Model zoo"): listed in the table, not
+# counted. The exit status says when one of them starts passing (time to take it off this list).
+KNOWN_FAILURES = {
+    ("swin_t", "onnx"): "TVM's ONNX importer: a Pad whose pads it cannot see as constants",
+    ("phi3_mask", "onnx"): "TVM's ONNX importer: int32/int64 mixed in the mask arithmetic",
+}
+
+
+def exit_status(rows: list[dict]) -> int:
+    """0 when every row passed, is a path torch's exporter cannot produce, or is a known TVM
+    failure that still fails; 1 otherwise (a new failure, or a known one that now passes)."""
+    bad = [r for r in rows if not (r["ok"] or r.get("exporter_failed") or (r["model"], r["path"]) in KNOWN_FAILURES)]
+    fixed = [r for r in rows if r["ok"] and (r["model"], r["path"]) in KNOWN_FAILURES]
+    for r in bad:
+        print(f"FAILED: {r['model']} {r['path']} {r.get('dtype', 'float32')}: {r.get('error')}", file=sys.stderr)
+    for r in fixed:
+        print(f"NOW PASSES (take it off KNOWN_FAILURES): {r['model']} {r['path']}", file=sys.stderr)
+    return 1 if bad or fixed else 0
 
 
 def _short(error: str | None, limit: int = 150) -> str:
@@ -79,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                   "total_s": max(p["total_s"] for p in parts)}
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
         print(table(rows))
-        return 0 if all(r["ok"] or r.get("exporter_failed") for r in rows) else 1
+        return exit_status(rows)
 
     from tvmpipe.app.zoocheck import check_model
 
@@ -100,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, os.getloadavg()[0]], "total_s": time.perf_counter() - t0,
         "results": rows,
     }, indent=1) + "\n")
-    # a path torch's own exporter cannot produce is reported, not counted against tvmpipe
-    return 0 if all(r["ok"] or r.get("exporter_failed") for r in rows) else 1
+    return exit_status(rows)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,18 @@ STAGING_BYTES = 32 << 20
 DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
+def cuda_unavailable() -> str | None:
+    """Why the cuda backend cannot run here (no pycuda, no driver, no device), or None. The GPU
+    benches print it and exit 0 on CPU machines (`make bench`), 1 with --require-gpu."""
+    try:
+        import pycuda.driver as cuda
+
+        cuda.init()
+        return None if cuda.Device.count() else "no CUDA device"
+    except Exception as exc:  # noqa: BLE001 - ImportError (no pycuda / no libcuda) or a driver error
+        return f"{type(exc).__name__}: {exc}"
+
+
 class CudaBackend:
     name = "cuda"
 

@@ -58,10 +58,10 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
     assert all(x["exact"] for x in runs)
 
 
-def test_gpu_check_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle):
-    """The big-model upload and the decode steps of the kit, end to end on the fake: a stage's
-    device memory is its weights, and a 2-stage cuda decode pipeline (caches on the device, CUDA IPC
-    between the stages) gives the reference backend's tokens."""
+def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle):
+    """The IPC hop, big-model upload and decode steps of the kit, end to end on the fake: both hop
+    paths move the bytes, a stage's device memory is its weights, and a 2-stage cuda decode pipeline
+    (caches on the device, CUDA IPC between the stages) gives the reference backend's tokens."""
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))
@@ -69,7 +69,8 @@ def test_gpu_check_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle)
     env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle])}
     env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
-               GPU_CHECK_STEPS="tvmpipe,upload,decode", GPU_CHECK_FORCE_SHIM="1",
+               GPU_CHECK_STEPS="tvmpipe,ipc,upload,decode", GPU_CHECK_FORCE_SHIM="1",
+               GPU_CHECK_IPC_ARGS="--mb 1 --iters 4",
                GPU_CHECK_UPLOAD_ARGS="--gib 0.02 --width 256 --stages 1,2",
                GPU_CHECK_DECODE_BUNDLE=str(decode_bundle),
                GPU_CHECK_DECODE_ARGS="--stages 1,2 --in-flight 1,2 --new 4")
@@ -77,7 +78,9 @@ def test_gpu_check_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle)
                        text=True, timeout=500)
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
-    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "upload", "decode"]
+    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "ipc", "upload", "decode"]
+    (ipc,) = summary["ipc"]
+    assert ipc["mb"] == 1 and ipc["host_gbps"] > 0 and ipc["cuda-ipc_gbps"] > 0
     up = summary["upload"]
     assert up["ok"] and [x["stages"] for x in up["runs"]] == [1, 2]
     for run in up["runs"]:
