@@ -15,6 +15,7 @@ as before: they cannot be read by tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -175,7 +176,12 @@ def _locked(directory: Path, mode: int) -> int | None:
 
     lock = _lock_path(directory)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # read-only is enough for flock: another user's workers can share a shipment's lock
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:
+            if mode & fcntl.LOCK_NB:
+                return None  # not ours to sweep
+            raise
         try:
             fcntl.flock(fd, mode)
         except BlockingIOError:
@@ -202,10 +208,11 @@ def _remove_if_unused(directory: Path) -> bool:
         shutil.rmtree(directory, ignore_errors=True)
         for part in directory.parent.glob(f".{directory.name}-*"):
             shutil.rmtree(part, ignore_errors=True)
-        _lock_path(directory).unlink(missing_ok=True)  # while still held: a waiter re-opens (see _locked)
+        with contextlib.suppress(OSError):  # another user's (sticky /tmp): it sweeps its own
+            _lock_path(directory).unlink(missing_ok=True)  # while still held: a waiter re-opens (_locked)
     finally:
         os.close(fd)
-    return True
+    return not directory.exists()
 
 
 def sweep_unused(root: str | Path | None = None) -> list[Path]:
