@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gate import add_require_gpu, no_gpu_exit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,15 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", default="1,2,4")
     ap.add_argument("--new", type=int, default=24, help="tokens generated per sequence")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_gpu.json"))
-    ap.add_argument("--require-gpu", action="store_true",
-                    help="fail (exit 1) without a GPU instead of skipping (exit 0), as bench/gpu_check.sh runs it")
+    add_require_gpu(ap)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tvmpipe.executor.backend_cuda import cuda_unavailable
-
-    if (why := cuda_unavailable()) is not None:  # like executor_gpu.py: `make bench` runs on CPU machines
-        print(f"decode_gpu: no GPU here ({why}); nothing to benchmark", file=sys.stderr if args.require_gpu else sys.stdout)
-        return 1 if args.require_gpu else 0
+    if (status := no_gpu_exit("decode_gpu", args.require_gpu)) is not None:
+        return status
     sys.path.insert(0, str(ROOT))
     from tests.support.decode_bundle import runner_greedy
     from tvmpipe.bundle import load_bundle

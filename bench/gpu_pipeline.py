@@ -46,6 +46,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gate import no_gpu_exit  # noqa: E402
+
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,12 +293,8 @@ def main() -> int:
     if graphs != "off" and args.backend != "cuda":
         ap.error("--graphs on/both needs --backend cuda")
     modes = {"off": [False], "on": [True], "both": [False, True]}[graphs]
-    from tvmpipe.executor.backend_cuda import cuda_unavailable
-
-    if args.backend == "cuda" and (why := cuda_unavailable()) is not None:
-        print(f"gpu_pipeline: no GPU here ({why}); nothing to benchmark",
-              file=sys.stderr if args.require_gpu else sys.stdout)
-        return 1 if args.require_gpu else 0  # like executor_gpu.py, so `make bench` passes on CPU machines
+    if args.backend == "cuda" and (status := no_gpu_exit("gpu_pipeline", args.require_gpu)) is not None:
+        return status
     paths = [Path(p) for p in args.bundles] or [REPO / p for p in DEFAULT_MODELS
                                                  if (REPO / p / "bundle.json").is_file()]
     if args.out:

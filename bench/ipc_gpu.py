@@ -23,6 +23,9 @@ import time
 from collections import namedtuple
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gate import add_require_gpu, no_gpu_exit  # noqa: E402
+
 import numpy as np
 
 Meta = namedtuple("Meta", "entry nbytes")
@@ -139,15 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", default="4,64")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="bench/results/ipc_gpu.json")
-    ap.add_argument("--require-gpu", action="store_true",
-                    help="fail (exit 1) without a GPU instead of skipping (exit 0), as bench/gpu_check.sh runs it")
+    add_require_gpu(ap)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tvmpipe.executor.backend_cuda import cuda_unavailable
-
-    if (why := cuda_unavailable()) is not None:  # like executor_gpu.py: `make bench` runs on CPU machines
-        print(f"ipc_gpu: no GPU here ({why}); nothing to benchmark", file=sys.stderr if args.require_gpu else sys.stdout)
-        return 1 if args.require_gpu else 0
+    if (status := no_gpu_exit("ipc_gpu", args.require_gpu)) is not None:
+        return status
     rows = []
     for mb in [float(x) for x in args.mb.split(",")]:
         n = int(mb * (1 << 20))

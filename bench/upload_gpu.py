@@ -29,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gate import add_require_gpu, no_gpu_exit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 4096
 
@@ -129,15 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="1,2,4")
     ap.add_argument("--work", default=None, help="where the bundle is written (default: a temp dir)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "upload_gpu.json"))
-    ap.add_argument("--require-gpu", action="store_true",
-                    help="fail (exit 1) without a GPU instead of skipping (exit 0), as bench/gpu_check.sh runs it")
+    add_require_gpu(ap)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tvmpipe.executor.backend_cuda import cuda_unavailable
-
-    if (why := cuda_unavailable()) is not None:  # like executor_gpu.py: `make bench` runs on CPU machines
-        print(f"upload_gpu: no GPU here ({why}); nothing to benchmark", file=sys.stderr if args.require_gpu else sys.stdout)
-        return 1 if args.require_gpu else 0
+    if (status := no_gpu_exit("upload_gpu", args.require_gpu)) is not None:
+        return status
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT))
     from bigmodel import write_synthetic

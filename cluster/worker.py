@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from collections import deque
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.bundle import dtypes
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes

@@ -139,6 +139,16 @@ def _masked_attention(q: Any, k: Any, v: Any, position: Any, scaling: float) -> 
     return torch.matmul(probs, v)  # [B, H, 1, D]
 
 
+def _attend(q: Any, k: Any, v: Any, caches: list[Any], i: int, position: Any, scaling: float,
+            repeat: Callable[[Any], Any] = lambda kv: kv) -> tuple[Any, Any, Any]:
+    """Layer `i`'s step: this token's k and v ([B, H_kv, 1, D]) written into its caches, q attending
+    over them (`repeat`: the model's own repeat_kv for grouped-query heads; one KV head broadcasts).
+    Returns (context [B, 1, H*D], new k cache, new v cache)."""
+    kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+    ctx = _masked_attention(q, repeat(kc), repeat(vc), position, scaling)
+    return ctx.transpose(1, 2).reshape(q.shape[0], 1, -1), kc, vc
+
+
 def _write(cache: Any, new: Any, position: Any) -> Any:
     """cache with slot `position` replaced by `new` [B, H, 1, D], as a mask (TVM compiles it)."""
     import torch
@@ -161,9 +171,7 @@ def _gpt2_step(model: Any) -> Callable:
             q, k, v = attn.c_attn(x).split(attn.split_size, dim=2)
             shape = (b, 1, attn.num_heads, attn.head_dim)
             q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
-            ctx = _masked_attention(q, kc, vc, position, attn.scaling)
-            ctx = ctx.transpose(1, 2).reshape(b, 1, attn.embed_dim)
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling)
             h = h + attn.c_proj(ctx)
             h = h + block.mlp(block.ln_2(h))
             out += [kc, vc]
@@ -204,10 +212,8 @@ def _llama_step(model: Any) -> Callable:
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
             groups = attn.num_key_value_groups
-            ctx = _masked_attention(q, repeat_kv(kc, groups), repeat_kv(vc, groups), position, attn.scaling)
-            ctx = ctx.transpose(1, 2).reshape(b, 1, -1)
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, lambda kv: repeat_kv(kv, groups))
             h = h + attn.o_proj(ctx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             out += [kc, vc]
@@ -232,9 +238,8 @@ def _neox_step(model: Any) -> Callable:
             qkv = attn.query_key_value(layer.input_layernorm(h)).view(b, 1, -1, 3 * attn.head_size).transpose(1, 2)
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = apply_rotary(q, k, cos, sin)
-            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
-            ctx = _masked_attention(q, kc, vc, position, attn.scaling)
-            a = attn.dense(ctx.transpose(1, 2).reshape(b, 1, -1))
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling)
+            a = attn.dense(ctx)
             if layer.use_parallel_residual:
                 h = h + a + layer.mlp(layer.post_attention_layernorm(h))
             else:
@@ -265,9 +270,8 @@ def _opt_step(model: Any) -> Callable:
             x = layer.self_attn_layer_norm(h) if layer.do_layer_norm_before else h
             q, k, v = (p(x).view(b, 1, -1, attn.head_dim).transpose(1, 2)
                        for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
-            ctx = _masked_attention(q, kc, vc, position, attn.scaling)
-            h = h + attn.out_proj(ctx.transpose(1, 2).reshape(b, 1, -1))
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling)
+            h = h + attn.out_proj(ctx)
             if not layer.do_layer_norm_before:
                 h = layer.self_attn_layer_norm(h)
             x = layer.final_layer_norm(h) if layer.do_layer_norm_before else h
@@ -305,9 +309,8 @@ def _falcon_step(model: Any) -> Callable:
             qkv = attn.query_key_value(x).view(b, 1, attn.num_heads + 2, attn.head_dim)
             q, k, v = (t.transpose(1, 2) for t in (qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]))
             q, k = apply_rotary(q, k, cos, sin)
-            kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
-            ctx = _masked_attention(q, kc, vc, position, attn.inv_norm_factor)  # one KV head, broadcast
-            a = attn.dense(ctx.transpose(1, 2).reshape(b, 1, -1))
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.inv_norm_factor)  # one KV head, broadcast
+            a = attn.dense(ctx)
             h = h + a + layer.mlp(x)
             out += [kc, vc]
         return [model.lm_head(tr.ln_f(h))] + out
