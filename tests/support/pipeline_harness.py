@@ -140,7 +140,7 @@ class FlakyWorker(StageWorker):
         super().__init__(spec, bundle_files)
         run = self.stage.run
 
-        def flaky_run(feed):
+        def flaky_run(feed, device=None):
             key = (spec.index, self._busy[0] if self._busy else -1)
             with FlakyWorker.lock:
                 left = FlakyWorker.fail.get(key, 0)
@@ -148,7 +148,7 @@ class FlakyWorker(StageWorker):
                     FlakyWorker.fail[key] = left - 1
             if left:
                 raise RuntimeError(f"injected failure at micro-batch {key[1]}")
-            return run(feed)
+            return run(feed, device=device)
 
         self.stage.run = flaky_run
 
