@@ -304,8 +304,9 @@ class Pipeline:
         with self._wire_lock:
             bytes_out, frames_out = dict(self.bytes_out), dict(self.frames_out)
             for dst, link in self._links.items():
-                bytes_out[dst] = bytes_out.get(dst, 0) + link.bytes_sent
-                frames_out[dst] = frames_out.get(dst, 0) + link.frames_sent
+                nbytes, frames = link.counts()
+                bytes_out[dst] = bytes_out.get(dst, 0) + nbytes
+                frames_out[dst] = frames_out.get(dst, 0) + frames
         with self._cond:
             done = {s: t for s, t in self.done_times.items() if s >= since}
             submitted = {s: self.submit_times[s] for s in done}
@@ -517,8 +518,9 @@ class Pipeline:
         """Close the driver's outbound links (_wire_lock held), keeping their byte counts."""
         for dst, link in self._links.items():
             link.close(flush=False)
-            self.bytes_out[dst] = self.bytes_out.get(dst, 0) + link.bytes_sent
-            self.frames_out[dst] = self.frames_out.get(dst, 0) + link.frames_sent
+            nbytes, frames = link.counts(0.0)  # closed already: nothing is in progress
+            self.bytes_out[dst] = self.bytes_out.get(dst, 0) + nbytes
+            self.frames_out[dst] = self.frames_out.get(dst, 0) + frames
         self._links = {}
 
     def _supervise(self) -> None:

@@ -421,6 +421,7 @@ class Link:
         self._lock = threading.Lock()  # the fast path (nothing queued, small frame) takes only this
         self._work = threading.Condition(self._lock)  # the sender thread waits here for queued frames
         self._room = threading.Condition(self._lock)  # producers wait here while the queue is full
+        self._settled = threading.Condition(self._lock)  # counts() waits here for a send in progress
         self._pending: deque[Frame] = deque()
         self._busy = False  # a frame is being sent (by the caller or the thread)
         self._dead = False
@@ -510,6 +511,7 @@ class Link:
             error = exc
         with self._lock:
             self._busy = False
+            self._settled.notify_all()
             if error is None:
                 self.bytes_sent += n
                 self.frames_sent += 1
@@ -524,6 +526,16 @@ class Link:
                 error = None  # closed on purpose
         if error is not None:
             self._on_error(error)
+
+    def counts(self, wait_s: float = 1.0) -> tuple[int, int]:
+        """(bytes, frames) sent, once the send in progress (if any) has been counted: the peer may
+        already hold a frame whose sendmsg has returned but whose count is not yet added, and stats
+        read right after a run must include the last frame. Waits at most `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while self._busy and not self._dead and (left := deadline - time.monotonic()) > 0:
+                self._settled.wait(left)
+            return self.bytes_sent, self.frames_sent
 
     def _send_loop(self) -> None:
         while True:

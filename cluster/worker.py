@@ -295,8 +295,9 @@ class StageWorker:
         self._release_pending()
         for edge, link, _ in self._links:
             link.close(flush=False)
-            self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + link.bytes_sent
-            self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + link.frames_sent
+            nbytes, frames = link.counts()
+            self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + nbytes
+            self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + frames
         self._links = []
         self._data_links = []
         self._release_pending()
@@ -335,8 +336,9 @@ class StageWorker:
         bytes_out = dict(self.bytes_out)
         frames_out = dict(self.frames_out)
         for edge, link, _ in self._links:
-            bytes_out[edge.dst] = bytes_out.get(edge.dst, 0) + link.bytes_sent
-            frames_out[edge.dst] = frames_out.get(edge.dst, 0) + link.frames_sent
+            nbytes, frames = link.counts()
+            bytes_out[edge.dst] = bytes_out.get(edge.dst, 0) + nbytes
+            frames_out[edge.dst] = frames_out.get(edge.dst, 0) + frames
         with self._cond:  # the computing thread appends
             events = [Span(*e) for e in self.events if e[1] >= since]
         return WorkerStats(stage=self.index, pid=os.getpid(), host=self.address()[0],
