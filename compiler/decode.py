@@ -420,8 +420,9 @@ def transformers_generate(model: Any, prompt: list[int], max_new_tokens: int) ->
     import torch
 
     model = build_decoder(model) if isinstance(model, str) else model
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():  # an explicit mask: without one, generate takes every pad_token_id (0) in the prompt for padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 

@@ -278,3 +278,16 @@ def test_in_place_update_of_an_input_is_refused(tmp_path):
     torch.export.save(torch.export.export(AddInPlace(), (torch.zeros(2), torch.zeros(2))), str(path))
     with pytest.raises(SourceError, match="updates its input\\(s\\) y in place"):
         _export(str(path))
+
+
+def test_a_prompt_holding_the_pad_token_id_is_not_masked_by_the_oracle(decode_bundle):
+    """transformers' generate takes every pad_token_id in an unmasked prompt for padding: the
+    oracle passes an explicit mask, so a prompt with token 0 is generated from whole (found by
+    bench/generate.py: seed 1's Llama on [102, 0, 126, 85] gave 98 where its own logits say 68)."""
+    from tvmpipe.executor.decode import greedy_decode
+
+    prompt = [102, 0, 126, 85]
+    model = _hf("llama")
+    want = _hf_generate(model, prompt, 4)
+    assert want[0] == int(np.argmax(_hf_logits(model, prompt)[-1]))  # generate agrees with the plain forward
+    assert greedy_decode(decode_bundle("llama"), prompt, 4).tokens[0] == want
