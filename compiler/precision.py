@@ -84,7 +84,8 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
             shape = tuple(int(d) for d in c.ty.shape.values)
             new = weights.derive(lambda a: a.astype(low), [c], shape, target, f"astype {target}", "cast")
         else:
-            new = _const(c.value.numpy().astype(low))
+            with np.errstate(over="ignore"):  # a mask fill such as float32's min is -inf in fp16, as torch's .half() makes it
+                new = _const(c.value.numpy().astype(low))
         if names.get(c):
             names.add(new, names.get(c), root=names.root(c))
         return new
