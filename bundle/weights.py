@@ -75,6 +75,10 @@ class BackgroundHash:
         return self._h.hexdigest()
 
 
+# A forked child inherits the pool object but not its thread: work submitted there would never run.
+os.register_at_fork(after_in_child=lambda: setattr(BackgroundHash, "_pool", None))
+
+
 def _fail(file: str, where: str, msg: str) -> BundleError:
     return BundleError([Problem(file, where, "", msg)])
 

@@ -185,3 +185,23 @@ def test_a_tensor_read_in_pieces_is_verified_whole(tmp_path: Path, monkeypatch, 
         with pytest.raises(BundleError, match="tensor 'x'.*sha256"):
             wf.load_into("x", out)
     wf.close()
+
+
+def test_a_forked_child_verifies_weights_too(tmp_path: Path):
+    """The hashing helper thread is not inherited by fork: a child that reads weights after its
+    parent did must get its own (it hung before the at-fork reset)."""
+    import os
+    import signal
+
+    sums = save_safetensors(tmp_path / "w.safetensors", {"x": np.arange(50, dtype=np.float32)})
+    WeightsFile(tmp_path / "w.safetensors", sums).read("x")  # the parent's helper thread exists now
+    pid = os.fork()
+    if pid == 0:  # the child: read and verify, exit 0 on success (SIGALRM ends a hang)
+        ok = False
+        try:
+            signal.alarm(20)
+            ok = np.array_equal(WeightsFile(tmp_path / "w.safetensors", sums).read("x"), np.arange(50, dtype=np.float32))
+        finally:
+            os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
