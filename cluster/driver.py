@@ -43,7 +43,7 @@ from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
-from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener
+from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
 from tvmpipe.executor.checks import check_inputs
 from tvmpipe.partition import Plan
@@ -303,10 +303,7 @@ class Pipeline:
         stats = self.launcher.call_all("stats", [(since,)] * self.topology.num_stages)
         with self._wire_lock:
             bytes_out, frames_out = dict(self.bytes_out), dict(self.frames_out)
-            for dst, link in self._links.items():
-                nbytes, frames = link.counts()
-                bytes_out[dst] = bytes_out.get(dst, 0) + nbytes
-                frames_out[dst] = frames_out.get(dst, 0) + frames
+            tally(self._links.items(), bytes_out, frames_out)
         with self._cond:
             done = {s: t for s, t in self.done_times.items() if s >= since}
             submitted = {s: self.submit_times[s] for s in done}
@@ -516,11 +513,9 @@ class Pipeline:
 
     def _close_links(self) -> None:
         """Close the driver's outbound links (_wire_lock held), keeping their byte counts."""
-        for dst, link in self._links.items():
+        for link in self._links.values():
             link.close(flush=False)
-            nbytes, frames = link.counts(0.0)  # closed already: nothing is in progress
-            self.bytes_out[dst] = self.bytes_out.get(dst, 0) + nbytes
-            self.frames_out[dst] = self.frames_out.get(dst, 0) + frames
+        tally(self._links.items(), self.bytes_out, self.frames_out)  # closed: nothing is in progress
         self._links = {}
 
     def _supervise(self) -> None:

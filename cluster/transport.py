@@ -31,7 +31,7 @@ import weakref
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from tvmpipe.cluster import frames, shm, stream
 from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
@@ -573,6 +573,14 @@ class Link:
         self._sock.close()
         if self._ring is not None:
             self._ring.close(grace_s=2.0 if flush else 0.0)
+
+
+def tally(links: Iterable[tuple[int, Link]], bytes_out: dict[int, int], frames_out: dict[int, int]) -> None:
+    """Add each (consumer, link)'s counts (Link.counts) to the per-consumer totals, in place."""
+    for dst, link in links:
+        nbytes, frames = link.counts()
+        bytes_out[dst] = bytes_out.get(dst, 0) + nbytes
+        frames_out[dst] = frames_out.get(dst, 0) + frames
 
 
 def _connect(address: Address, hello: Frame, secret: bytes, timeout_s: float) -> socket.socket:

@@ -35,7 +35,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, paylo
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
 from tvmpipe.cluster.shipping import Shipment, unpack, whole_files
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
-from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer
+from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
 from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
@@ -293,11 +293,9 @@ class StageWorker:
             self._compute.join()
             self._compute = None
         self._release_pending()
-        for edge, link, _ in self._links:
+        for _, link, _ in self._links:
             link.close(flush=False)
-            nbytes, frames = link.counts()
-            self.bytes_out[edge.dst] = self.bytes_out.get(edge.dst, 0) + nbytes
-            self.frames_out[edge.dst] = self.frames_out.get(edge.dst, 0) + frames
+        tally(((edge.dst, link) for edge, link, _ in self._links), self.bytes_out, self.frames_out)
         self._links = []
         self._data_links = []
         self._release_pending()
@@ -335,10 +333,7 @@ class StageWorker:
         worker 0.7 ms per micro-batch of CPU by the end of one sweep."""
         bytes_out = dict(self.bytes_out)
         frames_out = dict(self.frames_out)
-        for edge, link, _ in self._links:
-            nbytes, frames = link.counts()
-            bytes_out[edge.dst] = bytes_out.get(edge.dst, 0) + nbytes
-            frames_out[edge.dst] = frames_out.get(edge.dst, 0) + frames
+        tally(((edge.dst, link) for edge, link, _ in self._links), bytes_out, frames_out)
         with self._cond:  # the computing thread appends
             events = [Span(*e) for e in self.events if e[1] >= since]
         return WorkerStats(stage=self.index, pid=os.getpid(), host=self.address()[0],
