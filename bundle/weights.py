@@ -20,6 +20,8 @@ import json
 import math
 import os
 import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -48,8 +50,8 @@ class BackgroundHash:
     build on the dev VM. One thread for the process keeps every hash's pieces in submission order.
     A piece's buffer must not change until its future is done; `hexdigest` waits for all."""
 
-    _pool = None
-    _pool_lock = __import__("threading").Lock()
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
@@ -59,12 +61,10 @@ class BackgroundHash:
     def _executor(cls):
         with cls._pool_lock:
             if cls._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
                 cls._pool = ThreadPoolExecutor(1, thread_name_prefix="tvmpipe-sha256")
             return cls._pool
 
-    def update(self, data) -> "object":
+    def update(self, data) -> Future:
         """Hash `data` next (in the background); returns the piece's Future."""
         self._last = self._executor().submit(self._h.update, data)
         return self._last
