@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.support.pipeline_harness import cmdline  # noqa: E402  (the suite's /proc reader)
 GIB = 1 << 30
 MODELS = {  # name -> (layers, width)
     "small": (4, 2048),  # 64 MiB
@@ -65,14 +67,6 @@ def _status(pid: int) -> dict[str, int]:
     except OSError:
         pass
     return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
 
 
 def _tree(root: int) -> list[int]:
@@ -108,7 +102,7 @@ def monitored(cmd: list[str], env: dict | None = None, interval: float = 0.1) ->
                 rss += st.get("VmRSS", 0)
                 p = peaks.setdefault(pid, {"cmd": "", "hwm_kib": 0, "ppid": st.get("PPid")})
                 p["hwm_kib"] = max(p["hwm_kib"], st.get("VmHWM", 0))
-                title = _cmdline(pid)  # Ray retitles a worker (ray::IDLE, ray::StageActor...) once it runs
+                title = cmdline(pid)  # Ray retitles a worker (ray::IDLE, ray::StageActor...) once it runs
                 if title and title not in p["cmd"]:
                     p["cmd"] = (p["cmd"] + " | " + title)[-2000:]
             total[0] = max(total[0], rss)
@@ -134,7 +128,6 @@ def write_synthetic(out: Path, layers: int, width: int) -> int:
 
     import numpy as np
 
-    sys.path.insert(0, str(ROOT))
     from tests.support.synthetic_bundles import F, SynthGraph
     from tvmpipe.bundle.weights import WeightsWriter
 
@@ -192,7 +185,6 @@ def run_model(name: str, work: Path, stages: list[int], n: int, python: str, env
         print(c["stderr"][-2000:], file=sys.stderr)
         return rec
     pt2.unlink()
-    sys.path.insert(0, str(ROOT))
     from tvmpipe.bundle import load_bundle
 
     b = load_bundle(bundle)
