@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_gate import add_require_gpu, no_gpu_exit  # noqa: E402
+from gpu_gate import add_require_gpu, no_gpu_exit, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,13 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                        "edge_paths": paths}
                 print(f"[decode] {json.dumps(row)}", flush=True)
                 rows.append(row)
-    import pycuda
-
-    doc = {"fake": bool(getattr(pycuda, "FAKE", False)), "bundle": str(args.bundle), "model": b.name,
-           "max_context": gen.max_context, "vocab_size": gen.vocab_size, "new_tokens": new,
-           "all_exact": exact, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_result(args.out, {"bundle": str(args.bundle), "model": b.name, "max_context": gen.max_context,
+                            "vocab_size": gen.vocab_size, "new_tokens": new, "all_exact": exact, "rows": rows})
     print(f"[decode] wrote {args.out}; tokens equal the reference's: {exact}")
     return 0 if exact else 1
 

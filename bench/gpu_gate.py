@@ -4,6 +4,7 @@ as bench/gpu_check.sh runs them."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -25,3 +26,13 @@ def no_gpu_exit(name: str, require_gpu: bool) -> int | None:
         return None
     print(f"{name}: no GPU here ({why}); nothing to benchmark", file=sys.stderr if require_gpu else sys.stdout)
     return 1 if require_gpu else 0
+
+
+def write_result(out: str | Path, doc: dict) -> None:
+    """A GPU bench's result file: `doc`, first marked with whether the fake PyCUDA made it (a file
+    from the test suite's fake must never pass for a GPU measurement)."""
+    import pycuda
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"fake": bool(getattr(pycuda, "FAKE", False)), **doc}, indent=1) + "\n")

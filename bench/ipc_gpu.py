@@ -24,7 +24,7 @@ from collections import namedtuple
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_gate import add_require_gpu, no_gpu_exit  # noqa: E402
+from gpu_gate import add_require_gpu, no_gpu_exit, write_result  # noqa: E402
 
 import numpy as np
 
@@ -155,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         row["speedup"] = round(row["cuda-ipc_gbps"] / row["host_gbps"], 2)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    import pycuda
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"fake": bool(getattr(pycuda, "FAKE", False)), "iters": args.iters,
-                                          "rows": rows}, indent=1) + "\n")
+    write_result(args.out, {"iters": args.iters, "rows": rows})
     return 0
 
 

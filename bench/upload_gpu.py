@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_gate import add_require_gpu, no_gpu_exit  # noqa: E402
+from gpu_gate import add_require_gpu, no_gpu_exit, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 4096
@@ -165,12 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[upload] K={k} stage [{s}, {e}): {json.dumps(r)}", flush=True)
                 stages.append(r)
             runs.append({"stages": k, "per_stage": stages})
-    import pycuda
-
-    doc = {"fake": bool(getattr(pycuda, "FAKE", False)), "weight_bytes": w, "layers": layers, "width": args.width,
-           "staging_bytes": STAGING_BYTES, "limit": limit, "runs": runs, "ok": ok}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_result(args.out, {"weight_bytes": w, "layers": layers, "width": args.width, "staging_bytes": STAGING_BYTES,
+                            "limit": limit, "runs": runs, "ok": ok})
     print(f"[upload] wrote {args.out}")
     return 0 if ok else 1
 
