@@ -46,10 +46,6 @@ class Stage:
         self._send = [e for e in self.program.send_entries if not self.state or e not in self.state.private]
         self.slot_entry = len(self.bundle.graph.entries) if self.state else None
 
-    @property
-    def stateful(self) -> bool:
-        return self.state is not None
-
     def run(self, inputs: Mapping[int, np.ndarray], device: list[Any] | None = None) -> dict[int, np.ndarray]:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
         received from earlier stages); return the entries it sends, by entry id. `device`: feeds of
@@ -178,7 +174,6 @@ class SlotState:
         self.bind = getattr(backend, "bind_state", None)
         self.alloc = getattr(backend, "alloc_state", None)
         self.buffers: dict[int, list[list[Any]]] = {}  # slot -> per pair [current, next]
-        self.nbytes_per_slot = sum(program.entry_specs[e].nbytes for _, e, _ in self.pairs)
         if self.alloc is not None and hasattr(backend, "resident"):
             backend.resident(self.inputs | self.private)
 
@@ -206,9 +201,9 @@ class SlotState:
         elif fresh:
             for (p, _, _), pair in zip(self.pairs, bufs):
                 self._fill(pair[0], p.fill)
+        if self.hollow:
+            return slot
         for (_, e_in, e_out), (cur, nxt) in zip(self.pairs, bufs):
-            if self.hollow:
-                break
             if self.bind is not None:
                 self.bind(e_in, cur)
                 self.bind(e_out, nxt)
@@ -218,12 +213,9 @@ class SlotState:
 
     def leave(self, slot: int) -> None:
         """The step ran: its outputs become the slot's current state (a swap, or a read back)."""
+        if self.hollow:
+            return
         for (_, _, e_out), pair in zip(self.pairs, self.buffers[slot]):
-            if self.hollow:
-                break
             if self.bind is None:
                 np.copyto(pair[1], self.backend.read(e_out))
             pair[0], pair[1] = pair[1], pair[0]
-
-    def release(self, slot: int) -> None:
-        self.buffers.pop(slot, None)
