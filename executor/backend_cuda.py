@@ -69,7 +69,6 @@ class CudaBackend:
                                 + (" ..." if len(missing) > 5 else "") + ": a bare graph.json runs only on the simulated backend")
         self.dev = device if device is not None else PyCudaDevice(arch=arch)
         self.graphs = graphs
-        self.graph: Any = None
         try:
             with self.dev.current():
                 self._build(bundle, program)
@@ -93,7 +92,7 @@ class CudaBackend:
         self._state_entry: dict[int, int] = {}  # state slot buffer -> its entry
         self._bound: dict[int, int] = {}  # state entry -> the slot buffer it is bound to (bind_state)
         self._plans: dict[tuple, list] = {}  # launch plans by bindings
-        self._graphs: dict[tuple, Any] = {}  # captured graphs by bindings
+        self._graphs: dict[tuple | None, Any] = {}  # captured graphs by bindings (None: none bound)
         self._aliases: dict[int, set[int]] = {}
         # Fed entries that arrive on the device (cluster/cudaipc.py): no host copy in; their
         # DeviceFeeds enqueue a wait on the producer's event and device-to-device copies instead.
@@ -107,7 +106,6 @@ class CudaBackend:
         fed = frozenset().union(*[f.entries for f in feeds]) if feeds else frozenset()
         if fed != self.device_fed:
             self.device_fed = fed
-            self.graph = None
             self._graphs.clear()
         self._device_feeds = list(feeds)
 
@@ -233,14 +231,10 @@ class CudaBackend:
                 f.enqueue(self.dev, self.ptr)
         if self.graphs and not profile:
             key = self._current_plan()[0]  # one graph per state binding (slot and buffer parity)
-            graph = self.graph if key is None else self._graphs.get(key)
+            graph = self._graphs.get(key)
             if graph is None:
                 with self.dev.check(f"capturing a CUDA graph of nodes [{self.program.start}, {self.program.end})"):
-                    graph = self.dev.capture(self._enqueue)
-                if key is None:
-                    self.graph = graph
-                else:
-                    self._graphs[key] = graph
+                    graph = self._graphs[key] = self.dev.capture(self._enqueue)
             self.dev.replay(graph)
         else:
             self._enqueue(events)
