@@ -80,18 +80,15 @@ def load_tokenizer(path: str):
 
 def generate_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where, open_cluster, pick_backend, pipeline_kwargs
+    from tvmpipe.app.sources import choose_plan
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.generate import GenerationError, Sampling, check_prompts
-    from tvmpipe.partition import Plan, validate_plan
+    from tvmpipe.cluster.generate import GenerationError, Sampling, check_prompts, check_stop_tokens, generation_of
 
     options = cluster_options(args)
     check_where(options)
     bundle = load_bundle(args.bundle)
-    gen = bundle.generation
-    if gen is None or not bundle.state:
-        raise TvmpipeError(f"{args.bundle} is not a decode-step bundle: bundle.json has no `generation` section "
-                           "and state pairs (compile a decoder with `tvmpipe compile`)")
+    gen = generation_of(bundle)
     if args.prompt and not args.tokenizer:
         raise TvmpipeError("--prompt TEXT needs --tokenizer DIR (or give token ids with --prompt-ids)")
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -99,20 +96,9 @@ def generate_command(args: argparse.Namespace) -> int:
     if not prompts:
         raise TvmpipeError("no prompt: give --prompt-ids 5,17,3 (repeatable) or --prompt TEXT with --tokenizer")
     prompts = check_prompts(prompts, gen.vocab_size, gen.max_context)
-    for t in args.stop_token:
-        if not 0 <= t < gen.vocab_size:
-            raise TvmpipeError(f"--stop-token {t} is outside the vocabulary 0..{gen.vocab_size - 1}")
+    check_stop_tokens(args.stop_token, gen.vocab_size)
     Sampling(args.temperature, args.top_k, args.seed).check(gen.vocab_size)
-    if args.plan:
-        plan = Plan.load(args.plan)
-        validate_plan(bundle.graph, plan)
-        from tvmpipe.cluster.topology import check_state_split
-
-        check_state_split(bundle, plan)
-    else:
-        from tvmpipe.cluster.topology import plan_keeping_state
-
-        plan = plan_keeping_state(bundle, args.stages)
+    plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
     results: dict = {}
     t0 = time.time()
     error = None

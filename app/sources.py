@@ -37,12 +37,15 @@ def resolve_bundle(name: str | None) -> Path:
 
 
 def choose_plan(bundle: Bundle, plan_path: str | None, stages: int, strategy: str) -> Plan:
-    """The plan file (checked against this bundle's graph), or K stages cut by `strategy`."""
-    from tvmpipe.partition import make_plan, plan_equal_ops, validate_plan
+    """The plan file (checked against this bundle's graph and its state pairs, before any cluster
+    starts), or K stages cut by `strategy`."""
+    from tvmpipe.cluster.topology import check_state_split
+    from tvmpipe.partition import make_plan, validate_plan
 
     if plan_path:
         plan = Plan.load(plan_path)
         validate_plan(bundle.graph, plan)
+        check_state_split(bundle, plan)
         return plan
     if strategy == "equal":
         from tvmpipe.partition.plan import plan_equal_keeping_state

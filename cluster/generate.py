@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -116,6 +116,25 @@ def check_prompts(prompts: list[list[int]], vocab: int, max_context: int) -> lis
     return out
 
 
+def generation_of(bundle: Any) -> Any:
+    """The bundle's GenerationSpec; a one-line error unless it is a decode-step bundle."""
+    if bundle.generation is None or not bundle.state:
+        raise TvmpipeError(f"{bundle.path} is not a decode-step bundle: bundle.json declares no `generation` "
+                           "section and state pairs (compile a decoder with `tvmpipe compile NAME --decode`; "
+                           "see docs/generation.md)")
+    return bundle.generation
+
+
+def check_stop_tokens(tokens: Iterable[int], vocab: int) -> set[int]:
+    """Stop token ids, each inside the vocabulary."""
+    stops = set()
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise TvmpipeError(f"--stop-token {t!r} is outside the vocabulary 0..{vocab - 1}")
+        stops.add(int(t))
+    return stops
+
+
 class _Seq:
     def __init__(self, result: SequenceResult, slot: int, epoch: int, seed: int, now: float):
         self.r = result
@@ -136,18 +155,11 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     `logits_log`, the logits of every step are kept there, per sequence, by position."""
     import time
 
-    gen = pipe.bundle.generation
-    if gen is None or not pipe.bundle.state:
-        raise TvmpipeError(f"{pipe.bundle.path} is not a decode-step bundle: bundle.json declares no "
-                           "`generation` section and state pairs (see docs/generation.md)")
+    gen = generation_of(pipe.bundle)
     prompts = check_prompts(list(prompts), gen.vocab_size, gen.max_context)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise TvmpipeError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
-    stops = set()
-    for t in stop_tokens:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < gen.vocab_size:
-            raise TvmpipeError(f"--stop-token {t!r} is outside the vocabulary 0..{gen.vocab_size - 1}")
-        stops.add(int(t))
+    stops = check_stop_tokens(stop_tokens, gen.vocab_size)
     sampling.check(gen.vocab_size)
     in_flight = pipe.slots if in_flight is None else in_flight
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
