@@ -140,28 +140,12 @@ def torch_greedy(prompt: list[int], max_new: int, seed: int = 0, layers: int = L
 
 
 def runner_greedy(bundle, prompt: list[int], max_new: int) -> tuple[list[int], dict[int, np.ndarray]]:
-    """The single-process oracle: a greedy loop over one GraphRunner that feeds its caches itself
-    (state pairs as ordinary inputs and outputs). Returns (tokens, logits by position)."""
-    from tvmpipe.executor.runner import GraphRunner
+    """The single-process oracle (tvmpipe.executor.decode.greedy_decode: one GraphRunner feeding
+    its caches itself) for one prompt: (tokens, logits by position)."""
+    from tvmpipe.executor.decode import greedy_decode
 
-    gen = bundle.generation
-    with GraphRunner(bundle) as r:
-        caches = {p.input: np.full(bundle.graph.entry_of(p.input).shape, p.fill,
-                                   dtype=np.dtype(bundle.graph.entry_of(p.input).dtype)) for p in bundle.state}
-        toks, out, logits = list(prompt), [], {}
-        pos = 0
-        while len(out) < max_new and pos < gen.max_context:
-            r.run(**{gen.token: np.array([[toks[pos]]], dtype=np.int64),
-                     gen.position: np.array([pos], dtype=np.int64)}, **caches)
-            for p in bundle.state:
-                caches[p.input] = r.get_output(p.output)
-            logits[pos] = r.get_output(gen.logits)
-            if pos >= len(prompt) - 1:
-                t = int(logits[pos].reshape(-1)[-gen.vocab_size:].argmax())
-                out.append(t)
-                toks.append(t)
-            pos += 1
-    return out, logits
+    r = greedy_decode(bundle, prompt, max_new)
+    return r.tokens[0], dict(enumerate(r.logits))
 
 
 def write_tokenizer(path) -> Path:
