@@ -23,7 +23,6 @@ from collections import deque
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.shipping import Shipment, unpack, whole_files
+from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
 from tvmpipe.cluster.topology import Edge
@@ -87,12 +86,6 @@ class Wiring:
     # Consumer stages on this node whose edges keep tensors on the GPU (cudaipc.py: both stages on
     # the cuda backend), through a ring of `ring_slots` device buffers.
     ipc_to: frozenset[int] = frozenset()
-
-
-def read_bundle_files(path: str | Path) -> dict[str, bytes]:
-    """A bundle directory's files as bytes (every file, whole: see cluster/shipping.py for what
-    the launchers send now)."""
-    return whole_files(path)
 
 
 def inbound_limits(entries: tuple[int, ...], specs: dict) -> FrameLimits:
