@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from tvmpipe.cluster.control import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe
-from tvmpipe.cluster.environment import thread_env
+from tvmpipe.cluster.environment import missing_from_workers, thread_env
 from tvmpipe.cluster.headwatch import HeadWatch
 from tvmpipe.cluster.placement import Placement, create_placement_group
 from tvmpipe.cluster.transport import Address
@@ -99,9 +99,11 @@ class RayLauncher:
 
     def _create(self, spec: StageSpec) -> Any:
         opts = self.placement.actor_options(self._pg, spec.index)
-        return self._remote.options(max_restarts=0, runtime_env={"env_vars": {**thread_env(), **self.env}},
-                                    **opts).remote(spec, [self._ship_refs[spec.index]] if spec.index in self._ship_refs
-                                                   else None)
+        env = missing_from_workers({**thread_env(), **self.env})
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
+        ship = [self._ship_refs[spec.index]] if spec.index in self._ship_refs else None
+        return self._remote.options(max_restarts=0, **opts).remote(spec, ship)
 
     def _addresses(self, stages: list[int]) -> list[Address]:
         refs = [self._actors[i].call.remote("address") for i in stages]

@@ -38,3 +38,32 @@ def scoped_environ(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# The environment the Ray cluster this process started (local.local_ray) gave its daemons, which
+# every worker process they spawn inherits; None when this process did not start its cluster.
+_inherited: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def inherited_by_workers(env: dict[str, str]) -> Iterator[None]:
+    """Inside the block, the cluster's workers are known to start with `env` (local.local_ray:
+    the environment its daemons were started with)."""
+    global _inherited
+    _inherited = dict(env)
+    try:
+        yield
+    finally:
+        _inherited = None
+
+
+def missing_from_workers(env: dict[str, str]) -> dict[str, str]:
+    """The part of `env` a worker would not inherit, hence must get through a Ray runtime_env.
+
+    A runtime_env is not free: Ray cannot hand such an actor a prestarted worker and sets the
+    environment up through its runtime-env agent first, which costs ~0.6 s per actor on a 2-core
+    machine, more than a whole worker start (bench/bigmodel.py's time to first output). On a
+    cluster this process started itself the variables are already in every worker."""
+    if _inherited is None:
+        return dict(env)
+    return {k: v for k, v in env.items() if _inherited.get(k) != v}

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster.environment import scoped_environ
+from tvmpipe.cluster.environment import inherited_by_workers, scoped_environ, thread_env
 from tvmpipe.cluster.reaper import Reaper
 from tvmpipe.executor.cubin import cache_root
 
@@ -83,18 +83,20 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
     # directories go with it (reaper.py); the private HOME marks every process of the run
     reaper = Reaper(daemon_home, os.path.abspath(temp_dir), [daemon_home] + ([temp_dir] if own else []))
     pinned = {"HOME": daemon_home, "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
-              "TVMPIPE_CACHE": str(cache_root())}
+              "TVMPIPE_CACHE": str(cache_root()), **thread_env()}
     try:
         # the environment is inherited by the daemons ray.init starts, and by their workers
         with scoped_environ(pinned), quiet_token_auth_notice():
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+            daemons = dict(os.environ)
     except BaseException:
         shutil.rmtree(daemon_home, ignore_errors=True)
         reaper.done()
         raise
     try:
-        yield
+        with inherited_by_workers(daemons):  # stage actors need no runtime_env for these (environment.py)
+            yield
     finally:
         ray.shutdown()
         shutil.rmtree(daemon_home, ignore_errors=True)

@@ -206,3 +206,41 @@ def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):
     assert userbase == site.getuserbase()
     assert cache == os.environ.get("TVMPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tvmpipe"))
     assert os.path.expanduser("~") != home
+
+
+
+def test_stage_actors_inherit_the_thread_counts_instead_of_a_runtime_env(ray_cluster, bundles):
+    """A runtime_env costs ~0.6 s per actor (no prestarted worker; Ray's runtime-env agent first):
+    the local cluster starts its daemons with the BLAS thread counts, so stage actors are created
+    without one and compute with them all the same; what workers lack (an extra variable) still
+    goes through a runtime_env."""
+    from tvmpipe.cluster.actor import RayLauncher
+    from tvmpipe.cluster.environment import THREAD_VARS, missing_from_workers, thread_env
+
+    ray = ray_cluster
+    assert missing_from_workers(thread_env()) == {}
+    changed = {THREAD_VARS[0]: str(int(thread_env()[THREAD_VARS[0]]) + 1), "TVMPIPE_TEST_EXTRA": "1"}
+    assert missing_from_workers({**thread_env(), **changed}) == changed
+
+    @ray.remote(num_cpus=0.1)
+    def worker_threads():
+        return {k: os.environ.get(k) for k in THREAD_VARS}
+
+    assert ray.get(worker_threads.remote(), timeout=60) == thread_env()
+
+    class Spy:  # the actor class, recording what each actor was created with
+        def __init__(self, remote):
+            self.remote, self.options_seen = remote, []
+
+        def options(self, **kw):
+            self.options_seen.append(kw)
+            return self.remote.options(**kw)
+
+    inputs, want = case(bundles["mlp"], 3)
+    for env, expect in (({}, None), ({"TVMPIPE_TEST_EXTRA": "1"}, {"env_vars": {"TVMPIPE_TEST_EXTRA": "1"}})):
+        launcher = RayLauncher(SMALL, env=env)
+        launcher._remote = spy = Spy(launcher._remote)
+        with Pipeline(bundles["mlp"], 2, launcher=launcher) as pipe:
+            record_ports(pipe)
+            assert_bit_identical(pipe.run(inputs), want)
+        assert [kw.get("runtime_env") for kw in spy.options_seen] == [expect, expect]
