@@ -121,6 +121,7 @@ class WeightsFile:
         self.bytes_read = 0
         self.reads: dict[str, int] = {}  # name -> bytes read for it (per process: what a test counts)
         self._verified: set[str] = set()
+        self._deferred: list[tuple[str, BackgroundHash]] = []  # loaded, checksum not yet compared (settle)
         self.missing_hint = ""  # said when a tensor is not in the file (a shipped slice: whose it is)
         f = str(self.path)
         try:
@@ -229,10 +230,16 @@ class WeightsFile:
             raise _fail(str(self.path), f"tensor '{name}'", "sha256 differs from bundle.json: the weights changed after export")
         self._verified.add(name)
 
-    def load_into(self, name: str, out: np.ndarray | memoryview) -> None:
+    def load_into(self, name: str, out: np.ndarray | memoryview, defer: bool = False) -> None:
         """The whole tensor read straight into `out` (a param's storage view: no second copy),
         its checksum verified on the first read: piece by piece, each piece hashed while the next
-        is read (BackgroundHash)."""
+        is read (BackgroundHash).
+
+        `defer`: return as soon as the bytes are in `out`, and verify the checksum at `settle()`,
+        which the caller must reach before it uses `out` or lets it go. A stage loading many
+        tensors then reads (and fills fresh pages for) the next tensor while the helper thread
+        still hashes this one, instead of waiting at every tensor's end: on the 2-core dev VM a
+        1.5 GiB stage built in 0.95 s instead of 1.4 s (docs/bundle-format.md)."""
         if name in self._verified:
             self.read_into(name, out)
             return
@@ -242,9 +249,24 @@ class WeightsFile:
             for off, n in self.chunks(name, READ_CHUNK):
                 self.read_into(name, flat[off:off + n], off, n)
                 h.update(flat[off:off + n])
-        finally:
+        except BaseException:
             h.hexdigest()  # never return while the helper still reads `out`
+            raise
+        if defer:
+            self._deferred.append((name, h))
+            return
         self.verify(name, h)
+
+    def settle(self) -> None:
+        """Verify every deferred tensor (waiting for its hash); the first mismatch is the usual
+        one-line error naming the file and the tensor. All hashes are waited for either way."""
+        pending, self._deferred = self._deferred, []
+        try:
+            for name, h in pending:
+                self.verify(name, h)
+        finally:
+            for _, h in pending:
+                h.hexdigest()
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as a new array (checksum verified on the first read)."""
@@ -396,16 +418,21 @@ class LazyParams(Mapping[str, np.ndarray]):
     def info(self, name: str) -> TensorInfo:
         return self.file.info(name)
 
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        """Tensor `name` read straight into `out` (a stage's storage view), checksum verified,
-        and NOT cached: the caller's buffer is the only copy in this process."""
+    def read_into(self, name: str, out: np.ndarray, defer: bool = False) -> None:
+        """Tensor `name` read straight into `out` (a stage's storage view), checksum verified
+        (with `defer`, at `settle()`: WeightsFile.load_into), and NOT cached: the caller's buffer
+        is the only copy in this process."""
         if name not in self._set:
             raise KeyError(name)
         cached = self._cache.get(name)
         if cached is not None:
             np.copyto(out, cached)
         else:
-            self.file.load_into(name, out)
+            self.file.load_into(name, out, defer)
+
+    def settle(self) -> None:
+        """Verify the checksums of every tensor read with `defer` (WeightsFile.settle)."""
+        self.file.settle()
 
     def nbytes(self, name: str) -> int:
         return self.file.info(name).nbytes
@@ -415,10 +442,17 @@ class LazyParams(Mapping[str, np.ndarray]):
             self._cache.pop(n, None)
 
 
-def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray) -> None:
+def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray, defer: bool = False) -> None:
     """Param `name` copied into `out`: read straight from the file for a LazyParams (no cached
-    second copy), copied from the array otherwise."""
+    second copy; its checksum compared at `settle_params` with `defer`), copied from the array
+    otherwise."""
     if isinstance(params, LazyParams):
-        params.read_into(name, out)
+        params.read_into(name, out, defer)
     else:
         np.copyto(out, params[name])
+
+
+def settle_params(params: Mapping[str, np.ndarray]) -> None:
+    """Verify what `param_into(..., defer=True)` read (nothing to do for in-memory params)."""
+    if isinstance(params, LazyParams):
+        params.settle()

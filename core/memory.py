@@ -11,6 +11,7 @@ received frames whose arrays are kept (cluster/stream.py): ~5 ms per fresh 4 MB 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
@@ -18,8 +19,32 @@ import numpy as np
 POPULATE_FROM = 1 << 20  # smaller buffers come from malloc, whose freed memory is reused cheaply
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page in, writable, in one call
+_libc = None
+
+
+def _populate(m: mmap.mmap) -> bool:
+    """Fault every page of `m` in with madvise(MADV_POPULATE_WRITE), called through ctypes so that
+    the GIL is released meanwhile (Python's own mmap() with MAP_POPULATE holds it: a helper thread
+    hashing weights, cluster/weights.BackgroundHash, then stalls for as long as the pages take).
+    False where the kernel or platform has no such call."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        return _libc.madvise(addr, len(m), MADV_POPULATE_WRITE) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 def populated_bytes(size: int) -> np.ndarray:
-    """`size` zeroed bytes (uint8), page-aligned, every page already mapped (Linux MAP_POPULATE;
-    elsewhere the pages are faulted in as they are written)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return np.frombuffer(mmap.mmap(-1, max(size, 1), flags=flags), dtype=np.uint8)[:size]
+    """`size` zeroed bytes (uint8), page-aligned, every page already mapped (madvise
+    MADV_POPULATE_WRITE, else MAP_POPULATE; elsewhere the pages are faulted in as they are
+    written)."""
+    m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not _populate(m):
+        m.close()
+        m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    return np.frombuffer(m, dtype=np.uint8)[:size]

@@ -13,7 +13,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
-from tvmpipe.bundle.weights import param_into
+from tvmpipe.bundle.weights import param_into, settle_params
 from tvmpipe.core.memory import POPULATE_FROM, populated_bytes
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.errors import ExecutorError, UnsupportedOpError
@@ -55,10 +55,21 @@ class ReferenceBackend:
             self.functions[s.func] = fn
         if problems:
             raise UnsupportedOpError("the reference backend cannot run this stage:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
-        self.slots = [aligned_bytes(max(s.nbytes, 1)) for s in program.storage.slots]
+        # Weights go straight from the file into their slots, each slot's pages made just before
+        # its tensor is read, while the previous tensors are still being hashed (param_into with
+        # defer): filling pages, reading and hashing overlap instead of taking turns.
+        sizes = [max(s.nbytes, 1) for s in program.storage.slots]
+        self.slots: list = [None] * len(sizes)
+        try:
+            for name, e in program.param_entries.items():
+                slot = program.storage.entry_slot[e]
+                if self.slots[slot] is None:
+                    self.slots[slot] = aligned_bytes(sizes[slot])
+                param_into(bundle.params, name, self.view(e), defer=True)
+        finally:
+            settle_params(bundle.params)  # checksums compared (and the hashing done) before any use
+        self.slots = [b if b is not None else aligned_bytes(n) for b, n in zip(self.slots, sizes)]
         self.views = {e: self.view(e) for e in program.entry_specs}
-        for name, e in program.param_entries.items():  # straight from the weights file into the slot
-            param_into(bundle.params, name, self.views[e])
         self._bound: set[int] = set()  # state entries pointed at a slot's buffer (bind_state)
         self._nop_copy: set[int] = set()  # NOP steps that must copy: one side is a bound entry
 

@@ -205,3 +205,37 @@ def test_a_forked_child_verifies_weights_too(tmp_path: Path):
             os._exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_deferred_checksums_are_compared_at_settle(tmp_path: Path):
+    """load_into(defer=True) returns once the bytes are in place; settle() compares every deferred
+    checksum (a changed tensor is the usual one-line error naming it, raised there and not before),
+    and a tensor settled once is never hashed again."""
+    a, b = np.arange(50, dtype=np.float32), np.ones(30, np.float32)
+    sums = save_safetensors(tmp_path / "w.safetensors", {"a": a, "b": b})
+    wf = WeightsFile(tmp_path / "w.safetensors", {**sums, "b": "0" * 64})  # b's recorded sum is wrong
+    out_a, out_b = np.zeros(50, np.float32), np.zeros(30, np.float32)
+    wf.load_into("a", out_a, defer=True)
+    wf.load_into("b", out_b, defer=True)  # no error yet: nothing compared
+    np.testing.assert_array_equal(out_a, a)
+    with pytest.raises(BundleError, match=r"w\.safetensors.*tensor 'b'.*sha256 differs"):
+        wf.settle()
+    wf.settle()  # nothing left pending
+    assert "a" in wf._verified and "b" not in wf._verified
+    wf.load_into("a", out_a, defer=True)
+    assert wf._deferred == []  # verified once: copied, not hashed again
+    wf.close()
+
+
+def test_populated_bytes_are_zeroed_page_aligned_and_writable_on_either_path(monkeypatch):
+    """core.memory.populated_bytes: madvise(MADV_POPULATE_WRITE) with the GIL released, or
+    MAP_POPULATE where the kernel has no such call: the same zeroed, page-aligned, writable bytes."""
+    from tvmpipe.core import memory
+
+    for works in (True, False):
+        if not works:
+            monkeypatch.setattr(memory, "_populate", lambda m: False)
+        buf = memory.populated_bytes(3 << 20)
+        assert buf.size == 3 << 20 and buf.ctypes.data % 4096 == 0 and not buf.any()
+        buf[::4096] = 7
+        assert int(buf.sum()) == 7 * ((3 << 20) // 4096)
