@@ -58,6 +58,38 @@ def stage_profile(bundle, plan, stage_ms: float) -> dict:
     return {"nodes": nodes}
 
 
+def trip(first_seq: int, record, submit_times: dict, done_times: dict) -> dict:
+    """Where one step's time goes, in microseconds (means over the run's steps from `first_seq`):
+    `driver->0` (submitted -> stage 0 starts), `stage` (each stage's compute), `i->i+1` (stage i ends
+    -> stage i+1 starts, queueing behind another step included), `last->driver` (the last stage ends
+    -> its outputs are complete at the driver) and `driver turnaround` (an output in -> the driver
+    submits the next step: sampling, the generation loop, the input checks). With S = K and no
+    queueing, a sequence's cycle is their sum over the whole ring, and tokens/s is S / cycle."""
+    ev = [{e.seq: (e.start, e.end) for e in w.events if e.seq >= first_seq} for w in record.worker_stats]
+    steps = sorted(set.intersection(*(set(e) for e in ev)) & set(submit_times) & set(done_times))
+    if not steps:
+        return {}
+
+    def mean_us(xs: list[float]) -> float:
+        return round(sum(xs) / len(xs) * 1e6, 1) if xs else None
+
+    out = {"driver->0": mean_us([ev[0][q][0] - submit_times[q] for q in steps]),
+           "stage": [mean_us([e[q][1] - e[q][0] for q in steps]) for e in ev]}
+    for i in range(len(ev) - 1):
+        out[f"{i}->{i + 1}"] = mean_us([ev[i + 1][q][0] - ev[i][q][1] for q in steps])
+    out["last->driver"] = mean_us([done_times[q] - ev[-1][q][1] for q in steps])
+    subs = sorted(submit_times.values())
+    turn = []
+    for q in steps:  # the first submission after this output arrived
+        later = [t for t in subs if t >= done_times[q]]
+        if later:
+            turn.append(later[0] - done_times[q])
+    out["driver turnaround"] = mean_us(turn)
+    hops = [v for key, v in out.items() if key not in ("stage",)]
+    out["cycle"] = round(sum(out["stage"]) + sum(hops), 1)
+    return out
+
+
 def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict]:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
@@ -80,6 +112,7 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
             res = pipe.generate_all(prompts, per_seq, in_flight=s)
             wall = time.perf_counter() - t0
             after = pipe.record()
+            path = trip(before_seq, after, pipe.submit_times, pipe.done_times)
             made = sum(len(r.tokens) for r in res)
             steps = made  # one-token prompts: every step yields a token
             ttft = [r.first_token_s * 1e3 for r in res]
@@ -109,6 +142,7 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
                 "max_hop_bytes_per_token": round(max(hops.values()), 1),
                 "smallest_cache_entry_bytes": min(b.graph.entry_of(p.input).nbytes for p in b.state),
                 "cache_bytes_per_slot": b.state_bytes_per_slot,
+                "step_path_us": path,
             })
             r = rows[-1]
             print(f"  {stage_ms:g} ms x K={k} S={s:>2}: {r['tokens_per_s']:8.1f} tok/s ({r['fraction_of_ideal']:.2f} "
@@ -116,6 +150,10 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
                   f"{r['itl_ms_p99']:.2f} ms, max hop {r['max_hop_bytes_per_token']:.0f} B/token, stages busy "
                   f"{r['stage_busy']}, step {max(took):.2f} ms measured ({r['fraction_of_measured_slowest']:.2f} of "
                   f"1/measured)", flush=True)
+            if s == k and path:
+                hops = ", ".join(f"{key} {v:.0f}" for key, v in path.items() if key not in ("stage", "cycle"))
+                print(f"    one step's trip (us, means): stages {[round(x) for x in path['stage']]}, {hops}; a sequence's "
+                      f"cycle {path['cycle'] / 1e3:.2f} ms -> S/cycle = {s / path['cycle'] * 1e6:.0f} tok/s", flush=True)
     return rows
 
 
