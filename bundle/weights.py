@@ -257,12 +257,13 @@ class WeightsFile:
             return
         self.verify(name, h)
 
-    def settle(self) -> None:
+    def settle(self, compare: bool = True) -> None:
         """Verify every deferred tensor (waiting for its hash); the first mismatch is the usual
-        one-line error naming the file and the tensor. All hashes are waited for either way."""
+        one-line error naming the file and the tensor. All hashes are waited for either way;
+        `compare=False` only waits (a load that failed: its own error is the one to report)."""
         pending, self._deferred = self._deferred, []
         try:
-            for name, h in pending:
+            for name, h in pending if compare else ():
                 self.verify(name, h)
         finally:
             for _, h in pending:
@@ -430,9 +431,9 @@ class LazyParams(Mapping[str, np.ndarray]):
         else:
             self.file.load_into(name, out, defer)
 
-    def settle(self) -> None:
+    def settle(self, compare: bool = True) -> None:
         """Verify the checksums of every tensor read with `defer` (WeightsFile.settle)."""
-        self.file.settle()
+        self.file.settle(compare)
 
     def nbytes(self, name: str) -> int:
         return self.file.info(name).nbytes
@@ -452,7 +453,8 @@ def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray, def
         np.copyto(out, params[name])
 
 
-def settle_params(params: Mapping[str, np.ndarray]) -> None:
-    """Verify what `param_into(..., defer=True)` read (nothing to do for in-memory params)."""
+def settle_params(params: Mapping[str, np.ndarray], compare: bool = True) -> None:
+    """Verify what `param_into(..., defer=True)` read (nothing to do for in-memory params);
+    `compare=False`: only wait for the hashing to end (the load failed)."""
     if isinstance(params, LazyParams):
-        params.settle()
+        params.settle(compare)

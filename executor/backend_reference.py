@@ -66,8 +66,10 @@ class ReferenceBackend:
                 if self.slots[slot] is None:
                     self.slots[slot] = aligned_bytes(sizes[slot])
                 param_into(bundle.params, name, self.view(e), defer=True)
-        finally:
-            settle_params(bundle.params)  # checksums compared (and the hashing done) before any use
+        except BaseException:
+            settle_params(bundle.params, compare=False)  # the helper thread lets go of the slots; this error stands
+            raise
+        settle_params(bundle.params)  # every checksum compared before the stage is used
         self.slots = [b if b is not None else aligned_bytes(n) for b, n in zip(self.slots, sizes)]
         self.views = {e: self.view(e) for e in program.entry_specs}
         self._bound: set[int] = set()  # state entries pointed at a slot's buffer (bind_state)

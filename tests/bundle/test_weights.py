@@ -210,7 +210,7 @@ def test_a_forked_child_verifies_weights_too(tmp_path: Path):
 def test_deferred_checksums_are_compared_at_settle(tmp_path: Path):
     """load_into(defer=True) returns once the bytes are in place; settle() compares every deferred
     checksum (a changed tensor is the usual one-line error naming it, raised there and not before),
-    and a tensor settled once is never hashed again."""
+    a tensor settled once is never hashed again, and settle(compare=False) only waits."""
     a, b = np.arange(50, dtype=np.float32), np.ones(30, np.float32)
     sums = save_safetensors(tmp_path / "w.safetensors", {"a": a, "b": b})
     wf = WeightsFile(tmp_path / "w.safetensors", {**sums, "b": "0" * 64})  # b's recorded sum is wrong
@@ -224,6 +224,9 @@ def test_deferred_checksums_are_compared_at_settle(tmp_path: Path):
     assert "a" in wf._verified and "b" not in wf._verified
     wf.load_into("a", out_a, defer=True)
     assert wf._deferred == []  # verified once: copied, not hashed again
+    wf.load_into("b", out_b, defer=True)
+    wf.settle(compare=False)  # a load that failed elsewhere: wait for the hashing, report nothing
+    assert wf._deferred == [] and "b" not in wf._verified
     wf.close()
 
 

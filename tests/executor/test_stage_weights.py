@@ -193,6 +193,26 @@ def test_a_corrupt_tensor_is_named_on_the_staged_upload(fake_stack, stack: Path,
         Stage(bundle, start + 1, len(bundle.graph.nodes), backend="cuda", staging_bytes=1000)
 
 
+def test_a_corrupt_tensor_is_named_before_a_reference_stage_runs(stack: Path, tmp_path: Path):
+    """The reference backend reads every weight before comparing any checksum (the hashing overlaps
+    the next reads): a changed byte in the first tensor is still the one-line error naming it, and
+    no stage is built."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(stack, bad)
+    first = min(load_bundle(stack).params.file.tensors.values(), key=lambda t: t.begin)
+    with open(bad / "params.safetensors", "r+b") as f:
+        f.seek(first.begin)
+        b = f.read(1)
+        f.seek(first.begin)
+        f.write(bytes([b[0] ^ 1]))
+    bundle = load_bundle(bad)
+    with pytest.raises(BundleError, match=f"params.safetensors: tensor '{first.name}': sha256 differs"):
+        Stage(bundle, 0, len(bundle.graph.nodes), backend="reference")
+    assert bundle.params.file._deferred == []  # nothing left hashing a freed slot
+
+
 def test_bundles_without_safetensors_weights_are_shipped_whole():
     """Generated (or .npz / .params) weights cannot be read by tensor: every file goes, as before."""
     from tests.support.paths import EXAMPLES_DIR
