@@ -223,8 +223,12 @@ class WeightsFile:
         for off in range(0, n, chunk):
             yield off, min(chunk, n - off)
 
-    def verify(self, name: str, digest_of: "hashlib._Hash | BackgroundHash") -> None:
-        """Compare a running sha256 of the tensor's bytes with bundle.json's; once per tensor."""
+    def verify(self, name: str, digest_of: "hashlib._Hash | BackgroundHash", defer: bool = False) -> None:
+        """Compare a running sha256 of the tensor's bytes with bundle.json's; once per tensor.
+        `defer`: compare at `settle()` instead (the hash may still be running until then)."""
+        if defer:
+            self._deferred.append((name, digest_of))
+            return
         want = self.checksums.get(name)
         if want is not None and digest_of.hexdigest() != want:
             raise _fail(str(self.path), f"tensor '{name}'", "sha256 differs from bundle.json: the weights changed after export")
@@ -252,10 +256,7 @@ class WeightsFile:
         except BaseException:
             h.hexdigest()  # never return while the helper still reads `out`
             raise
-        if defer:
-            self._deferred.append((name, h))
-            return
-        self.verify(name, h)
+        self.verify(name, h, defer)
 
     def settle(self, compare: bool = True) -> None:
         """Verify every deferred tensor (waiting for its hash); the first mismatch is the usual

@@ -119,10 +119,15 @@ class CudaBackend:
                 self._upload_param(name, np.ascontiguousarray(params[name]))
             return
         largest = max(params.nbytes(n) for n in program.param_entries)
-        with self.dev.staging(min(self.staging_bytes, max(largest, 1))):
-            for name, e in program.param_entries.items():
-                with self.dev.check(f"uploading param '{name}'"):
-                    self.dev.upload_staged(self.ptr[e], params.file, name)
+        try:
+            with self.dev.staging(min(self.staging_bytes, max(largest, 1))):
+                for name, e in program.param_entries.items():
+                    with self.dev.check(f"uploading param '{name}'"):
+                        self.dev.upload_staged(self.ptr[e], params.file, name)
+        except BaseException:
+            params.settle(compare=False)  # this error stands
+            raise
+        params.settle()  # every checksum compared (WeightsFile.verify deferred them) before the stage runs
 
     def _upload_param(self, name: str, value: np.ndarray) -> None:
         with self.dev.check(f"uploading param '{name}'"):
@@ -393,7 +398,9 @@ class PyCudaDevice:
         """Tensor `name` from the weights file to device `ptr`, chunk by chunk through the staging
         buffers: a buffer is refilled only after the event recorded behind its last copy has
         completed and its sha256 piece (hashed on a helper thread while the other buffer fills,
-        BackgroundHash) is done. The tensor's sha256 is checked against bundle.json once it is read."""
+        BackgroundHash) is done. The tensor's sha256 is compared with bundle.json's at the
+        weights' `settle()` (deferred: the next tensor's first piece is read while this one's last
+        is still hashed)."""
         chunk = self._staging[0].size
         h = BackgroundHash()
         for off, n in weights.chunks(name, chunk):
@@ -409,7 +416,7 @@ class PyCudaDevice:
             self.cuda.memcpy_htod_async(ptr + off, buf, self.stream)
             ev = self._staged_events[b] = self.cuda.Event()
             ev.record(self.stream)
-        weights.verify(name, h)
+        weights.verify(name, h, defer=True)
 
     def copy_in(self, ptr: int, host: np.ndarray) -> None:
         self.cuda.memcpy_htod_async(ptr, host, self.stream)
