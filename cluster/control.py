@@ -141,6 +141,7 @@ class ProcessLauncher:
         self._ctx = mp.get_context("spawn")
         self._specs: list[StageSpec] = []
         self._children: list[_Child | None] = []
+        self._slots_lock = threading.Lock()  # kill() takes a child out of _children under it
         self.shipped: dict[int, int] = {}  # stage -> bytes sent to it (ship_bundle)
 
     def _spawn(self, spec: StageSpec) -> _Child:
@@ -240,13 +241,19 @@ class ProcessLauncher:
             return exc
 
     def kill(self, stage: int) -> None:
-        child = self._children[stage]
+        """SIGKILL the stage's process. Thread-safe: the child is taken out of its slot first, so
+        of two concurrent kills (a fault injected from one thread, the supervisor's restart on
+        another) one does the work, and the other can neither close the pipe a second time (its
+        fd number may already belong to the replacement's pipe) nor empty the slot after the
+        replacement has been put there."""
+        with self._slots_lock:
+            child = self._children[stage]
+            self._children[stage] = None
         if child is None:
             return
         child.proc.kill()
         child.proc.join(timeout=10)
         child.conn.close()
-        self._children[stage] = None
 
     def shutdown(self) -> None:
         """Ask each worker to close (sockets, stage), then make sure the process is gone."""

@@ -227,3 +227,32 @@ def test_record_since_returns_only_the_newer_micro_batches(bundles):
         assert sorted(e.seq for e in full.events) == list(range(10))
         assert [e for e in full.events if e.seq >= 7] == newer.events
         assert newer.bytes_out == full.bytes_out and sum(newer.bytes_out.values()) > 0
+
+
+def test_a_kill_racing_the_supervisors_restart_leaves_the_new_worker_in_place(bundles):
+    """A fault injected from one thread (launcher.kill, as the fault tests do) while the supervisor
+    restarts the same stage on another: the kill that finishes last must not empty the slot the
+    restart filled, nor close a pipe a second time (its fd number may be the new worker's by then:
+    "recovery ... failed: OSError: [Errno 9] Bad file descriptor" in a full-suite run)."""
+    inputs, want = case(bundles["mlp"], 6)
+    with Pipeline(bundles["mlp"], 2, launcher="process") as pipe:
+        assert_bit_identical(pipe.run(inputs[:3]), want[:3])
+        launcher = pipe.launcher
+        old = launcher._children[1]
+        slow_join, in_kill = old.proc.join, threading.Event()
+
+        def join(timeout=None):  # the injected kill is slow to reap its process; the restart is not
+            if threading.current_thread() is killer:
+                in_kill.set()
+                time.sleep(1.0)
+            return slow_join(timeout)
+
+        old.proc.join = join
+        killer = threading.Thread(target=launcher.kill, args=(1,))
+        killer.start()
+        assert in_kill.wait(10)
+        launcher.restart(1)  # the supervisor's restart, while the kill is still under way
+        killer.join()
+        new = launcher._children[1]
+        assert new is not None and new is not old and new.proc.is_alive()
+        assert len(launcher.call(1, "address")) == 2  # its control pipe works
