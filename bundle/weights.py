@@ -121,7 +121,6 @@ class WeightsFile:
         self.bytes_read = 0
         self.reads: dict[str, int] = {}  # name -> bytes read for it (per process: what a test counts)
         self._verified: set[str] = set()
-        self._deferred: list[tuple[str, BackgroundHash]] = []  # loaded, checksum not yet compared (settle)
         self.missing_hint = ""  # said when a tensor is not in the file (a shipped slice: whose it is)
         f = str(self.path)
         try:
@@ -223,27 +222,29 @@ class WeightsFile:
         for off in range(0, n, chunk):
             yield off, min(chunk, n - off)
 
-    def verify(self, name: str, digest_of: "hashlib._Hash | BackgroundHash", defer: bool = False) -> None:
+    def verify(self, name: str, digest_of: "hashlib._Hash | BackgroundHash", pending: list | None = None) -> None:
         """Compare a running sha256 of the tensor's bytes with bundle.json's; once per tensor.
-        `defer`: compare at `settle()` instead (the hash may still be running until then)."""
-        if defer:
-            self._deferred.append((name, digest_of))
+        With a `pending` list: append (name, hash) to it instead, for the caller's `settle(pending)`
+        (the hash may still be running until then). Each caller keeps its own list, so stages built
+        on threads from one bundle never settle each other's tensors."""
+        if pending is not None:
+            pending.append((name, digest_of))
             return
         want = self.checksums.get(name)
         if want is not None and digest_of.hexdigest() != want:
             raise _fail(str(self.path), f"tensor '{name}'", "sha256 differs from bundle.json: the weights changed after export")
         self._verified.add(name)
 
-    def load_into(self, name: str, out: np.ndarray | memoryview, defer: bool = False) -> None:
+    def load_into(self, name: str, out: np.ndarray | memoryview, pending: list | None = None) -> None:
         """The whole tensor read straight into `out` (a param's storage view: no second copy),
         its checksum verified on the first read: piece by piece, each piece hashed while the next
         is read (BackgroundHash).
 
-        `defer`: return as soon as the bytes are in `out`, and verify the checksum at `settle()`,
-        which the caller must reach before it uses `out` or lets it go. A stage loading many
-        tensors then reads (and fills fresh pages for) the next tensor while the helper thread
-        still hashes this one, instead of waiting at every tensor's end: on the 2-core dev VM a
-        1.5 GiB stage built in 0.95 s instead of 1.4 s (docs/bundle-format.md)."""
+        With a `pending` list: return as soon as the bytes are in `out`; the checksum is compared at
+        `settle(pending)`, which the caller must reach before it uses `out` or lets it go. A stage
+        loading many tensors then reads (and fills fresh pages for) the next tensor while the
+        helper thread still hashes this one, instead of waiting at every tensor's end: on the
+        2-core dev VM a 1.5 GiB stage built in 0.93 s instead of 1.41 s (docs/bundle-format.md)."""
         if name in self._verified:
             self.read_into(name, out)
             return
@@ -256,18 +257,20 @@ class WeightsFile:
         except BaseException:
             h.hexdigest()  # never return while the helper still reads `out`
             raise
-        self.verify(name, h, defer)
+        self.verify(name, h, pending)
 
-    def settle(self, compare: bool = True) -> None:
-        """Verify every deferred tensor (waiting for its hash); the first mismatch is the usual
-        one-line error naming the file and the tensor. All hashes are waited for either way;
-        `compare=False` only waits (a load that failed: its own error is the one to report)."""
-        pending, self._deferred = self._deferred, []
+    def settle(self, pending: list, compare: bool = True) -> None:
+        """Verify every tensor in `pending` (waiting for its hash) and empty the list; the first
+        mismatch is the usual one-line error naming the file and the tensor. All hashes are waited
+        for either way; `compare=False` only waits (a load that failed: its own error is the one
+        to report)."""
+        items = list(pending)
+        pending.clear()
         try:
-            for name, h in pending if compare else ():
+            for name, h in items if compare else ():
                 self.verify(name, h)
         finally:
-            for _, h in pending:
+            for _, h in items:
                 h.hexdigest()
 
     def read(self, name: str) -> np.ndarray:
@@ -420,21 +423,21 @@ class LazyParams(Mapping[str, np.ndarray]):
     def info(self, name: str) -> TensorInfo:
         return self.file.info(name)
 
-    def read_into(self, name: str, out: np.ndarray, defer: bool = False) -> None:
+    def read_into(self, name: str, out: np.ndarray, pending: list | None = None) -> None:
         """Tensor `name` read straight into `out` (a stage's storage view), checksum verified
-        (with `defer`, at `settle()`: WeightsFile.load_into), and NOT cached: the caller's buffer
-        is the only copy in this process."""
+        (with `pending`, at `settle(pending)`: WeightsFile.load_into), and NOT cached: the
+        caller's buffer is the only copy in this process."""
         if name not in self._set:
             raise KeyError(name)
         cached = self._cache.get(name)
         if cached is not None:
             np.copyto(out, cached)
         else:
-            self.file.load_into(name, out, defer)
+            self.file.load_into(name, out, pending)
 
-    def settle(self, compare: bool = True) -> None:
-        """Verify the checksums of every tensor read with `defer` (WeightsFile.settle)."""
-        self.file.settle(compare)
+    def settle(self, pending: list, compare: bool = True) -> None:
+        """Verify the checksums of the tensors read into `pending` (WeightsFile.settle)."""
+        self.file.settle(pending, compare)
 
     def nbytes(self, name: str) -> int:
         return self.file.info(name).nbytes
@@ -444,18 +447,18 @@ class LazyParams(Mapping[str, np.ndarray]):
             self._cache.pop(n, None)
 
 
-def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray, defer: bool = False) -> None:
+def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray, pending: list | None = None) -> None:
     """Param `name` copied into `out`: read straight from the file for a LazyParams (no cached
-    second copy; its checksum compared at `settle_params` with `defer`), copied from the array
+    second copy; with `pending`, its checksum compared at `settle_params`), copied from the array
     otherwise."""
     if isinstance(params, LazyParams):
-        params.read_into(name, out, defer)
+        params.read_into(name, out, pending)
     else:
         np.copyto(out, params[name])
 
 
-def settle_params(params: Mapping[str, np.ndarray], compare: bool = True) -> None:
-    """Verify what `param_into(..., defer=True)` read (nothing to do for in-memory params);
+def settle_params(params: Mapping[str, np.ndarray], pending: list, compare: bool = True) -> None:
+    """Verify what `param_into(..., pending)` read (nothing to do for in-memory params);
     `compare=False`: only wait for the hashing to end (the load failed)."""
     if isinstance(params, LazyParams):
-        params.settle(compare)
+        params.settle(pending, compare)

@@ -26,7 +26,7 @@ _libc = None
 def _populate(m: mmap.mmap) -> bool:
     """Fault every page of `m` in with madvise(MADV_POPULATE_WRITE), called through ctypes so that
     the GIL is released meanwhile (Python's own mmap() with MAP_POPULATE holds it: a helper thread
-    hashing weights, cluster/weights.BackgroundHash, then stalls for as long as the pages take).
+    hashing weights, bundle/weights.BackgroundHash, then stalls for as long as the pages take).
     False where the kernel or platform has no such call."""
     global _libc
     try:

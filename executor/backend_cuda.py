@@ -119,15 +119,16 @@ class CudaBackend:
                 self._upload_param(name, np.ascontiguousarray(params[name]))
             return
         largest = max(params.nbytes(n) for n in program.param_entries)
+        pending: list = []  # checksums compared after the last upload (WeightsFile.verify)
         try:
             with self.dev.staging(min(self.staging_bytes, max(largest, 1))):
                 for name, e in program.param_entries.items():
                     with self.dev.check(f"uploading param '{name}'"):
-                        self.dev.upload_staged(self.ptr[e], params.file, name)
+                        self.dev.upload_staged(self.ptr[e], params.file, name, pending)
         except BaseException:
-            params.settle(compare=False)  # this error stands
+            params.settle(pending, compare=False)  # this error stands
             raise
-        params.settle()  # every checksum compared (WeightsFile.verify deferred them) before the stage runs
+        params.settle(pending)  # every checksum compared before the stage runs
 
     def _upload_param(self, name: str, value: np.ndarray) -> None:
         with self.dev.check(f"uploading param '{name}'"):
@@ -394,13 +395,13 @@ class PyCudaDevice:
                     f.result()
             self._staging, self._staged_events, self._staged_hashes = [], [None, None], [None, None]
 
-    def upload_staged(self, ptr: int, weights: WeightsFile, name: str) -> None:
+    def upload_staged(self, ptr: int, weights: WeightsFile, name: str, pending: list | None = None) -> None:
         """Tensor `name` from the weights file to device `ptr`, chunk by chunk through the staging
         buffers: a buffer is refilled only after the event recorded behind its last copy has
         completed and its sha256 piece (hashed on a helper thread while the other buffer fills,
-        BackgroundHash) is done. The tensor's sha256 is compared with bundle.json's at the
-        weights' `settle()` (deferred: the next tensor's first piece is read while this one's last
-        is still hashed)."""
+        BackgroundHash) is done. The tensor's sha256 is compared with bundle.json's at the end,
+        or with a `pending` list at the weights' `settle(pending)` (the next tensor's first piece
+        is then read while this one's last is still hashed)."""
         chunk = self._staging[0].size
         h = BackgroundHash()
         for off, n in weights.chunks(name, chunk):
@@ -416,7 +417,7 @@ class PyCudaDevice:
             self.cuda.memcpy_htod_async(ptr + off, buf, self.stream)
             ev = self._staged_events[b] = self.cuda.Event()
             ev.record(self.stream)
-        weights.verify(name, h, defer=True)
+        weights.verify(name, h, pending)
 
     def copy_in(self, ptr: int, host: np.ndarray) -> None:
         self.cuda.memcpy_htod_async(ptr, host, self.stream)

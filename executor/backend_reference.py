@@ -57,19 +57,20 @@ class ReferenceBackend:
             raise UnsupportedOpError("the reference backend cannot run this stage:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
         # Weights go straight from the file into their slots, each slot's pages made just before
         # its tensor is read, while the previous tensors are still being hashed (param_into with
-        # defer): filling pages, reading and hashing overlap instead of taking turns.
+        # a pending list): filling pages, reading and hashing overlap instead of taking turns.
         sizes = [max(s.nbytes, 1) for s in program.storage.slots]
         self.slots: list = [None] * len(sizes)
+        pending: list = []
         try:
             for name, e in program.param_entries.items():
                 slot = program.storage.entry_slot[e]
                 if self.slots[slot] is None:
                     self.slots[slot] = aligned_bytes(sizes[slot])
-                param_into(bundle.params, name, self.view(e), defer=True)
+                param_into(bundle.params, name, self.view(e), pending)
         except BaseException:
-            settle_params(bundle.params, compare=False)  # the helper thread lets go of the slots; this error stands
+            settle_params(bundle.params, pending, compare=False)  # the hashing lets go of the slots; this error stands
             raise
-        settle_params(bundle.params)  # every checksum compared before the stage is used
+        settle_params(bundle.params, pending)  # every checksum compared before the stage is used
         self.slots = [b if b is not None else aligned_bytes(n) for b, n in zip(self.slots, sizes)]
         self.views = {e: self.view(e) for e in program.entry_specs}
         self._bound: set[int] = set()  # state entries pointed at a slot's buffer (bind_state)

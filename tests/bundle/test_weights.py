@@ -208,25 +208,28 @@ def test_a_forked_child_verifies_weights_too(tmp_path: Path):
 
 
 def test_deferred_checksums_are_compared_at_settle(tmp_path: Path):
-    """load_into(defer=True) returns once the bytes are in place; settle() compares every deferred
-    checksum (a changed tensor is the usual one-line error naming it, raised there and not before),
-    a tensor settled once is never hashed again, and settle(compare=False) only waits."""
+    """load_into(..., pending) returns once the bytes are in place; settle(pending) compares that
+    list's checksums (a changed tensor is the usual one-line error naming it, raised there and not
+    before) and no other caller's; a tensor settled once is never hashed again; and
+    settle(pending, compare=False) only waits."""
     a, b = np.arange(50, dtype=np.float32), np.ones(30, np.float32)
     sums = save_safetensors(tmp_path / "w.safetensors", {"a": a, "b": b})
     wf = WeightsFile(tmp_path / "w.safetensors", {**sums, "b": "0" * 64})  # b's recorded sum is wrong
     out_a, out_b = np.zeros(50, np.float32), np.zeros(30, np.float32)
-    wf.load_into("a", out_a, defer=True)
-    wf.load_into("b", out_b, defer=True)  # no error yet: nothing compared
+    mine, theirs = [], []
+    wf.load_into("a", out_a, mine)
+    wf.load_into("b", out_b, theirs)  # no error yet: nothing compared
     np.testing.assert_array_equal(out_a, a)
+    wf.settle(mine)  # a is fine; b is another caller's
+    assert mine == [] and [n for n, _ in theirs] == ["b"] and "a" in wf._verified
     with pytest.raises(BundleError, match=r"w\.safetensors.*tensor 'b'.*sha256 differs"):
-        wf.settle()
-    wf.settle()  # nothing left pending
-    assert "a" in wf._verified and "b" not in wf._verified
-    wf.load_into("a", out_a, defer=True)
-    assert wf._deferred == []  # verified once: copied, not hashed again
-    wf.load_into("b", out_b, defer=True)
-    wf.settle(compare=False)  # a load that failed elsewhere: wait for the hashing, report nothing
-    assert wf._deferred == [] and "b" not in wf._verified
+        wf.settle(theirs)
+    assert theirs == [] and "b" not in wf._verified
+    wf.load_into("a", out_a, mine)
+    assert mine == []  # verified once: copied, not hashed again
+    wf.load_into("b", out_b, theirs)
+    wf.settle(theirs, compare=False)  # a load that failed elsewhere: wait for the hashing, report nothing
+    assert theirs == [] and "b" not in wf._verified
     wf.close()
 
 

@@ -210,7 +210,6 @@ def test_a_corrupt_tensor_is_named_before_a_reference_stage_runs(stack: Path, tm
     bundle = load_bundle(bad)
     with pytest.raises(BundleError, match=f"params.safetensors: tensor '{first.name}': sha256 differs"):
         Stage(bundle, 0, len(bundle.graph.nodes), backend="reference")
-    assert bundle.params.file._deferred == []  # nothing left hashing a freed slot
 
 
 def test_bundles_without_safetensors_weights_are_shipped_whole():

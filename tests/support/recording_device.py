@@ -54,9 +54,9 @@ class RecordingDevice:
                 self.calls.append(("upload", ptr, array.nbytes))
                 super().upload(ptr, array)
 
-            def upload_staged(self, ptr, weights, name):  # a param from the file, through pinned staging
+            def upload_staged(self, ptr, weights, name, pending=None):  # a param from the file, through pinned staging
                 self.calls.append(("upload", ptr, weights.info(name).nbytes))
-                super().upload_staged(ptr, weights, name)
+                super().upload_staged(ptr, weights, name, pending)
 
             def copy_in(self, ptr, host):
                 self.calls.append(("h2d", ptr, host.nbytes))
