@@ -189,11 +189,17 @@ def _qkv(attn: Any, x: Any, heads: int, kv_heads: int) -> tuple[Any, Any, Any]:
     return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
+def _modeling(module: Any) -> Any:
+    """The transformers modeling module `module`'s class comes from: where each architecture keeps
+    its own `apply_rotary_pos_emb` (and `repeat_kv`), which the steps call rather than copy."""
+    return sys.modules[type(module).__module__]
+
+
 def _llama_step(model: Any) -> Callable:
     """Llama, Qwen2, Mistral, Qwen3 (q/k norms), Gemma (scaled embeddings, GeGLU), Phi-3 (fused
     projections): RMSNorm, rotary, GQA, gated MLP, each from the HF model's own modules."""
     inner = model.model
-    modeling = sys.modules[type(inner.layers[0].self_attn).__module__]
+    modeling = _modeling(inner.layers[0].self_attn)
     apply_rotary, repeat_kv = modeling.apply_rotary_pos_emb, modeling.repeat_kv
     heads = model.config.num_attention_heads
     kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
@@ -226,7 +232,7 @@ def _neox_step(model: Any) -> Callable:
     """GPT-NeoX (Pythia): one fused qkv projection interleaved per head, rotary over part of each
     head, parallel (or sequential) residual, LayerNorm."""
     inner = model.gpt_neox
-    apply_rotary = sys.modules[type(inner.layers[0].attention).__module__].apply_rotary_pos_emb
+    apply_rotary = _modeling(inner.layers[0].attention).apply_rotary_pos_emb
 
     def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
         b = input_ids.shape[0]
@@ -296,7 +302,7 @@ def _falcon_step(model: Any) -> Callable:
     if cfg.alibi or cfg.new_decoder_architecture or not cfg.multi_query or not cfg.parallel_attn:
         raise SourceError("FalconForCausalLM: the decode step covers multi-query, rotary, parallel-attention "
                           "Falcon (alibi, new_decoder_architecture and sequential blocks are not supported)")
-    apply_rotary = sys.modules[type(tr.h[0].self_attention).__module__].apply_rotary_pos_emb
+    apply_rotary = _modeling(tr.h[0].self_attention).apply_rotary_pos_emb
 
     def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
         b = input_ids.shape[0]
