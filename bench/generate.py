@@ -27,6 +27,7 @@ Writes bench/results/generate.json.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import platform
@@ -81,9 +82,9 @@ def trip(first_seq: int, record, submit_times: dict, done_times: dict) -> dict:
     subs = sorted(submit_times.values())
     turn = []
     for q in steps:  # the first submission after this output arrived
-        later = [t for t in subs if t >= done_times[q]]
-        if later:
-            turn.append(later[0] - done_times[q])
+        i = bisect.bisect_left(subs, done_times[q])
+        if i < len(subs):
+            turn.append(subs[i] - done_times[q])
     out["driver turnaround"] = mean_us(turn)
     hops = [v for key, v in out.items() if key not in ("stage",)]
     out["cycle"] = round(sum(out["stage"]) + sum(hops), 1)
