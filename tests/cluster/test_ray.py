@@ -184,19 +184,44 @@ def test_prediction_bounds_the_measured_pipeline(ray_cluster, bundles):
     assert busiest.stage == 1 and busiest.busy > 0.8, [(st.stage, st.busy) for st in m.stages]
 
 
+# what the daemons local mode leaves out run as (local.LEAN_HEAD_SKIPS): the API server, the
+# autoscaler monitor, the log monitor
+LEFT_OUT_DAEMONS = ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py")
+
+
+def test_lean_head_skips_the_daemons_only_inside_its_block():
+    """The patch on Ray's Node is scoped: a head started later (a user's own ray.init in the same
+    process) gets every daemon again."""
+    from ray._private import node
+    from tvmpipe.cluster.local import LEAN_HEAD_SKIPS, lean_head
+
+    before = {name: getattr(node.Node, name) for name in LEAN_HEAD_SKIPS}
+    with lean_head() as skipped:
+        assert skipped == list(LEAN_HEAD_SKIPS)  # Ray 2.60 has all three
+        for name in LEAN_HEAD_SKIPS:
+            assert getattr(node.Node, name) is not before[name]
+            assert getattr(node.Node, name)(object()) is None
+    assert {name: getattr(node.Node, name) for name in LEAN_HEAD_SKIPS} == before
+
+
 def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):
     """Ray's API server (started even without the dashboard) asks 169.254.169.254 which cloud it is
-    on unless ~/ray_bootstrap_config.yaml exists: local mode starts the daemons with a private HOME
-    holding one. Workers inherit it, with user site-packages and tvmpipe's cache pinned to the
-    user's own; the driver's environment is restored."""
+    on unless ~/ray_bootstrap_config.yaml exists. Local mode starts no API server at all (nor the
+    autoscaler and log monitors it has no use for), and, should a Ray version start one anyway,
+    starts the daemons with a private HOME holding that file. Workers inherit it, with user
+    site-packages and tvmpipe's cache pinned to the user's own; the driver's environment is
+    restored."""
     import site
 
     ray = ray_cluster
-    daemons = [p for p in descendants(os.getpid()) if "dashboard/dashboard.py" in cmdline(p)]
-    assert daemons, "no Ray API server process found"
-    env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{daemons[0]}/environ", "rb").read().split(b"\0") if b"=" in kv)
-    home = env[b"HOME"].decode()
-    assert home != os.environ["HOME"] and os.path.isfile(os.path.join(home, "ray_bootstrap_config.yaml"))
+    procs = {p: cmdline(p) for p in descendants(os.getpid())}
+    assert not [(p, c[:120]) for p, c in procs.items() if any(d in c for d in LEFT_OUT_DAEMONS)]
+    daemons = [p for p, c in procs.items() if "gcs_server" in c.split(" ", 1)[0] or "raylet" in c.split(" ", 1)[0]]
+    assert len(daemons) == 2, procs
+    for pid in daemons:
+        env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        home = env[b"HOME"].decode()
+        assert home != os.environ["HOME"] and os.path.isfile(os.path.join(home, "ray_bootstrap_config.yaml"))
 
     @ray.remote(num_cpus=0.1)
     def worker_env():
