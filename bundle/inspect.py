@@ -144,9 +144,9 @@ def _node_report(bundle: Bundle, n: Node, params: set[str] | None) -> dict[str, 
 def render_text(report: dict[str, Any], wide: bool = False) -> str:
     """The summary, then one row per node with its launches and fused ops indented below it (and,
     with stages, one row per stage with the weight bytes it loads)."""
-    title, *rows = _summary(report)
-    rows = rows if wide else [_clip(r, WIDTH) for r in rows]
-    return "\n".join([title, *rows, "", *_stage_table(report), *_table(report, wide)]) + "\n"
+    title, rows = _summary(report)
+    text = [f"  {k:<12} {v}" if wide or k in PATH_ROWS else _clip(f"  {k:<12} {v}", WIDTH) for k, v in rows]
+    return "\n".join([title, *text, "", *_stage_table(report), *_table(report, wide)]) + "\n"
 
 
 def stage_weights(bundle: Bundle, stages: list[tuple[int, int]]) -> list[dict[str, Any]]:
@@ -177,7 +177,11 @@ def _tensor_type(dtype: str, shape: list[int]) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
 
-def _summary(r: dict[str, Any]) -> list[str]:
+# Summary rows never clipped, like the title: they end in a file's path, which is copied whole
+PATH_ROWS = ("params",)
+
+
+def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     c, p = r["counts"], r["params"]
     bare = r["kind"] == "graph"
     known = r["inputs"] is not None  # a bundle, or a bare graph.json given its params file
@@ -228,7 +232,7 @@ def _summary(r: dict[str, Any]) -> list[str]:
     else:
         rows.append(("kernels", f"{c['kernel_launches']} launch(es) per run from {c['functions']} function(s)"))
     title = f"{r['model']}  ({'bare graph.json' if bare else 'bundle'} {r['path']})"
-    return [title] + [f"  {k:<12} {v}" for k, v in rows]
+    return title, rows
 
 
 def _ellipsize(s: str, width: int) -> str:

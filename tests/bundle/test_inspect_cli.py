@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.bundle_edits import edit_json
-from tests.support.commands import run_tvmpipe as tvmpipe
+from tests.support.commands import assert_fits_100_columns, run_tvmpipe as tvmpipe
 from tests.support.graph_edits import add_node, op_node, relay_style
 from tests.support.paths import EXAMPLES_DIR
 from tvmpipe.bundle import load_bundle, parse_graph
@@ -78,7 +78,7 @@ def _lines(text: str) -> list[str]:
 @pytest.mark.parametrize("stem", ["dlr_4in2out_nnvm", "resnet18_nnvm", "wrn_fc_nnvm"])
 def test_text_fits_100_columns(fixtures_dir, stem):
     text = render_text(build_report(load_bundle(fixtures_dir / f"{stem}.json")))
-    assert max(map(len, _lines(text))) <= 100
+    assert_fits_100_columns(_lines(text), fixtures_dir / f"{stem}.json")
     assert "  kernels      unknown (bare graph.json)" in text
     assert "  params       unknown (bare graph.json)" in text
 
@@ -98,7 +98,7 @@ def test_text_rows_of_the_tiny_bundle(tiny_bundle):
     assert lines[i + 6].split()[:3] == ["4", "reshape", "__nop"]
     assert lines[i + 7].strip() == "no launch: __nop output aliases its input's storage"
     assert lines[i - 3].split() == ["0", "x", "(input)", "float32[1,4]", "0"]
-    assert max(map(len, lines)) <= 100
+    assert_fits_100_columns(lines, tiny_bundle)
 
 
 def _relay_bundle(graph_json) -> Bundle:
@@ -117,7 +117,8 @@ def _relay_bundle(graph_json) -> Bundle:
 def test_long_names_are_shortened_in_the_middle_and_kept_with_wide(graph_json):
     r = build_report(_relay_bundle(graph_json))
     narrow, wide = _lines(render_text(r)), _lines(render_text(r, wide=True))
-    assert max(map(len, narrow)) <= 100 and max(map(len, wide)) > 100
+    assert_fits_100_columns(narrow, "relay.json")
+    assert max(map(len, wide[1:])) > 100
     cell = next(l for l in narrow if l.startswith("2 ")).split()[2]
     assert len(cell) == 30 and cell.startswith("tvmgen_") and "..." in cell
     assert cell.endswith("layout_transform_1")  # the distinguishing end survives
@@ -145,7 +146,7 @@ def test_cli_on_a_fixture(fixtures_dir, tmp_path):
     assert lines[0].startswith("resnet18_nnvm  (bare graph.json ")
     assert "  nodes        71: 25 op, 46 null" in lines
     assert any(l.split() == ["69", "dense0", "fuse_dense", "66,67,68", "float32[1,1000]", "4"] for l in lines)
-    assert max(map(len, lines)) <= 100
+    assert_fits_100_columns(lines, fixtures_dir / "resnet18_nnvm.json")
 
 
 def test_cli_json(fixtures_dir, tiny_bundle, tmp_path):
