@@ -198,6 +198,7 @@ class CheckedRun:
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
                 "edge_paths": run.edge_paths,
                 "time_to_first_output_s": run.time_to_first_output, "startup_s": run.startup_s,
+                "started_at": run.started_at,
                 "trace": [str(p) for p in self.written if p.suffix in (".json", ".png")]}
 
 

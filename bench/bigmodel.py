@@ -90,10 +90,12 @@ def monitored(cmd: list[str], env: dict | None = None, interval: float = 0.1) ->
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     peaks: dict[int, dict] = {}
     total = [0]
+    cpu: list[tuple[float, int, int]] = []  # (wall clock, busy jiffies, all jiffies) of the whole machine
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
+            cpu.append((time.time(), *_machine_jiffies()))
             rss = 0
             for pid in _tree(proc.pid):
                 st = _status(pid)
@@ -114,7 +116,25 @@ def monitored(cmd: list[str], env: dict | None = None, interval: float = 0.1) ->
     stop.set()
     th.join()
     return {"rc": proc.returncode, "stdout": out, "stderr": err, "wall_s": time.time() - t0, "root": proc.pid,
-            "peaks": peaks, "total_peak_kib": total[0]}
+            "peaks": peaks, "total_peak_kib": total[0], "cpu": cpu}
+
+
+def _machine_jiffies() -> tuple[int, int]:
+    """(busy, all) CPU time of the whole machine so far, in clock ticks (/proc/stat; idle and iowait
+    are not busy)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def cpu_between(samples: list[tuple[float, int, int]], start: float, end: float) -> tuple[float, float] | None:
+    """(CPU-seconds used by the whole machine, busy fraction of all its cores) from the first
+    sample at or after `start` to the last at or before `end`; None when fewer than two fall inside."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if len(inside) < 2:
+        return None
+    (_, b0, a0), (_, b1, a1) = inside[0], inside[-1]
+    return (b1 - b0) / os.sysconf("SC_CLK_TCK"), (b1 - b0) / max(a1 - a0, 1)
 
 
 def gib(kib: int) -> float:
@@ -213,9 +233,9 @@ def _runs(name: str, bundle: Path, stages: list[int], n: int, python: str, env: 
     for k in stages:
         runs = [r for r in seen[k] if "error" not in r] or seen[k][:1]
         one = dict(runs[0])
-        for key in ("time_to_first_output_s", "stages_and_first_output_s", "throughput_mb_per_s",
-                    "steady_throughput_mb_per_s", "latency_p50_ms"):
-            if key in one:
+        for key in ("time_to_first_output_s", "stages_and_first_output_s", "stages_window_cpu_s",
+                    "stages_window_cpu_busy", "throughput_mb_per_s", "steady_throughput_mb_per_s", "latency_p50_ms"):
+            if one.get(key) is not None and all(r.get(key) is not None for r in runs):
                 vals = [r[key] for r in runs]
                 one[key] = round(statistics.median(vals), 3)
                 one[key + "_runs"] = vals
@@ -236,6 +256,9 @@ def _runs(name: str, bundle: Path, stages: list[int], n: int, python: str, env: 
             print(f"[{name}] {what}, median of {repeat}: " + ", ".join(f"K={k} {v} s" for k, v in t.items())
                   + f"; K={max(stages)} no worse than K=1: {'PASS' if (t[max(stages)] or 1e9) <= (t[1] or 0) else 'FAIL'}",
                   flush=True)
+        print(f"[{name}] meanwhile the machine (median of {repeat}): " + ", ".join(
+            f"K={r['stages']} {r.get('stages_window_cpu_s')} CPU-s, {r.get('stages_window_cpu_busy')} of its cores busy"
+            for r in out), flush=True)
     return out
 
 
@@ -257,6 +280,11 @@ def _run(name: str, bundle: Path, k: int, n: int, python: str, env: dict, w: int
     check = [p["hwm_kib"] for pid, p in r["peaks"].items()
              if p.get("ppid") == root and "multiprocessing" in p["cmd"]]
     weights = [s.get("weight_bytes") for s in m["stages"]]
+    phases = summary.get("startup_s") or {}
+    window = None  # the part of the time to first output that depends on K: stages up, first micro-batch
+    if summary.get("started_at") and summary.get("time_to_first_output_s") and "cluster" in phases:
+        window = cpu_between(r["cpu"], summary["started_at"] + phases["cluster"],
+                             summary["started_at"] + summary["time_to_first_output_s"])
     one.update(
         match=summary["match"], check=summary.get("check"), micro_batches=summary["micro_batches"],
         time_to_first_output_s=round(summary.get("time_to_first_output_s") or 0, 2),
@@ -264,6 +292,9 @@ def _run(name: str, bundle: Path, k: int, n: int, python: str, env: dict, w: int
         # through (without Ray's own start, the same code at every K, which varies by a second)
         stages_and_first_output_s=round(sum(v for key, v in (summary.get("startup_s") or {}).items()
                                             if key in ("stages", "first_output")), 2),
+        # how busy the machine was meanwhile: all its cores busy means that part is CPU-bound here
+        stages_window_cpu_s=round(window[0], 2) if window else None,
+        stages_window_cpu_busy=round(window[1], 2) if window else None,
         throughput_mb_per_s=round(m["throughput"], 3), steady_throughput_mb_per_s=round(m["steady_throughput"], 3),
         latency_p50_ms=round(m["latency_p50_ms"], 1),
         stage_weight_gib=[gib((x or 0) // 1024) for x in weights],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 import subprocess
 import sys
 
@@ -32,6 +33,7 @@ def test_run_builtin_example_with_processes_json(capsys):
     phases = summary["startup_s"]  # where the time to first output went
     assert set(phases) == {"cluster", "stages", "first_output"} and all(v >= 0 for v in phases.values())
     assert abs(sum(phases.values()) - summary["time_to_first_output_s"]) < 0.05
+    assert 0 < time.time() - summary["started_at"] < 60  # wall clock: lines the phases up with other samples
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
