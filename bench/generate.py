@@ -177,6 +177,38 @@ def single_process(bundle_dir: Path, tokens: int) -> dict:
             "torch_eager_tokens_per_s": round(made / t_eager, 1), "same_tokens": ref == eager}
 
 
+DRIVER_S = (16, 256, 1024)  # sequences in flight for the driver's cost per token
+DRIVER_GROWTH = 1.5  # target: the driver's CPU per token at the most sequences, against the fewest
+
+
+def driver_scaling(bundle_dir: Path, tokens: int) -> list[dict]:
+    """The driver's CPU per generated token (the generation loop, sampling, frames; all its threads)
+    against the sequences in flight, with one stage of zero time so that the driver is the whole
+    cost. It should not grow with S: each step's bookkeeping is O(1) in the sequences."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.cluster.topology import plan_keeping_state
+
+    b = load_bundle(bundle_dir)
+    plan = plan_keeping_state(b, 1)
+    per = b.generation.max_context - 1
+    rows = []
+    for s in DRIVER_S:
+        with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
+                      launcher="process", slots=s, window=s) as pipe:
+            pipe.generate_all([[1]] * 4, 2)  # warm
+            n = max(s, -(-tokens // per))
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        made = sum(len(r.tokens) for r in res)
+        rows.append({"in_flight": s, "tokens": made, "driver_cpu_us_per_token": round(cpu / made * 1e6, 1),
+                     "tokens_per_s": round(made / wall, 1)})
+        print(f"driver, S={s:>4}: {rows[-1]['driver_cpu_us_per_token']} us of driver CPU per token, "
+              f"{rows[-1]['tokens_per_s']} tok/s (one zero-time stage)", flush=True)
+    return rows
+
+
 HF_DECODERS = ("gpt2", "llama")
 HF_SEED = 1  # the token-exact tests' seed: seed 0's GPT-2 and Llama repeat one token
 HF_MAX_CONTEXT = 64
@@ -236,6 +268,8 @@ def main() -> int:
     for stage_ms, tokens in ((1.0, 150 if args.quick else 600), (0.1, 300 if args.quick else 1500)):
         for k in [int(x) for x in args.stages.split(",")]:
             rows += measure(bundle_dir, k, stage_ms, tokens)
+    drv = driver_scaling(bundle_dir, 2000 if args.quick else 8000)
+    growth = drv[-1]["driver_cpu_us_per_token"] / drv[0]["driver_cpu_us_per_token"]
     sp = single_process(bundle_dir, 60 if args.quick else 300)
     print(f"single process: reference loop {sp['reference_loop_tokens_per_s']} tok/s, torch eager "
           f"{sp['torch_eager_tokens_per_s']} tok/s, same tokens: {sp['same_tokens']}")
@@ -248,12 +282,15 @@ def main() -> int:
               f"(>= {TARGET}): {'PASS' if r['fraction_of_ideal'] >= TARGET else 'FAIL'}; "
               f"{r['fraction_of_measured_slowest']:.3f} of 1/(slowest stage as measured)")
     print(f"no cache bytes on the data plane (every hop < one cache entry per token): {'PASS' if ok_bytes else 'FAIL'}")
+    print(f"driver CPU per token at S={DRIVER_S[-1]} against S={DRIVER_S[0]}: {growth:.2f}x (<= {DRIVER_GROWTH}): "
+          f"{'PASS' if growth <= DRIVER_GROWTH else 'FAIL'}")
     doc = {"bench": "generate", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                             "python": platform.python_version(),
                                             "load_average_at_end": os.getloadavg()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
            "target": {"fraction_of_ideal": TARGET, "met": ok_rate, "no_cache_bytes": ok_bytes},
-           "rows": rows, "single_process": sp, "transformers": hf}
+           "rows": rows, "driver_scaling": {"rows": drv, "growth": round(growth, 3), "target": DRIVER_GROWTH},
+           "single_process": sp, "transformers": hf}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")

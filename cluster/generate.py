@@ -143,6 +143,7 @@ class _Seq:
         self.epoch = epoch  # the pipeline's state_losses when its caches were (re)started
         self.next_pos = 0  # next position to submit
         self.outstanding = 0
+        self.queued = False  # in the loop's ready queue
         self.rng = np.random.default_rng([seed, result.index])
         self.admitted = now
 
@@ -182,7 +183,15 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     free = list(range(in_flight))[::-1]
     active: dict[int, _Seq] = {}
     records: deque[tuple[_Seq, int, int]] = deque()  # per micro-batch in flight: (sequence, position, epoch)
-    turn = 0
+    # Sequences with a step to submit (a known token not yet fed, or caches to rebuild), round robin:
+    # each step costs O(1) however many sequences are in flight
+    ready: deque[_Seq] = deque()
+    seen_losses = pipe.state_losses
+
+    def want(s: _Seq) -> None:
+        if not s.queued:
+            s.queued = True
+            ready.append(s)
 
     def feed(s: _Seq, pos: int) -> dict:
         return {gen.token: np.full(tok_spec.shape, s.hist[pos], dtype=tok_spec.dtype),
@@ -201,22 +210,29 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             while queue and free:
                 r = queue.popleft()
                 active[r.index] = _Seq(r, free.pop(), pipe.state_losses, sampling.seed, time.time())
+                want(active[r.index])
             epoch = pipe.state_losses
+            if epoch != seen_losses:  # a stage holding caches restarted: every sequence rebuilds its own
+                seen_losses = epoch
+                for s in active.values():
+                    want(s)
             # submit every step whose token is known, round robin over sequences, while the window has room
-            order = list(active.values())
-            while pipe.submitted - pipe._delivered < pipe.window and order:
-                ready = [s for s in order if s.next_pos < len(s.hist) or s.epoch != epoch]
-                if not ready:
-                    break
-                s = ready[turn % len(ready)]
-                turn += 1
-                if s.epoch != epoch:  # a stage holding its caches restarted: rebuild them from position 0
+            while pipe.submitted - pipe._delivered < pipe.window and ready:
+                s = ready.popleft()
+                s.queued = False
+                if active.get(s.r.index) is not s:
+                    continue  # finished since it was queued
+                if s.epoch != epoch:  # its caches were lost: rebuild them from position 0
                     s.epoch, s.next_pos = epoch, 0
                     s.r.replays += 1
+                elif s.next_pos >= len(s.hist):
+                    continue  # nothing known to feed (queued again after its rebuild was submitted)
                 pipe.submit(feed(s, s.next_pos))
                 records.append((s, s.next_pos, epoch))
                 s.next_pos += 1
                 s.outstanding += 1
+                if s.next_pos < len(s.hist):
+                    want(s)  # more of its prompt (or history) to feed: back of the queue
             if not records:
                 raise TvmpipeError("generation loop has nothing in flight")  # cannot happen: a bug
             out = pipe.get()
@@ -245,6 +261,8 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             yield TokenEvent(s.r.index, t, len(s.r.tokens) - 1, why is not None)
             if why:
                 finish(s, why)
+            else:
+                want(s)  # its next step's token is known now
     except TvmpipeError as exc:
         if isinstance(exc, GenerationError):
             raise
