@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -41,32 +42,62 @@ TVM_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 MAX_HEADER = 100 << 20  # the safetensors package's own limit
 CHUNK = 64 << 20  # hashing / copying granularity: bounded temporary memory
 READ_CHUNK = 8 << 20  # load_into reads in pieces of this size, each hashed while the next is read
+MAX_HASH_LANES = 8  # BackgroundHash threads per process, at most
+
+
+def hash_lanes() -> int:
+    """Helper threads for hashing: one per core this process may run on, at most MAX_HASH_LANES."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_HASH_LANES))
 
 
 class BackgroundHash:
     """A sha256 fed on a helper thread, so that hashing a piece overlaps reading the next one
     (os.preadv and hashlib both release the GIL for large buffers). Verifying weights costs a core
-    at ~1.8 GB/s, slower than the page cache or PCIe: done in line, it was a third of a stage's
-    build on the dev VM. One thread for the process keeps every hash's pieces in submission order.
+    at ~1.2-1.8 GB/s, slower than the page cache or PCIe: done in line, it was a third of a stage's
+    build on the dev VM, and with mapped weights (WeightsFile.map) it is the whole load. So hashes
+    are spread over `hash_lanes()` threads: a hash stays on one lane (a single thread, which keeps
+    its pieces in submission order) and starts on the lane with the fewest bytes still queued, so
+    a model's large weights do not all land on one lane and its small biases on another.
     A piece's buffer must not change until its future is done; `hexdigest` waits for all."""
 
-    _pool: ThreadPoolExecutor | None = None
+    _lanes: list[ThreadPoolExecutor] = []
+    _queued: list[int] = []  # bytes submitted to each lane and not hashed yet
     _pool_lock = threading.Lock()
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
         self._last = None
+        self._lane = -1
 
     @classmethod
-    def _executor(cls):
+    def _enqueue(cls, lane: int, nbytes: int) -> int:
+        """Count `nbytes` on `lane` (-1: the least loaded); returns the lane."""
         with cls._pool_lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="tvmpipe-sha256")
-            return cls._pool
+            if not cls._lanes:
+                cls._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"tvmpipe-sha256-{i}") for i in range(hash_lanes())]
+                cls._queued = [0] * len(cls._lanes)
+            if lane < 0:
+                lane = min(range(len(cls._lanes)), key=cls._queued.__getitem__)
+            cls._queued[lane] += nbytes
+            return lane
+
+    @classmethod
+    def _hashed(cls, lane: int, nbytes: int) -> None:
+        with cls._pool_lock:
+            if lane < len(cls._queued):
+                cls._queued[lane] -= nbytes
 
     def update(self, data) -> Future:
-        """Hash `data` next (in the background); returns the piece's Future."""
-        self._last = self._executor().submit(self._h.update, data)
+        """Hash `data` next (in the background, on this hash's lane); returns the piece's Future."""
+        n = getattr(data, "nbytes", None)
+        n = len(data) if n is None else n
+        self._lane = lane = self._enqueue(self._lane, n)
+        self._last = self._lanes[lane].submit(self._h.update, data)
+        self._last.add_done_callback(lambda _: self._hashed(lane, n))
         return self._last
 
     def hexdigest(self) -> str:
@@ -75,8 +106,9 @@ class BackgroundHash:
         return self._h.hexdigest()
 
 
-# A forked child inherits the pool object but not its thread: work submitted there would never run.
-os.register_at_fork(after_in_child=lambda: setattr(BackgroundHash, "_pool", None))
+# A forked child inherits the lanes but not their threads: work submitted there would never run.
+os.register_at_fork(after_in_child=lambda: setattr(BackgroundHash, "_lanes", []))
+# (the child's lanes start again from nothing queued: _enqueue makes both lists anew)
 
 
 def _fail(file: str, where: str, msg: str) -> BundleError:
@@ -103,6 +135,10 @@ def tensor_sha256(data: bytes | memoryview | np.ndarray) -> str:
     if isinstance(data, np.ndarray):
         data = np.require(data, requirements="C").reshape(-1).view(np.uint8)
     return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def _itemsize(name: str) -> int:
+    return 1 if name == "bool" else dtypes.itemsize(name)
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -258,6 +294,51 @@ class WeightsFile:
             h.hexdigest()  # never return while the helper still reads `out`
             raise
         self.verify(name, h, pending)
+
+    def map(self, names: Iterable[str], pending: list) -> dict[str, np.ndarray]:
+        """Tensors `names` as uint8 arrays over the file's own pages, with no copy: each run of
+        tensors that follow each other in the file is one private mapping (copy-on-write: a write
+        changes this process's page, never the file; few mappings, few file descriptors).
+
+        Reading into fresh memory costs zeroing the pages and copying every byte, on top of the
+        hash that has to read them anyway: on the 2-core dev VM 2.15 CPU-s for 1.5 GiB, against
+        1.3 CPU-s mapped (docs/bundle-format.md). The page cache's pages are shared, so K stages on
+        one node hold the weights once in memory, not once in the cache and again in the stages.
+
+        Each tensor is hashed on the helper thread (the hash faults its pages in) and verified at
+        `settle(pending)`, which the caller must reach before it uses the arrays. A tensor whose
+        offset is not a multiple of its item size is left out (NumPy would see an unaligned
+        array): the caller reads it with `load_into`. The first and last page of a run may hold a
+        few bytes of a neighbouring tensor: mapped, never read or counted."""
+        infos = sorted((self.info(n) for n in dict.fromkeys(names)), key=lambda t: t.begin)
+        infos = [t for t in infos if t.nbytes and t.begin % _itemsize(t.dtype) == 0]
+        runs: list[list[TensorInfo]] = []
+        for t in infos:
+            if runs and runs[-1][-1].end == t.begin:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        out: dict[str, np.ndarray] = {}
+        size = os.fstat(self._fd).st_size  # a file cut after open must not be mapped past its end (SIGBUS)
+        for run in runs:
+            if run[-1].end > size:
+                raise _fail(str(self.path), f"tensor '{run[-1].name}'", "truncated: the file shrank after it was opened")
+            start = run[0].begin - run[0].begin % mmap.ALLOCATIONGRANULARITY
+            m = mmap.mmap(self._fd, run[-1].end - start, flags=mmap.MAP_PRIVATE,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            if hasattr(m, "madvise"):
+                m.madvise(mmap.MADV_WILLNEED)  # read ahead now, while the hash walks the pages
+            for t in run:
+                arr = out[t.name] = np.frombuffer(m, np.uint8, t.nbytes, t.begin - start)
+                self.bytes_read += t.nbytes
+                self.reads[t.name] = self.reads.get(t.name, 0) + t.nbytes
+                if t.name in self._verified:
+                    continue
+                h = BackgroundHash()
+                for off in range(0, t.nbytes, READ_CHUNK):
+                    h.update(arr[off:off + READ_CHUNK])
+                self.verify(t.name, h, pending)
+        return out
 
     def settle(self, pending: list, compare: bool = True) -> None:
         """Verify every tensor in `pending` (waiting for its hash) and empty the list; the first
@@ -435,6 +516,14 @@ class LazyParams(Mapping[str, np.ndarray]):
         else:
             self.file.load_into(name, out, pending)
 
+    def map(self, names: Iterable[str], pending: list) -> dict[str, np.ndarray]:
+        """Tensors mapped from the file, not cached (WeightsFile.map); cached ones are left out."""
+        names = [n for n in names if n not in self._cache]
+        for n in names:
+            if n not in self._set:
+                raise KeyError(n)
+        return self.file.map(names, pending)
+
     def settle(self, pending: list, compare: bool = True) -> None:
         """Verify the checksums of the tensors read into `pending` (WeightsFile.settle)."""
         self.file.settle(pending, compare)
@@ -455,6 +544,15 @@ def param_into(params: Mapping[str, np.ndarray], name: str, out: np.ndarray, pen
         params.read_into(name, out, pending)
     else:
         np.copyto(out, params[name])
+
+
+def map_params(params: Mapping[str, np.ndarray], names: Iterable[str], pending: list) -> dict[str, np.ndarray]:
+    """Params `names` mapped from the weights file (WeightsFile.map: no copy; checksums compared at
+    `settle_params(pending)`); {} for in-memory params, and tensors it cannot map are left out:
+    the caller copies those with `param_into`."""
+    if isinstance(params, LazyParams):
+        return params.map(names, pending)
+    return {}
 
 
 def settle_params(params: Mapping[str, np.ndarray], pending: list, compare: bool = True) -> None:

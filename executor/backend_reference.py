@@ -13,7 +13,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
-from tvmpipe.bundle.weights import param_into, settle_params
+from tvmpipe.bundle.weights import map_params, param_into, settle_params
 from tvmpipe.core.memory import POPULATE_FROM, populated_bytes
 from tvmpipe.executor.backend import StepTiming
 from tvmpipe.executor.errors import ExecutorError, UnsupportedOpError
@@ -55,15 +55,21 @@ class ReferenceBackend:
             self.functions[s.func] = fn
         if problems:
             raise UnsupportedOpError("the reference backend cannot run this stage:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
-        # Weights go straight from the file into their slots, each slot's pages made just before
-        # its tensor is read, while the previous tensors are still being hashed (param_into with
-        # a pending list): filling pages, reading and hashing overlap instead of taking turns.
+        # Weights in a safetensors file are mapped, not copied: a param's slot is the file's own
+        # pages (map_params), hashed on the helper thread. What cannot be mapped (in-memory params,
+        # an unaligned tensor) goes straight from the file into its slot, each slot's pages made
+        # just before its tensor is read, while the previous tensors are still being hashed
+        # (param_into with a pending list). Every checksum is compared before the stage is used.
         sizes = [max(s.nbytes, 1) for s in program.storage.slots]
         self.slots: list = [None] * len(sizes)
         pending: list = []
         try:
+            mapped = map_params(bundle.params, program.param_entries, pending)
             for name, e in program.param_entries.items():
                 slot = program.storage.entry_slot[e]
+                if name in mapped and self.slots[slot] is None and sizes[slot] == mapped[name].size:
+                    self.slots[slot] = mapped[name]
+                    continue
                 if self.slots[slot] is None:
                     self.slots[slot] = aligned_bytes(sizes[slot])
                 param_into(bundle.params, name, self.view(e), pending)

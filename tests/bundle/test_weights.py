@@ -4,6 +4,7 @@ tensor with every byte counted, per-tensor checksums, truncation and corruption 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -245,3 +246,101 @@ def test_populated_bytes_are_zeroed_page_aligned_and_writable_on_either_path(mon
         assert buf.size == 3 << 20 and buf.ctypes.data % 4096 == 0 and not buf.any()
         buf[::4096] = 7
         assert int(buf.sum()) == 7 * ((3 << 20) // 4096)
+
+
+def _mapped_file(addr: int) -> str | None:
+    """The file /proc/self/maps says the page at `addr` maps, or None (anonymous memory)."""
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= addr < hi:
+            return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
+def test_mapped_tensors_are_the_files_pages_private_and_verified_at_settle(tmp_path: Path):
+    """WeightsFile.map: each tensor is a view of the file's own pages (no copy), counted as read
+    like a copy; a write changes this process's page, never the file; checksums are compared at
+    settle(pending), a changed tensor named in one line; a tensor the file cut after it was opened
+    is refused in one line, not mapped (touching it would kill the process with SIGBUS)."""
+    rng = np.random.default_rng(1)
+    arrays = {"w1": rng.standard_normal((64, 64)).astype(np.float32), "b1": rng.standard_normal(64).astype(np.float32),
+              "w2": rng.standard_normal((64, 64)).astype(np.float32)}
+    path = tmp_path / "w.safetensors"
+    sums = save_safetensors(path, arrays)
+    wf = WeightsFile(path, sums)
+    pending: list = []
+    views = wf.map(["w2", "w1"], pending)
+    assert set(views) == {"w1", "w2"} and wf.reads == {"w1": 64 * 64 * 4, "w2": 64 * 64 * 4}
+    wf.settle(pending)
+    for name, v in views.items():
+        np.testing.assert_array_equal(v.view(np.float32).reshape(64, 64), arrays[name])
+        assert _mapped_file(v.ctypes.data) == str(path)
+    before = path.read_bytes()
+    views["w1"][:4] = 0  # copy-on-write: this process only
+    assert path.read_bytes() == before and views["w1"][:4].tolist() == [0, 0, 0, 0]
+    again = WeightsFile(path, sums).map(["w1"], pending)  # another reader sees the file, not the write
+    wf.settle(pending)
+    np.testing.assert_array_equal(again["w1"].view(np.float32).reshape(64, 64), arrays["w1"])
+
+    bad = WeightsFile(path, {**sums, "b1": "0" * 64})
+    views = bad.map(["b1"], pending)  # no error yet: the hash runs behind
+    with pytest.raises(BundleError, match=r"w\.safetensors: tensor 'b1': sha256 differs"):
+        bad.settle(pending)
+
+    cut = WeightsFile(path, sums)
+    last = max(cut.tensors.values(), key=lambda t: t.end)
+    os.truncate(path, last.begin + 8)
+    with pytest.raises(BundleError, match=rf"tensor '{last.name}': truncated: the file shrank after it was opened"):
+        cut.map([last.name], pending)
+    assert pending == []
+
+
+def test_tensors_at_unaligned_offsets_are_not_mapped(tmp_path: Path):
+    """A float32 tensor after an odd-sized one sits at an offset NumPy cannot view aligned: map()
+    leaves it to the caller's copy (load_into), and maps the rest."""
+    arrays = {"a": np.ones(3, np.bool_), "b": np.arange(8, dtype=np.float32)}
+    path = tmp_path / "odd.safetensors"
+    sums = save_safetensors(path, arrays)
+    wf = WeightsFile(path, sums)
+    assert wf.info("b").begin % 4 == 3  # the file keeps the order given: no padding between tensors
+    pending: list = []
+    views = wf.map(["a", "b"], pending)
+    wf.settle(pending)
+    assert set(views) == {"a"} and "b" not in wf.reads
+
+
+def test_hashes_start_on_the_lane_with_the_fewest_bytes_queued(monkeypatch):
+    """BackgroundHash spreads hashes over its lanes by bytes still queued, not by count (a model's
+    large weights and small biases alternate: counted, every weight landed on one lane); each hash
+    stays on its lane, so its pieces are hashed in order."""
+    import hashlib
+    import threading
+
+    from tvmpipe.bundle import weights
+    from tvmpipe.bundle.weights import BackgroundHash
+
+    monkeypatch.setattr(weights, "hash_lanes", lambda: 2)
+    monkeypatch.setattr(BackgroundHash, "_lanes", [])
+    monkeypatch.setattr(BackgroundHash, "_queued", [])
+    BackgroundHash._enqueue(-1, 0)  # makes the lanes
+    lanes = list(BackgroundHash._lanes)
+    gate = threading.Event()
+    for lane in lanes:
+        lane.submit(gate.wait)  # nothing is hashed until the queue is set up: the order is exact
+    rng = np.random.default_rng(5)
+    big, small, mid = (rng.integers(0, 255, n, dtype=np.uint8) for n in (3 << 20, 1024, 2 << 20))
+    hashes = [BackgroundHash() for _ in range(4)]
+    for off in range(0, big.size, 1 << 20):
+        hashes[0].update(big[off:off + (1 << 20)])
+    hashes[1].update(small)
+    hashes[2].update(mid)
+    hashes[3].update(small)
+    assert [h._lane for h in hashes] == [0, 1, 1, 1] and BackgroundHash._queued == [3 << 20, (2 << 20) + 2048]
+    gate.set()
+    assert [h.hexdigest() for h in hashes] == [hashlib.sha256(x).hexdigest() for x in (big, small, mid, small)]
+    for lane in lanes:
+        lane.submit(lambda: None).result()  # the done callbacks ran
+    assert BackgroundHash._queued == [0, 0]
+    for lane in lanes:
+        lane.shutdown()

@@ -229,3 +229,33 @@ def test_bundles_without_safetensors_weights_are_shipped_whole():
         shipped = dict(pipe.launcher.shipped)
     assert shipped == {0: whole, 1: whole}
     assert not compare(outs, reference_outputs(path, batches))
+
+
+def _mapped_file(addr: int) -> str | None:
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= addr < hi:
+            return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
+def test_a_reference_stage_computes_on_the_weights_files_pages(stack: Path):
+    """The reference backend maps its weights instead of copying them into fresh memory: every
+    param's storage is the weights file's page-cache pages (shared by the stages of one node), and
+    the outputs are the same as with the weights held in memory (a bundle whose params are a dict)."""
+    import dataclasses
+
+    bundle = load_bundle(stack)
+    plan = plan_equal_ops(bundle.graph, 2)
+    start, end = plan.stages[1]
+    stage = Stage(bundle, start, end, backend="reference")
+    views = stage.backend.views
+    params = stage.program.param_entries
+    assert params and all(_mapped_file(views[e].ctypes.data) == str(stack / "params.safetensors") for e in params.values())
+    in_memory = dataclasses.replace(load_bundle(stack), params={n: load_bundle(stack).params[n] for n in params})
+    copied = Stage(in_memory, start, end, backend="reference")
+    assert all(_mapped_file(copied.backend.views[e].ctypes.data) is None for e in params.values())
+    feed = random_feed(stage.program, 0)
+    out, want = stage.run(feed), copied.run(feed)
+    assert out.keys() == want.keys() and all(np.array_equal(out[k], want[k]) for k in out)
