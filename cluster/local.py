@@ -23,6 +23,18 @@ loads only the usage-stats module, the one that asks the metadata address), the 
 that boots while the stages do: on the 2-core VM they cost 1.5 CPU-s, 0.9 s of `ray.init` and, for
 the monitor's slow SIGTERM, 1 s of `ray.shutdown`. If Ray renames the methods, the head starts them
 as before (and the private HOME still keeps the API server off the metadata address).
+
+Three more things of `ray.init` cost a local run time at every stage count (docs/cluster.md):
+- Ray checks whether the dashboard's optional packages import (aiohttp, opentelemetry, ...) by
+  importing them in the driver, and then starts the full dashboard agent, whose imports the raylet
+  waits for before it registers. The embedded head starts the agent `--minimal` instead (what Ray
+  does when those packages are missing): no metrics export, which nothing here reads.
+- The dashboard and runtime-env agents are started under `nice -n 19`: they do nothing for a
+  local run (stage actors get no runtime_env) yet took 1.5-2 CPU-s of the two cores while the
+  stage processes booted.
+- The driver asks the GCS for its raylet 0.1 s after starting it, and Ray's C++ accessor retries
+  only every second: a raylet that registered 0.1 s too late cost a whole second. The head polls
+  the node table every 20 ms first, so the accessor's first try finds it.
 """
 
 from __future__ import annotations
@@ -70,24 +82,76 @@ def quiet_token_auth_notice() -> Iterator[None]:
 
 # Ray's Node methods that start the daemons local mode does without (see the module docstring)
 LEAN_HEAD_SKIPS = ("start_api_server", "start_monitor", "start_log_monitor")
+AGENT_NICENESS = 19
+NODE_POLL_S = 0.02
+NODE_WAIT_S = 30.0  # Ray's own raylet_start_wait_time_s
+
+
+def _wait_for_node(get_node, gcs_address: str, node_id: str):
+    """Ray's services.get_node, asked only once the node table lists `node_id` alive (polled every
+    NODE_POLL_S), so that the accessor's one-second retry is never needed."""
+    import time
+
+    from ray._private import services, state
+
+    table = state.GlobalState()
+    table._initialize_global_state(services._get_gcs_client_options(gcs_address))
+    deadline = time.monotonic() + NODE_WAIT_S
+    try:
+        while time.monotonic() < deadline:
+            if any(n.get("NodeID") == node_id and n.get("Alive") for n in table.node_table()):
+                break
+            time.sleep(NODE_POLL_S)
+    finally:
+        table.disconnect()
+    return get_node(gcs_address, node_id)
 
 
 @contextmanager
 def lean_head() -> Iterator[list[str]]:
-    """While the block runs, a Ray head started in this process starts none of LEAN_HEAD_SKIPS;
-    yields the names actually skipped (those this Ray version has)."""
-    from ray._private import node
+    """While the block runs, a Ray head started in this process starts none of LEAN_HEAD_SKIPS,
+    runs its dashboard agent minimal and both agents niced, and waits for its raylet without
+    one-second steps (module docstring). Yields what it changed: the names of the daemons skipped
+    (those this Ray version has), then "minimal agent", "niced agents" and "node poll" where this
+    Ray version has the functions patched."""
+    from ray._private import node, ray_constants, services, utils
 
     saved = {name: node.Node.__dict__[name] for name in LEAN_HEAD_SKIPS if name in node.Node.__dict__}
+    patched: list[tuple[object, str, object]] = []
 
     def skipped(self, *args, **kwargs) -> None:
         return None
 
+    def patch(owner: object, name: str, value: object) -> bool:
+        if not callable(getattr(owner, name, None)):
+            return False
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+        return True
+
+    agents = {getattr(ray_constants, n, None) for n in ("PROCESS_TYPE_DASHBOARD_AGENT", "PROCESS_TYPE_RUNTIME_ENV_AGENT")}
+    python_command = getattr(services, "_build_python_executable_command_memory_profileable", None)
+    nice = shutil.which("nice")
+
+    def niced(component: str, *args, **kwargs) -> list[str]:
+        cmd = python_command(component, *args, **kwargs)
+        return [nice, "-n", str(AGENT_NICENESS), *cmd] if component in agents - {None} else cmd
+
+    get_node = getattr(services, "get_node", None)
+    changed = list(saved)
     for name in saved:
         setattr(node.Node, name, skipped)
     try:
-        yield list(saved)
+        if patch(utils, "get_dashboard_dependency_error", lambda: "tvmpipe local mode: the agent runs minimal"):
+            changed.append("minimal agent")
+        if nice and python_command and patch(services, "_build_python_executable_command_memory_profileable", niced):
+            changed.append("niced agents")
+        if get_node and patch(services, "get_node", lambda gcs_address, node_id: _wait_for_node(get_node, gcs_address, node_id)):
+            changed.append("node poll")
+        yield changed
     finally:
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
         for name, fn in saved.items():
             setattr(node.Node, name, fn)
 

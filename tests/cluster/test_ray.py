@@ -10,6 +10,7 @@ from tests.support.pipeline_harness import alive, assert_bit_identical, case, cm
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
+from tvmpipe.cluster.local import AGENT_NICENESS
 from tvmpipe.cluster.control import Timeouts
 from tvmpipe.cluster.placement import Placement, PlacementError
 from tvmpipe.partition import plan_equal_ops
@@ -189,19 +190,62 @@ def test_prediction_bounds_the_measured_pipeline(ray_cluster, bundles):
 LEFT_OUT_DAEMONS = ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py")
 
 
-def test_lean_head_skips_the_daemons_only_inside_its_block():
-    """The patch on Ray's Node is scoped: a head started later (a user's own ray.init in the same
-    process) gets every daemon again."""
-    from ray._private import node
-    from tvmpipe.cluster.local import LEAN_HEAD_SKIPS, lean_head
+def _niceness(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16])
+
+
+def test_lean_head_changes_ray_only_inside_its_block():
+    """The patches on Ray are scoped: a head started later (a user's own ray.init in the same
+    process) gets every daemon, the full dashboard agent and un-niced agents again."""
+    from ray._private import node, ray_constants, services, utils
+    from tvmpipe.cluster.local import AGENT_NICENESS, LEAN_HEAD_SKIPS, lean_head
 
     before = {name: getattr(node.Node, name) for name in LEAN_HEAD_SKIPS}
-    with lean_head() as skipped:
-        assert skipped == list(LEAN_HEAD_SKIPS)  # Ray 2.60 has all three
+    patched = (utils.get_dashboard_dependency_error, services._build_python_executable_command_memory_profileable,
+               services.get_node)
+    plain = services._build_python_executable_command_memory_profileable(ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, "/s")
+    with lean_head() as changed:
+        assert changed == [*LEAN_HEAD_SKIPS, "minimal agent", "niced agents", "node poll"]  # Ray 2.60 has them all
         for name in LEAN_HEAD_SKIPS:
             assert getattr(node.Node, name) is not before[name]
             assert getattr(node.Node, name)(object()) is None
+        assert utils.get_dashboard_dependency_error() is not None  # Ray then starts the agent --minimal
+        build = services._build_python_executable_command_memory_profileable
+        for agent in (ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, ray_constants.PROCESS_TYPE_RUNTIME_ENV_AGENT):
+            cmd = build(agent, "/s")
+            assert os.path.basename(cmd[0]) == "nice" and cmd[1:3] == ["-n", str(AGENT_NICENESS)] and cmd[3:] == plain
+        assert build(ray_constants.PROCESS_TYPE_WORKER, "/s") == plain  # workers (stages) are not niced
     assert {name: getattr(node.Node, name) for name in LEAN_HEAD_SKIPS} == before
+    assert (utils.get_dashboard_dependency_error, services._build_python_executable_command_memory_profileable,
+            services.get_node) == patched
+    assert services._build_python_executable_command_memory_profileable(
+        ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, "/s") == plain
+
+
+def test_the_head_asks_for_its_raylet_once_the_node_table_lists_it(monkeypatch):
+    """Ray's accessor retries get_node only every second; the embedded head polls the node table
+    (every 20 ms) until its raylet is alive there, and only then calls Ray's get_node, once."""
+    from ray._private import services, state
+    from tvmpipe.cluster import local
+
+    calls: list = []
+
+    class Table:  # GlobalState, as far as _wait_for_node uses it
+        def _initialize_global_state(self, options):
+            calls.append(("connect", options))
+
+        def node_table(self):
+            calls.append("table")
+            return [{"NodeID": "other", "Alive": True}, {"NodeID": "n1", "Alive": calls.count("table") > 3}]
+
+        def disconnect(self):
+            calls.append("disconnect")
+
+    monkeypatch.setattr(state, "GlobalState", Table)
+    monkeypatch.setattr(services, "_get_gcs_client_options", lambda address: f"options for {address}")
+    got = local._wait_for_node(lambda a, n: calls.append(("get_node", a, n)) or "node info", "127.0.0.1:1", "n1")
+    assert got == "node info"
+    assert calls == [("connect", "options for 127.0.0.1:1"), *["table"] * 4, "disconnect", ("get_node", "127.0.0.1:1", "n1")]
 
 
 def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):
@@ -218,6 +262,13 @@ def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):
     assert not [(p, c[:120]) for p, c in procs.items() if any(d in c for d in LEFT_OUT_DAEMONS)]
     daemons = [p for p, c in procs.items() if "gcs_server" in c.split(" ", 1)[0] or "raylet" in c.split(" ", 1)[0]]
     assert len(daemons) == 2, procs
+    # the two agents run niced (they retitle themselves), the dashboard agent minimal (the raylet
+    # starts it with the command it was given); the daemons are not niced
+    agents = [p for p, c in procs.items() if c.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))]
+    assert len(agents) == 2 and {_niceness(p) for p in agents} == {AGENT_NICENESS}, procs
+    assert {_niceness(p) for p in daemons} == {os.getpriority(os.PRIO_PROCESS, 0)}
+    raylet = next(c for p, c in procs.items() if "raylet" in c.split(" ", 1)[0])
+    assert "dashboard/agent.py" in raylet and "--minimal" in raylet
     for pid in daemons:
         env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
         home = env[b"HOME"].decode()
