@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from tests.support.pipeline_harness import mapped_file
 from tests.support.tiny_bundle import tiny_params, write_tiny
 from tvmpipe.bundle import BundleError, load_bundle
 from tvmpipe.bundle.state import GenerationSpec, StatePair
@@ -248,16 +249,6 @@ def test_populated_bytes_are_zeroed_page_aligned_and_writable_on_either_path(mon
         assert int(buf.sum()) == 7 * ((3 << 20) // 4096)
 
 
-def _mapped_file(addr: int) -> str | None:
-    """The file /proc/self/maps says the page at `addr` maps, or None (anonymous memory)."""
-    for line in open("/proc/self/maps"):
-        parts = line.split()
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if lo <= addr < hi:
-            return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
-    return None
-
-
 def test_mapped_tensors_are_the_files_pages_private_and_verified_at_settle(tmp_path: Path):
     """WeightsFile.map: each tensor is a view of the file's own pages (no copy), counted as read
     like a copy; a write changes this process's page, never the file; checksums are compared at
@@ -275,7 +266,7 @@ def test_mapped_tensors_are_the_files_pages_private_and_verified_at_settle(tmp_p
     wf.settle(pending)
     for name, v in views.items():
         np.testing.assert_array_equal(v.view(np.float32).reshape(64, 64), arrays[name])
-        assert _mapped_file(v.ctypes.data) == str(path)
+        assert mapped_file(v.ctypes.data) == str(path)
     before = path.read_bytes()
     views["w1"][:4] = 0  # copy-on-write: this process only
     assert path.read_bytes() == before and views["w1"][:4].tolist() == [0, 0, 0, 0]

@@ -6,7 +6,8 @@ import os
 import threading
 
 import pytest
-from tests.support.pipeline_harness import alive, assert_bit_identical, case, cmdline, descendants, listening_ports, record_ports, tcp_sockets
+from tests.support.pipeline_harness import (alive, assert_bit_identical, case, cmdline, descendants, listening_ports, niceness,
+                                           record_ports, tcp_sockets)
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
@@ -190,10 +191,6 @@ def test_prediction_bounds_the_measured_pipeline(ray_cluster, bundles):
 LEFT_OUT_DAEMONS = ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py")
 
 
-def _niceness(pid: int) -> int:
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16])
-
-
 def test_lean_head_changes_ray_only_inside_its_block():
     """The patches on Ray are scoped: a head started later (a user's own ray.init in the same
     process) gets every daemon, the full dashboard agent and un-niced agents again."""
@@ -265,8 +262,8 @@ def test_ray_daemons_never_ask_the_cloud_metadata_address(ray_cluster):
     # the two agents run niced (they retitle themselves), the dashboard agent minimal (the raylet
     # starts it with the command it was given); the daemons are not niced
     agents = [p for p, c in procs.items() if c.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))]
-    assert len(agents) == 2 and {_niceness(p) for p in agents} == {AGENT_NICENESS}, procs
-    assert {_niceness(p) for p in daemons} == {os.getpriority(os.PRIO_PROCESS, 0)}
+    assert len(agents) == 2 and {niceness(p) for p in agents} == {AGENT_NICENESS}, procs
+    assert {niceness(p) for p in daemons} == {os.getpriority(os.PRIO_PROCESS, 0)}
     raylet = next(c for p, c in procs.items() if "raylet" in c.split(" ", 1)[0])
     assert "dashboard/agent.py" in raylet and "--minimal" in raylet
     for pid in daemons:

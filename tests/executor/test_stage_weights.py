@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.pipeline_harness import mapped_file
 from tests.support.synthetic_bundles import write_dense_stack
 from tvmpipe.bundle import BundleError, load_bundle
 from tvmpipe.cluster.shipping import build_shipment, stage_param_names, unpack
@@ -231,15 +232,6 @@ def test_bundles_without_safetensors_weights_are_shipped_whole():
     assert not compare(outs, reference_outputs(path, batches))
 
 
-def _mapped_file(addr: int) -> str | None:
-    for line in open("/proc/self/maps"):
-        parts = line.split()
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if lo <= addr < hi:
-            return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
-    return None
-
-
 def test_a_reference_stage_computes_on_the_weights_files_pages(stack: Path):
     """The reference backend maps its weights instead of copying them into fresh memory: every
     param's storage is the weights file's page-cache pages (shared by the stages of one node), and
@@ -252,10 +244,10 @@ def test_a_reference_stage_computes_on_the_weights_files_pages(stack: Path):
     stage = Stage(bundle, start, end, backend="reference")
     views = stage.backend.views
     params = stage.program.param_entries
-    assert params and all(_mapped_file(views[e].ctypes.data) == str(stack / "params.safetensors") for e in params.values())
+    assert params and all(mapped_file(views[e].ctypes.data) == str(stack / "params.safetensors") for e in params.values())
     in_memory = dataclasses.replace(load_bundle(stack), params={n: load_bundle(stack).params[n] for n in params})
     copied = Stage(in_memory, start, end, backend="reference")
-    assert all(_mapped_file(copied.backend.views[e].ctypes.data) is None for e in params.values())
+    assert all(mapped_file(copied.backend.views[e].ctypes.data) is None for e in params.values())
     feed = random_feed(stage.program, 0)
     out, want = stage.run(feed), copied.run(feed)
     assert out.keys() == want.keys() and all(np.array_equal(out[k], want[k]) for k in out)

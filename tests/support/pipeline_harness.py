@@ -71,6 +71,22 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def niceness(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def mapped_file(addr: int) -> str | None:
+    """The file this process's /proc/self/maps says the page at `addr` maps, or None (anonymous)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below `pid`, except multiprocessing's resource tracker (started by the
     first `spawn`, it lives as long as this process and is not something a test started)."""
