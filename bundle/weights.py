@@ -308,8 +308,9 @@ class WeightsFile:
         Each tensor is hashed on the helper thread (the hash faults its pages in) and verified at
         `settle(pending)`, which the caller must reach before it uses the arrays. A tensor whose
         offset is not a multiple of its item size is left out (NumPy would see an unaligned
-        array): the caller reads it with `load_into`. The first and last page of a run may hold a
-        few bytes of a neighbouring tensor: mapped, never read or counted."""
+        array): the caller reads it with `load_into`, as it does every tensor of a file its
+        filesystem cannot map. The first and last page of a run may hold a few bytes of a
+        neighbouring tensor: mapped, never read or counted."""
         infos = sorted((self.info(n) for n in dict.fromkeys(names)), key=lambda t: t.begin)
         infos = [t for t in infos if t.nbytes and t.begin % _itemsize(t.dtype) == 0]
         runs: list[list[TensorInfo]] = []
@@ -324,10 +325,15 @@ class WeightsFile:
             if run[-1].end > size:
                 raise _fail(str(self.path), f"tensor '{run[-1].name}'", "truncated: the file shrank after it was opened")
             start = run[0].begin - run[0].begin % mmap.ALLOCATIONGRANULARITY
-            m = mmap.mmap(self._fd, run[-1].end - start, flags=mmap.MAP_PRIVATE,
-                          prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-            if hasattr(m, "madvise"):
+            try:
+                m = mmap.mmap(self._fd, run[-1].end - start, flags=mmap.MAP_PRIVATE,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            except OSError:
+                continue  # a filesystem that cannot map files: the caller reads these tensors instead
+            try:
                 m.madvise(mmap.MADV_WILLNEED)  # read ahead now, while the hash walks the pages
+            except (AttributeError, OSError):
+                pass
             for t in run:
                 arr = out[t.name] = np.frombuffer(m, np.uint8, t.nbytes, t.begin - start)
                 self.bytes_read += t.nbytes

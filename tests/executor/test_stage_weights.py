@@ -251,3 +251,25 @@ def test_a_reference_stage_computes_on_the_weights_files_pages(stack: Path):
     feed = random_feed(stage.program, 0)
     out, want = stage.run(feed), copied.run(feed)
     assert out.keys() == want.keys() and all(np.array_equal(out[k], want[k]) for k in out)
+
+
+def test_weights_a_filesystem_cannot_map_are_read_instead(stack: Path, monkeypatch):
+    """Where mmap fails (a filesystem without it), the reference backend reads the same tensors
+    into its slots: the same outputs, each tensor still read (and counted) once."""
+    from tvmpipe.bundle import weights
+
+    mapped = Stage(load_bundle(stack), 0, len(load_bundle(stack).graph.nodes), backend="reference")
+
+    def no_mmap(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(weights.mmap, "mmap", no_mmap)
+        bundle = load_bundle(stack)
+        read = Stage(bundle, 0, len(bundle.graph.nodes), backend="reference")
+    params = read.program.param_entries
+    assert all(mapped_file(read.backend.views[e].ctypes.data) is None for e in params.values())
+    assert all(bundle.params.file.reads[n] == bundle.param_nbytes(n) for n in params)
+    feed = random_feed(read.program, 0)
+    out, want = read.run(feed), mapped.run(feed)
+    assert out.keys() == want.keys() and all(np.array_equal(out[k], want[k]) for k in out)
