@@ -43,6 +43,7 @@ MAX_HEADER = 100 << 20  # the safetensors package's own limit
 CHUNK = 64 << 20  # hashing / copying granularity: bounded temporary memory
 READ_CHUNK = 8 << 20  # load_into reads in pieces of this size, each hashed while the next is read
 MAX_HASH_LANES = 8  # BackgroundHash threads per process, at most
+DATA_ALIGN = 4096  # the writer pads the header so that the data starts on a page (safetensors_header)
 
 
 def hash_lanes() -> int:
@@ -137,6 +138,17 @@ def tensor_sha256(data: bytes | memoryview | np.ndarray) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
 
 
+def _adjacent(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
+    """`infos` (sorted by offset) cut into runs of tensors that follow each other in the file."""
+    runs: list[list[TensorInfo]] = []
+    for t in infos:
+        if runs and runs[-1][-1].end == t.begin:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
 def _itemsize(name: str) -> int:
     return 1 if name == "bool" else dtypes.itemsize(name)
 
@@ -193,7 +205,7 @@ class WeightsFile:
         meta = obj.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise _fail(f, "header", "__metadata__ must map strings to strings")
-        base = 8 + n
+        base = self.header_bytes = 8 + n  # the data starts here
         tensors: dict[str, TensorInfo] = {}
         spans = []
         for name, t in obj.items():
@@ -306,19 +318,24 @@ class WeightsFile:
         one node hold the weights once in memory, not once in the cache and again in the stages.
 
         Each tensor is hashed on the helper thread (the hash faults its pages in) and verified at
-        `settle(pending)`, which the caller must reach before it uses the arrays. A tensor whose
-        offset is not a multiple of its item size is left out (NumPy would see an unaligned
-        array): the caller reads it with `load_into`, as it does every tensor of a file its
-        filesystem cannot map. The first and last page of a run may hold a few bytes of a
-        neighbouring tensor: mapped, never read or counted."""
+        `settle(pending)`, which the caller must reach before it uses the arrays. Left out, for the
+        caller to read with `load_into`: a tensor whose first or last page holds bytes of a tensor
+        not asked for (a mapping shows whole pages, and another stage's bytes must never be in
+        this process: files this writer makes start the data on a page, so with page-sized
+        tensors that is none), one at an offset that is not a multiple of its item size (NumPy
+        would see an unaligned array), and every tensor of a file its filesystem cannot map."""
         infos = sorted((self.info(n) for n in dict.fromkeys(names)), key=lambda t: t.begin)
-        infos = [t for t in infos if t.nbytes and t.begin % _itemsize(t.dtype) == 0]
+        infos = [t for t in infos if t.nbytes]
+        page = mmap.PAGESIZE
         runs: list[list[TensorInfo]] = []
-        for t in infos:
-            if runs and runs[-1][-1].end == t.begin:
-                runs[-1].append(t)
-            else:
-                runs.append([t])
+        for own in _adjacent(infos):
+            # the bytes a mapping of this run may show: its own tensors, plus the header before the
+            # first tensor of the file and the zeros after the end of the file, never another tensor
+            lo = 0 if own[0].begin == self.header_bytes else own[0].begin
+            hi = math.inf if own[-1].end == self.size else own[-1].end
+            ok = [t for t in own if t.begin % _itemsize(t.dtype) == 0
+                  and t.begin - t.begin % page >= lo and -(-t.end // page) * page <= hi]
+            runs.extend(_adjacent(ok))
         out: dict[str, np.ndarray] = {}
         size = os.fstat(self._fd).st_size  # a file cut after open must not be mapped past its end (SIGBUS)
         for run in runs:
@@ -387,7 +404,9 @@ def safetensors_header(specs: Iterable[tuple[str, str, tuple[int, ...]]], metada
                        file: str = "<weights>") -> tuple[bytes, dict[str, TensorInfo], int]:
     """The first bytes of a safetensors file holding `specs` (name, TVM dtype, shape) in that
     order: (length prefix + padded JSON header, each tensor's range relative to the data start,
-    data bytes). The data starts 8-byte aligned, as the safetensors package writes it."""
+    data bytes). The header is padded with spaces (as the format allows) so that the data starts
+    on a page (DATA_ALIGN): tensors whose sizes are whole pages then start and end on pages, and a
+    stage can map its own tensors without sharing a page with another stage's (WeightsFile.map)."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -403,7 +422,7 @@ def safetensors_header(specs: Iterable[tuple[str, str, tuple[int, ...]]], metada
         tensors[name] = TensorInfo(name, dt, tuple(shape), pos, pos + n)
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % 8)
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)
     return struct.pack("<Q", len(raw)) + raw, tensors, pos
 
 

@@ -79,7 +79,7 @@ def test_bundle_writes_safetensors_with_per_tensor_checksums(tmp_path: Path):
     assert m["version"] == 2 and m["params"]["file"] == "params.safetensors"
     assert set(m["params"]["sha256"]) == {"w", "b"} and "params.safetensors" not in m["files"]
     loaded = load_bundle(b)
-    assert isinstance(loaded.params, LazyParams) and loaded.params.file.bytes_read < 200  # header only
+    assert isinstance(loaded.params, LazyParams) and loaded.params.file.bytes_read == loaded.params.file.header_bytes
     np.testing.assert_array_equal(loaded.params["w"], tiny_params()["w"])
 
 
@@ -261,11 +261,11 @@ def test_mapped_tensors_are_the_files_pages_private_and_verified_at_settle(tmp_p
     sums = save_safetensors(path, arrays)
     wf = WeightsFile(path, sums)
     pending: list = []
-    views = wf.map(["w2", "w1"], pending)
-    assert set(views) == {"w1", "w2"} and wf.reads == {"w1": 64 * 64 * 4, "w2": 64 * 64 * 4}
+    views = wf.map(["w2", "b1", "w1"], pending)
+    assert set(views) == {"w1", "b1", "w2"} and wf.reads == {"w1": 64 * 64 * 4, "b1": 64 * 4, "w2": 64 * 64 * 4}
     wf.settle(pending)
     for name, v in views.items():
-        np.testing.assert_array_equal(v.view(np.float32).reshape(64, 64), arrays[name])
+        np.testing.assert_array_equal(v.view(np.float32).reshape(arrays[name].shape), arrays[name])
         assert mapped_file(v.ctypes.data) == str(path)
     before = path.read_bytes()
     views["w1"][:4] = 0  # copy-on-write: this process only
@@ -275,7 +275,7 @@ def test_mapped_tensors_are_the_files_pages_private_and_verified_at_settle(tmp_p
     np.testing.assert_array_equal(again["w1"].view(np.float32).reshape(64, 64), arrays["w1"])
 
     bad = WeightsFile(path, {**sums, "b1": "0" * 64})
-    views = bad.map(["b1"], pending)  # no error yet: the hash runs behind
+    views = bad.map(["w1", "b1", "w2"], pending)  # no error yet: the hash runs behind
     with pytest.raises(BundleError, match=r"w\.safetensors: tensor 'b1': sha256 differs"):
         bad.settle(pending)
 
@@ -283,7 +283,7 @@ def test_mapped_tensors_are_the_files_pages_private_and_verified_at_settle(tmp_p
     last = max(cut.tensors.values(), key=lambda t: t.end)
     os.truncate(path, last.begin + 8)
     with pytest.raises(BundleError, match=rf"tensor '{last.name}': truncated: the file shrank after it was opened"):
-        cut.map([last.name], pending)
+        cut.map(list(cut.tensors), pending)
     assert pending == []
 
 
@@ -335,3 +335,42 @@ def test_hashes_start_on_the_lane_with_the_fewest_bytes_queued(monkeypatch):
     assert BackgroundHash._queued == [0, 0]
     for lane in lanes:
         lane.shutdown()
+
+
+def test_a_mapping_never_shows_another_tensors_bytes(tmp_path: Path):
+    """A mapping shows whole pages, so map() maps a tensor only where its first and last page hold
+    nothing but tensors asked for (or the header, or the end of the file); the rest is left to the
+    caller's copy. No mapped page of this process then holds a byte of a tensor not asked for.
+    The writer starts the data on a page, so page-sized tensors all map."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    arrays = {"a": np.arange(25, dtype=np.float32), "b": np.arange(2048, dtype=np.float32),
+              "c": np.arange(2048, dtype=np.float32), "d": np.arange(25, dtype=np.float32)}
+    path = tmp_path / "w.safetensors"
+    sums = save_safetensors(path, arrays)
+    wf = WeightsFile(path, sums)
+    assert wf.info("a").begin % page == 0  # the data starts on a page
+    spans = {n: (t.begin, t.end) for n, t in wf.tensors.items()}
+
+    def mapped_spans(names):
+        pending: list = []
+        views = wf.map(names, pending)
+        wf.settle(pending)
+        for name, v in views.items():  # the pages behind each view hold only tensors in `names`
+            assert v.ctypes.data % page == spans[name][0] % page  # mapped from a page of the file
+            lo = spans[name][0] - spans[name][0] % page
+            hi = -(-spans[name][1] // page) * page
+            assert all(e <= lo or b >= hi for n, (b, e) in spans.items() if n not in names), (name, names)
+        return set(views)
+
+    assert mapped_spans(["b", "c"]) == set()  # b's first page holds a, c's last page holds d
+    assert mapped_spans(["a", "b", "c"]) == {"a", "b"}  # a's page starts at the header's end
+    assert mapped_spans(["b", "c", "d"]) == {"c", "d"}  # d's last page ends past the end of the file
+    assert mapped_spans(["a", "b", "c", "d"]) == {"a", "b", "c", "d"}
+
+    sized = {f"w{i}": np.full(1024 * (i + 1), i, np.float32) for i in range(4)}  # whole pages each
+    wf = WeightsFile(tmp_path / "pages.safetensors", save_safetensors(tmp_path / "pages.safetensors", sized))
+    pending = []
+    assert set(wf.map(["w1", "w2"], pending)) == {"w1", "w2"}  # one stage's share of page-sized weights
+    wf.settle(pending)

@@ -16,6 +16,7 @@ import pytest
 from tests.support.pipeline_harness import mapped_file
 from tests.support.synthetic_bundles import write_dense_stack
 from tvmpipe.bundle import BundleError, load_bundle
+from tvmpipe.bundle.weights import DATA_ALIGN
 from tvmpipe.cluster.shipping import build_shipment, stage_param_names, unpack
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
@@ -66,7 +67,7 @@ def test_a_shipment_carries_only_its_stages_weights(stack: Path, tmp_path: Path)
         assert list(ship.tensors) == names
         assert set(src.params.file.reads) == set(names), "building a shipment reads only its tensors"
         slice_header = ship.weight_bytes - own
-        assert 8 < slice_header < 4096
+        assert 8 < slice_header <= DATA_ALIGN and slice_header % DATA_ALIGN == 0  # the data starts on a page
         assert ship.nbytes == small + slice_header + own
         made = unpack(ship, f"test{i}")
         try:
@@ -122,8 +123,8 @@ def test_process_launcher_ships_each_stage_its_own_weights(stack: Path):
         _, own = _own_bytes(bundle, start, end)
         st = stats[i]
         assert st.weight_bytes == own
-        assert own < st.shipped_bytes == shipped[i] < small + own + 4096, "its weights + small files, nothing else"
-        assert own < st.weights_read < own + 4096, "it read its own tensors (and the slice's header) only"
+        assert own < st.shipped_bytes == shipped[i] <= small + own + DATA_ALIGN, "its weights + small files, nothing else"
+        assert own < st.weights_read <= own + DATA_ALIGN, "it read its own tensors (and the slice's header) only"
 
 
 @pytest.fixture
@@ -232,12 +233,14 @@ def test_bundles_without_safetensors_weights_are_shipped_whole():
     assert not compare(outs, reference_outputs(path, batches))
 
 
-def test_a_reference_stage_computes_on_the_weights_files_pages(stack: Path):
-    """The reference backend maps its weights instead of copying them into fresh memory: every
-    param's storage is the weights file's page-cache pages (shared by the stages of one node), and
-    the outputs are the same as with the weights held in memory (a bundle whose params are a dict)."""
+def test_a_reference_stage_computes_on_the_weights_files_pages(tmp_path: Path):
+    """The reference backend maps its weights instead of copying them into fresh memory: with
+    page-sized tensors (a 1024-wide stack: 4 MiB weights, 4 KiB biases) every param's storage is
+    the weights file's page-cache pages (shared by the stages of one node), and the outputs are the
+    same as with the weights held in memory (a bundle whose params are a dict)."""
     import dataclasses
 
+    stack = write_dense_stack(tmp_path / "wide", layers=4, width=1024)
     bundle = load_bundle(stack)
     plan = plan_equal_ops(bundle.graph, 2)
     start, end = plan.stages[1]
