@@ -20,7 +20,7 @@ $(VENV)/.dev: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.runtime
 
 # The editable install leaves tvmpipe's modules as source only, and with PYTHONDONTWRITEBYTECODE set
-# (as on the CI image) every process (each stage actor, each test subprocess) compiled them again:
+# (as in this dev sandbox) every process (each stage actor, each test subprocess) compiled them again:
 # ~0.1 CPU-s a process on the 2-core VM. Compiled here, once per change (compileall skips what is
 # current); Python still reads a stale .pyc's source instead.
 bytecode: | $(BIN)/python
