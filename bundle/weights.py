@@ -220,7 +220,7 @@ class WeightsFile:
                 raise _fail(f, where, f"bad shape {shape!r}")
             if not (isinstance(offs, list) and len(offs) == 2 and all(_count(o) for o in offs) and offs[0] <= offs[1]):
                 raise _fail(f, where, f"bad data_offsets {offs!r}")
-            want = math.prod(shape) * (1 if dt == "bool" else dtypes.itemsize(dt))
+            want = math.prod(shape) * _itemsize(dt)
             if offs[1] - offs[0] != want:
                 raise _fail(f, where, f"data_offsets span {offs[1] - offs[0]} bytes but {t['dtype']}{shape} needs {want}")
             if base + offs[1] > self.size:
@@ -417,7 +417,7 @@ def safetensors_header(specs: Iterable[tuple[str, str, tuple[int, ...]]], metada
             raise _fail(file, f"tensor '{name}'", f"dtype {dt} has no safetensors tag")
         if name in tensors:
             raise _fail(file, f"tensor '{name}'", "listed twice")
-        n = math.prod(shape) * (1 if dt == "bool" else dtypes.itemsize(dt))
+        n = math.prod(shape) * _itemsize(dt)
         header[name] = {"dtype": TVM_TO_ST[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
         tensors[name] = TensorInfo(name, dt, tuple(shape), pos, pos + n)
         pos += n

@@ -67,7 +67,7 @@ class ReferenceBackend:
             mapped = map_params(bundle.params, program.param_entries, pending)
             for name, e in program.param_entries.items():
                 slot = program.storage.entry_slot[e]
-                if name in mapped and self.slots[slot] is None and sizes[slot] == mapped[name].size:
+                if name in mapped:  # a param's slot holds it alone, at its exact size (plan_storage)
                     self.slots[slot] = mapped[name]
                     continue
                 if self.slots[slot] is None:

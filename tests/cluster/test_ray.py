@@ -195,7 +195,7 @@ def test_lean_head_changes_ray_only_inside_its_block():
     """The patches on Ray are scoped: a head started later (a user's own ray.init in the same
     process) gets every daemon, the full dashboard agent and un-niced agents again."""
     from ray._private import node, ray_constants, services, utils
-    from tvmpipe.cluster.local import AGENT_NICENESS, LEAN_HEAD_SKIPS, lean_head
+    from tvmpipe.cluster.local import LEAN_HEAD_SKIPS, lean_head
 
     before = {name: getattr(node.Node, name) for name in LEAN_HEAD_SKIPS}
     patched = (utils.get_dashboard_dependency_error, services._build_python_executable_command_memory_profileable,
