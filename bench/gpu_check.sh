@@ -19,7 +19,8 @@
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
 # GPU_CHECK_BUDGET_S (default 560 s, inside the tool's 600 s). Results: bench/results/gpu_check.json
 # (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, upload_gpu.json, decode_gpu.json, and
-# copies plus the logs in $OUT. Steps that found no time left can be run in a second call while the
+# copies of them plus gpu_check.log in $OUT: 7 files, under the device tool's 8 (the PyCUDA build log
+# and pytest's own files stay in $WORK; gpu_check.log holds pytest's output). Steps that found no time left can be run in a second call while the
 # machine is warm (pycuda stays built in $SITE): GPU_CHECK_STEPS=tvmpipe,upload,decode.
 # Exit status: 0 only if every step passed.
 # shellcheck disable=SC2317  # the step functions are called through `step NAME BUDGET FUNCTION`
@@ -215,16 +216,16 @@ sys.path.insert(0, os.getcwd())
 code = compile(open("setup.py").read(), "setup.py", "exec")
 exec(code, {"__name__": "__main__", "__file__": os.path.abspath("setup.py")})
 EOF
-  echo "building (log: $OUT/pycuda_build.log)"
-  if ! tmo "$PY" "$src/pbuild.py" build >"$OUT/pycuda_build.log" 2>&1; then
+  echo "building (log: $WORK/pycuda_build.log)"
+  if ! tmo "$PY" "$src/pbuild.py" build >"$WORK/pycuda_build.log" 2>&1; then
     echo "parallel build failed (tail below); building serially"
-    tail -n 20 "$OUT/pycuda_build.log"
-    echo "---- serial build" >>"$OUT/pycuda_build.log"
-    tmo "$PY" setup.py build >>"$OUT/pycuda_build.log" 2>&1 || { tail -n 40 "$OUT/pycuda_build.log"; return 1; }
+    tail -n 20 "$WORK/pycuda_build.log"
+    echo "---- serial build" >>"$WORK/pycuda_build.log"
+    tmo "$PY" setup.py build >>"$WORK/pycuda_build.log" 2>&1 || { tail -n 40 "$WORK/pycuda_build.log"; return 1; }
   fi
   # pip reuses the up-to-date build/ (no recompile) and records the dist-info; else copy the package.
   if ! tmo "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-        --target "$SITE" . >>"$OUT/pycuda_build.log" 2>&1; then
+        --target "$SITE" . >>"$WORK/pycuda_build.log" 2>&1; then
     echo "pip install of the built tree failed; copying build/lib*/pycuda into $SITE"
     rm -rf "$SITE/pycuda" && cp -r build/lib*/pycuda "$SITE/"
   fi
@@ -270,17 +271,23 @@ s_pytest() {
   for b in "${BUNDLES[@]:2}"; do gb+="${gb:+:}$REPO/$b"; done
   export TVMPIPE_GPU_BUNDLES=$gb
   echo "TVMPIPE_GPU_BUNDLES=$gb"
-  rm -f "$OUT/pytest_gpu.xml"
+  rm -f "$WORK/pytest_gpu.xml"
   # --continue-on-collection-errors: a test module that cannot be imported here (a package missing
   # from the image) is reported and fails the step, but does not stop the GPU tests from running.
   # From outside the repo: `python -m pytest` puts the working directory first on sys.path, and the
   # repo's own tvmpipe/ folder (the top package alone) would shadow the shim's complete package.
+  # Only the modules that hold gpu-marked tests: the others are deselected anyway, and some import
+  # packages the GPU image lacks (ray, yaml), which pytest reports as collection errors.
+  local files
+  mapfile -t files < <(grep -rlE 'pytest\.mark\.gpu|mark\.gpu' --include='test_*.py' "$REPO/tests" | sort)
+  [ "${#files[@]}" -gt 0 ] || { echo "no gpu-marked test modules under $REPO/tests"; return 1; }
+  echo "gpu test modules: ${files[*]#"$REPO/"}"
   cd "$WORK"
   tmo "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider --continue-on-collection-errors \
-    --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests" \
-    --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log"
+    --rootdir "$REPO" -c "$REPO/pyproject.toml" "${files[@]}" \
+    --junitxml="$WORK/pytest_gpu.xml" 2>&1 | tee "$WORK/pytest_gpu.log"
   # pytest passes when every test is skipped (no pycuda, no GPU): require that they all ran
-  "$PY" "$WORK/junit_counts.py" "$OUT/pytest_gpu.xml" --strict
+  "$PY" "$WORK/junit_counts.py" "$WORK/pytest_gpu.xml" --strict
 }
 
 s_executor() {
@@ -372,12 +379,13 @@ summary = {
 sys.path.insert(0, os.environ["GPU_CHECK_WORK"])
 from junit_counts import counts
 try:
-    summary["pytest_gpu"] = counts(os.path.join(out, "pytest_gpu.xml"))
+    summary["pytest_gpu"] = counts(os.path.join(os.environ["GPU_CHECK_WORK"], "pytest_gpu.xml"))
 except (OSError, ET.ParseError):
     summary["pytest_gpu"] = None
 ex = load("bench/results/executor_gpu.json")
 if ex:
-    summary["executor"] = [{k: r.get(k) for k in ("model", "kernel_sum_us", "plain_ratio", "graph_ratio", "vs_torch")}
+    summary["executor"] = [{k: r.get(k) for k in ("model", "kernel_sum_us", "io_us", "graph_device_us", "plain_ratio", "graph_ratio",
+                                                        "graph_ratio_kernels_only", "vs_torch")}
                            | {"graph_target_met": r["graph_ratio"] <= ex.get("target_graph_ratio", 1.05)} for r in ex["models"]]
 pl = load("bench/results/gpu_pipeline.json")
 if pl:

@@ -9,9 +9,10 @@ compute). For each K of an equal plan, every stage is built with the cuda backen
 its own, as a stage actor builds it:
   * device memory: cuMemGetInfo's used bytes after the build minus before (slots, params, the
     module), against the stage's weight bytes;
-  * upload: the params' time from the weights file to the device through the two page-locked
-    staging buffers (backend_cuda.STAGING_BYTES each; every chunk read with pread, hashed on a
-    helper thread, copied asynchronously), as GB/s;
+  * upload: the params' time from the weights file to the device through the page-locked
+    staging buffers (2 x backend_cuda.STAGING_BYTES in all, one buffer pair per hash lane, the
+    pairs carrying one tensor each in turn; every chunk read with pread, hashed on its tensor's
+    lane, copied asynchronously), as GB/s;
   * host memory: the process's peak RSS growth over the build, against the stage's weights (the
     staged path keeps no host copy: it must stay far below them);
 and, as the limit, cuMemcpyHtoDAsync from one page-locked buffer of the staging size, repeated.

@@ -282,9 +282,11 @@ class DeviceInbox:
         cuda, mems = self.dev.cuda, []
         try:
             with self.dev.current(), self.dev.check("opening the producer's CUDA IPC handles"):
+                # PyCUDA takes a handle only as a bytearray (what its getters return); the offer's
+                # handles arrived through msgpack as bytes.
                 for h in offer.mem:
-                    mems.append(cuda.IPCMemoryHandle(h))
-                self.events = [cuda.Event.from_ipc_handle(h) for h in offer.events]
+                    mems.append(cuda.IPCMemoryHandle(bytearray(h)))
+                self.events = [cuda.Event.from_ipc_handle(bytearray(h)) for h in offer.events]
         except BaseException:
             with self.dev.current():
                 for m in mems:
@@ -338,6 +340,8 @@ class DeviceInbox:
                 for m in self.mems:
                     with self.dev.check("closing a CUDA IPC handle"):
                         m.close()
-            self.mems, self.events = None, []
+                # The events are destroyed here, with their context current: PyCUDA cannot
+                # activate it from this (data-plane) thread and would leak them with a warning.
+                self.mems, self.events = None, []
         if self.mems is None:
             self._say(CLOSED)

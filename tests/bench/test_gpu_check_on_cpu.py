@@ -48,6 +48,8 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
                        text=True, timeout=500)
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
+    back = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(back) <= 8, f"the device tool returns at most 8 files from $OUT: {back}"  # run 2 lost two
     assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "pytest", "pipeline"]
     assert "using a package shim" in r.stdout
     n = summary["pytest_gpu"]
@@ -78,6 +80,8 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
                        text=True, timeout=500)
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
+    back = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(back) <= 8, f"the device tool returns at most 8 files from $OUT: {back}"  # run 2 lost two
     assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "ipc", "upload", "decode"]
     (ipc,) = summary["ipc"]
     assert ipc["mb"] == 1 and ipc["host_gbps"] > 0 and ipc["cuda-ipc_gbps"] > 0

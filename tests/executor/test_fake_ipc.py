@@ -76,12 +76,12 @@ def exported(drv, data: np.ndarray):
 def test_bytes_cross_processes_after_the_event(drv, peer):
     data = np.arange(1000, dtype=np.float32)
     s, buf, h, ev = exported(drv, data)
-    assert isinstance(h, bytes) and len(h) == 64
-    peer.ok(f"m = drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}')); e = drv.Event.from_ipc_handle(bytes.fromhex('{ev.ipc_handle().hex()}'))")
+    assert isinstance(h, bytearray) and len(h) == 64
+    peer.ok(f"m = drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}')); e = drv.Event.from_ipc_handle(bytearray.fromhex('{ev.ipc_handle().hex()}'))")
     got = peer.ok("mine = drv.mem_alloc(4000); s.wait_for_event(e); "
                   "drv.memcpy_dtod_async(int(mine), int(m), 4000, s); s.synchronize(); "
                   "out = np.empty(1000, np.float32); drv.memcpy_dtoh(out, int(mine)); result = out.tobytes().hex()")
-    assert bytes.fromhex(got) == data.tobytes()
+    assert bytearray.fromhex(got) == data.tobytes()
     peer.ok("m.close()")
     buf.free()
     assert not drv.violations
@@ -89,7 +89,7 @@ def test_bytes_cross_processes_after_the_event(drv, peer):
 
 def test_read_before_the_event_is_flagged(drv, peer):
     s, buf, h, ev = exported(drv, np.ones(64, np.uint8))
-    peer.ok(f"m = drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}')); mine = drv.mem_alloc(64)")
+    peer.ok(f"m = drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}')); mine = drv.mem_alloc(64)")
     err = peer("drv.memcpy_dtod_async(int(mine), int(m), 64, s); s.synchronize()")["err"]
     assert err.startswith("RuleViolation: cuMemcpyDtoDAsync reads IPC-opened memory") and "before waiting" in err
     peer.ok("m.close()")
@@ -99,7 +99,7 @@ def test_read_before_the_event_is_flagged(drv, peer):
 def test_a_write_after_the_record_is_not_covered(drv, peer):
     """The producer reuses the buffer (writes after the record the consumer waits for): flagged."""
     s, buf, h, ev = exported(drv, np.ones(64, np.uint8))
-    peer.ok(f"m = drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}')); e = drv.Event.from_ipc_handle(bytes.fromhex('{ev.ipc_handle().hex()}')); mine = drv.mem_alloc(64)")
+    peer.ok(f"m = drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}')); e = drv.Event.from_ipc_handle(bytearray.fromhex('{ev.ipc_handle().hex()}')); mine = drv.mem_alloc(64)")
     peer.ok("s.wait_for_event(e)")  # waits for the record made so far
     drv.memcpy_htod_async(int(buf), drv.pagelocked_empty(64, np.uint8), s)
     s.synchronize()
@@ -111,14 +111,14 @@ def test_a_write_after_the_record_is_not_covered(drv, peer):
 
 def test_free_before_the_importer_closes_is_flagged(drv, peer):
     s, buf, h, ev = exported(drv, np.ones(16, np.uint8))
-    peer.ok(f"m = drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}'))")
+    peer.ok(f"m = drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}'))")
     with pytest.raises(drv.RuleViolation, match="freed while 1 other process"):
         buf.free()
     drv.violations.clear()
     peer.ok("m.close()")
     assert "err" in peer("m.close()")
     buf.free()  # now allowed
-    assert "no longer exists" in peer(f"drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}'))")["err"]
+    assert "no longer exists" in peer(f"drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}'))")["err"]
 
 
 def test_handles_only_for_cumemalloc_base_pointers(drv, peer):
@@ -130,7 +130,7 @@ def test_handles_only_for_cumemalloc_base_pointers(drv, peer):
     with pytest.raises(drv.LogicError, match="not a cuMemAlloc allocation"):
         drv.mem_get_ipc_handle(0x1234)
     h = drv.mem_get_ipc_handle(buf)
-    assert "cannot be exported again" in peer(f"m = drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}')); "
+    assert "cannot be exported again" in peer(f"m = drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}')); "
                                               "drv.mem_get_ipc_handle(int(m))")["err"]
     peer.ok("m.close()")
     buf.free()
@@ -152,3 +152,32 @@ def test_interprocess_events_need_disable_timing(drv):
         drv.Event(drv.event_flags.INTERPROCESS)
     with pytest.raises(drv.LogicError, match="not created with event_flags.INTERPROCESS"):
         drv.Event().ipc_handle()
+
+
+def test_handles_are_taken_only_as_bytearray(drv, peer):
+    """PyCUDA 2026.1 (src/cpp/cuda.hpp) returns handles as bytearray and refuses any other type when
+    opening one, with the event routine's name for both kinds; a handle that crossed msgpack is bytes.
+    The first GPU run failed here while the fake accepted bytes."""
+    buf = drv.mem_alloc(64)
+    h = drv.mem_get_ipc_handle(buf)
+    ev = drv.Event(drv.event_flags.INTERPROCESS | drv.event_flags.DISABLE_TIMING)
+    assert type(h) is bytearray and type(ev.ipc_handle()) is bytearray
+    for code in (f"drv.IPCMemoryHandle(bytes.fromhex('{h.hex()}'))",
+                 f"drv.Event.from_ipc_handle(bytes.fromhex('{ev.ipc_handle().hex()}'))"):
+        assert peer(code)["err"].endswith("event_from_ipc_handle failed: invalid argument - argument is not a bytes array")
+    peer.ok(f"m = drv.IPCMemoryHandle(bytearray.fromhex('{h.hex()}')); m.close()")
+    buf.free()
+
+
+def test_an_event_dropped_where_its_context_cannot_be_activated_leaks_with_a_warning(drv, recwarn):
+    """PyCUDA's ~event activates the event's context; from another thread without it current that
+    fails, and the event leaks with a UserWarning (seen on the H100 from cudaipc's close)."""
+    import threading
+
+    box = [drv.Event(drv.event_flags.INTERPROCESS | drv.event_flags.DISABLE_TIMING), drv.Event()]
+    del box[1]  # its own thread, context current: destroyed
+    assert not [w for w in recwarn if "could not be cleaned up" in str(w.message)]
+    t = threading.Thread(target=box.clear)
+    t.start()
+    t.join()
+    assert [str(w.message) for w in recwarn] == ["event in out-of-thread context could not be cleaned up"]

@@ -95,4 +95,31 @@ def test_cuda_profile_has_kernel_times(model_bundles):
         launched = [l.kernel for l in r.program.launches]
         assert [k.kernel for n in prof.nodes for k in n.kernels] == launched, name
         assert prof.kernel_total_us > 0 and prof.run_us > 0
+        assert all(n.ops for n in prof.nodes if n.kernels), f"{name}: a profiled node maps to no model op"
         r.close()
+
+
+def test_cuda_load_params_after_build(model_bundles):
+    """load_params replaces the weights already on the device; the outputs follow the reference's,
+    and on at least one model they changed (a relu can hide the change on a small one)."""
+    changed = []
+    for name, b in model_bundles.items():
+        if not b.param_names:
+            continue
+        inputs = random_inputs(b, seed=6)
+        rng = np.random.default_rng(6)
+        # each weight times its own factor in [0.5, 1.5): the magnitudes the model was built for
+        new = {n: (np.asarray(b.params[n]) * rng.uniform(0.5, 1.5, np.shape(b.params[n]))).astype(b.params[n].dtype)
+               for n in b.param_names}
+        ref, gpu = GraphRunner(b), GraphRunner(b, backend="cuda")
+        gpu.run(**inputs)
+        before = outputs(gpu)
+        for r in (ref, gpu):
+            r.load_params(new)
+            r.run(**inputs)
+        changed += [name] if any(a.tobytes() != g.tobytes() for a, g in zip(before, outputs(gpu))) else []
+        for want, got in zip(outputs(ref), outputs(gpu)):
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+        gpu.close()
+    assert changed, "load_params changed no model's outputs on the device"

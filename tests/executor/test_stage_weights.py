@@ -143,21 +143,35 @@ def fake_stack(monkeypatch, tmp_path, stack):
         del sys.modules[name]
 
 
-def test_cuda_uploads_from_the_file_through_bounded_pinned_staging(fake_stack, stack: Path):
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_cuda_uploads_from_the_file_through_bounded_pinned_staging(fake_stack, stack: Path, monkeypatch, lanes):
+    """2 x staging_bytes of page-locked memory in all, as one buffer pair per hash lane (the pairs
+    take turns chunk by chunk, one tensor each, so that many checksums run at once)."""
+    import tvmpipe.executor.backend_cuda as backend_cuda
+
+    monkeypatch.setattr(backend_cuda, "hash_lanes", lambda: lanes)
     drv = fake_stack
-    chunk = 1000  # a w tensor is 4096 bytes: 5 chunks, both buffers reused
+    staging = 2000  # a w tensor is 4096 bytes: 3 or more chunks a tensor, every buffer reused
     bundle = load_bundle(stack)
     start, end = plan_equal_ops(bundle.graph, 2).stages[1]
     names, own = _own_bytes(bundle, start, end)
-    stage = Stage(bundle, start, end, backend="cuda", staging_bytes=chunk)
+    pairs = min(lanes, len(names))
+    chunk = staging // pairs
+    dsts, htod = [], drv.memcpy_htod_async
+    monkeypatch.setattr(drv, "memcpy_htod_async", lambda dst, src, stream=None: (dsts.append(int(dst)), htod(dst, src, stream))[1])
+    stage = Stage(bundle, start, end, backend="cuda", staging_bytes=staging)
     built = {k: list(v) for k, v in drv.stats.items()}  # what the build did
+    bases = sorted((stage.backend.ptr[e], n) for n, e in stage.program.param_entries.items())
+    order = [max((b for b in bases if b[0] <= d), default=(None, None))[1] for d in dsts]
+    assert len(set(order[:pairs])) == pairs, f"the first copies go to {pairs} different tensor(s) in turn: {order}"
     feeds = {e: v for e, v in random_feed(stage.program, 2).items()}
     ref = Stage(load_bundle(stack), start, end, backend="reference")
     for e, v in ref.run(feeds).items():
         np.testing.assert_allclose(stage.run(feeds)[e], v, rtol=1e-5, atol=1e-6)
     io_bytes = sum(stage.program.entry_specs[e].nbytes for e in stage.program.feed_entries + stage.program.send_entries)
-    assert sorted(built["pinned_allocs"])[-2:] == [chunk, chunk]
-    assert sum(built["pinned_allocs"]) == 2 * chunk + io_bytes, "two staging buffers and the I/O buffers, nothing else"
+    assert built["pinned_allocs"].count(chunk) >= 2 * pairs
+    assert sum(built["pinned_allocs"]) == 2 * pairs * chunk + io_bytes, "the staging pairs and the I/O buffers, nothing else"
+    assert 2 * pairs * chunk <= 2 * staging
     params = [c for c in built["htod"]]
     assert all(src == "pinned" and how == "async" and n <= chunk for src, n, how in params), params
     assert sum(n for _, n, _ in params) == own and len(params) > len(names), "every weight byte once, in chunks"

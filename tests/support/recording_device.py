@@ -54,9 +54,9 @@ class RecordingDevice:
                 self.calls.append(("upload", ptr, array.nbytes))
                 super().upload(ptr, array)
 
-            def upload_staged(self, ptr, weights, name, pending=None):  # a param from the file, through pinned staging
-                self.calls.append(("upload", ptr, weights.info(name).nbytes))
-                super().upload_staged(ptr, weights, name, pending)
+            def upload_staged(self, jobs, weights, pending=None):  # params from the file, through pinned staging
+                self.calls.extend(("upload", ptr, weights.info(name).nbytes) for ptr, name in jobs)
+                super().upload_staged(jobs, weights, pending)
 
             def copy_in(self, ptr, host):
                 self.calls.append(("h2d", ptr, host.nbytes))

@@ -37,6 +37,7 @@ import struct
 import tempfile
 import time
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -228,6 +229,7 @@ class Context:
     def __init__(self, prim: _Primary):
         self.prim = prim
         self.handle = id(prim)
+        self.thread = threading.get_ident()  # PyCUDA may re-activate a context only in this thread
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Context) and other.prim is self.prim
@@ -551,6 +553,7 @@ class Stream:
 class Event:
     def __init__(self, flags: int = 0):
         self.prim = _acquire()
+        self._home = _stack()[-1].thread
         self.time: float | None = None
         self.flags = flags
         self._shared: _SharedEvent | None = None
@@ -578,6 +581,16 @@ class Event:
         s._enqueue(run)
         return self
 
+    def __del__(self) -> None:
+        """~event: cuEventDestroy under scoped_context_activation, which works where the event's
+        context is current or can be pushed (its own thread); elsewhere PyCUDA leaks the event
+        with this warning (CUDAPP_CATCH_CLEANUP_ON_DEAD_CONTEXT)."""
+        if not hasattr(self, "_home"):
+            return  # the constructor failed: no CUDA event was made
+        s = getattr(_tls, "stack", None) or []
+        if not (s and s[-1].prim is self.prim) and threading.get_ident() != self._home:
+            warnings.warn("event in out-of-thread context could not be cleaned up", UserWarning, stacklevel=2)
+
     def synchronize(self) -> "Event":
         _no_capture("cuEventSynchronize", _ctx("cuEventSynchronize"))
         self.prim.drain()
@@ -600,20 +613,22 @@ class Event:
             _fail("cuEventElapsedTime", 600)
         return self.time - other.time
 
-    def ipc_handle(self) -> bytes:
+    def ipc_handle(self) -> bytearray:
         """cuIpcGetEventHandle: only for INTERPROCESS | DISABLE_TIMING events."""
         _ctx("cuIpcGetEventHandle")
         if self._shared is None:
             _fail("cuIpcGetEventHandle", 1, "the event was not created with event_flags.INTERPROCESS")
-        return self._shared.handle()
+        return bytearray(self._shared.handle())
 
     @staticmethod
     def from_ipc_handle(handle) -> "Event":
         """cuIpcOpenEventHandle, in the current context; never in the exporting process."""
+        handle = _handle_arg(handle)
         _ctx("cuIpcOpenEventHandle")
-        shared = _SharedEvent.open(bytes(handle))
+        shared = _SharedEvent.open(handle)
         ev = Event.__new__(Event)
         ev.prim, ev.time, ev.flags, ev._shared = _acquire(), None, event_flags.DISABLE_TIMING, shared
+        ev._home = _stack()[-1].thread
         return ev
 
 
@@ -633,6 +648,16 @@ IPC_DIR = os.environ.get("FAKE_PYCUDA_IPC_DIR") or os.path.join(
     "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"fakecuda-ipc-{os.getuid()}")
 _MEM_MAGIC, _EVT_MAGIC = b"FKIPCMEM", b"FKIPCEVT"
 _HANDLE = struct.Struct("<8sQQQ32s")  # magic, pid, base, nbytes, token: 64 bytes like CUipcMemHandle
+
+
+def _handle_arg(handle) -> bytes:
+    """PyCUDA's own check on an IPC handle argument (both IPCMemoryHandle and Event.from_ipc_handle):
+    it must be a bytearray, the type PyCUDA's getters return; `bytes` (what a handle becomes after
+    msgpack, pickle or a socket) is refused, with PyCUDA's message, which names the event routine
+    for both kinds."""
+    if not isinstance(handle, bytearray):
+        _fail("event_from_ipc_handle", 1, "argument is not a bytes array")
+    return bytes(handle)
 
 
 def _open_handle(routine: str, handle: bytes, magic: bytes, what: str) -> tuple[int, int, str]:
@@ -818,7 +843,7 @@ def _check_ipc_reads(s: "Stream", ptrs, routine: str, at_enqueue: bool = False) 
                                f"that follows its last write (write stamp {last}, this stream waited past {fence})")
 
 
-def mem_get_ipc_handle(devptr) -> bytes:
+def mem_get_ipc_handle(devptr) -> bytearray:
     """cuIpcGetMemHandle: the 64-byte handle of a cuMemAlloc allocation, given its base pointer."""
     prim = _ctx("cuIpcGetMemHandle")
     if isinstance(devptr, np.ndarray):
@@ -839,15 +864,16 @@ def mem_get_ipc_handle(devptr) -> bytes:
         shared = prim.exported[ptr] = _Shared(token, path, fd, mm)
         shared.data[...] = old
         prim.allocs[ptr] = shared.data
-    return _HANDLE.pack(_MEM_MAGIC, os.getpid(), ptr, shared.nbytes, shared.token.encode())
+    return bytearray(_HANDLE.pack(_MEM_MAGIC, os.getpid(), ptr, shared.nbytes, shared.token.encode()))
 
 
 class IPCMemoryHandle:
     """cuIpcOpenMemHandle in the current context; int() is the opened pointer; close() unmaps."""
 
     def __init__(self, ipc_handle, flags: int = ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS):
+        ipc_handle = _handle_arg(ipc_handle)
         prim = _ctx("cuIpcOpenMemHandle")
-        base, nbytes, token = _open_handle("cuIpcOpenMemHandle", bytes(ipc_handle), _MEM_MAGIC, "a memory")
+        base, nbytes, token = _open_handle("cuIpcOpenMemHandle", ipc_handle, _MEM_MAGIC, "a memory")
         try:
             shared = _Shared(token, *_ipc_file(token))
         except OSError:
