@@ -52,7 +52,7 @@ export PYTHONUNBUFFERED=1
 export TVMPIPE_CACHE="$WORK/tvmpipe-cache"  # a fresh cubin cache: every kernel is compiled here, by this nvcc
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 BUNDLES=(examples/mlp examples/cnn)
-for m in resnet18 transformer; do
+for m in resnet18 transformer bert_mask gpt2 llama; do
   if [ -f ".gpu/bundles/$m/bundle.json" ]; then BUNDLES+=(".gpu/bundles/$m"); else echo "WARNING: .gpu/bundles/$m missing (run bench/gpu_prep.sh and carry .gpu)"; fi
 done
 

@@ -79,6 +79,15 @@ for m in resnet18 transformer; do
   say "compiling $m -> .gpu/bundles/$m (generated weights)"
   "$PY" -m tvmpipe compile "$m" -o ".gpu/bundles/$m" --omit-params --force --quiet
 done
+# Three published architectures from the zoo (transformers' BERT, GPT-2 and Llama, small configs,
+# seeded weights kept in the bundle: under 1 MiB each), exported with torch.export and compiled.
+ZOO_MODELS=(bert_mask gpt2 llama)
+for m in "${ZOO_MODELS[@]}"; do
+  say "exporting and compiling zoo model $m -> .gpu/bundles/$m"
+  pt2=$("$PY" -c 'import sys; from pathlib import Path; from tvmpipe.compiler.zoo import ZOO, export_model
+print(export_model(ZOO[sys.argv[1]], "pt2", Path(sys.argv[2]))[0])' "$m" "$tmp/zoo")
+  "$PY" -m tvmpipe compile "$pt2" -o ".gpu/bundles/$m" --name "$m" --force --quiet
+done
 # Each bundle must load, use generated weights, and give finite outputs on the reference backend.
 say "compiling gpt2 --decode -> .gpu/bundles/gpt2_decode (max context 64, seeded weights)"
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
@@ -95,6 +104,13 @@ for m in ("resnet18", "transformer"):
     assert all(np.isfinite(o).all() for o in outs), f"{m}: non-finite reference outputs"
     print(f"[gpu_prep] {m}: {len(b.graph.op_nodes)} op nodes, outputs {[list(o.shape) for o in outs]}, "
           f"max|out| {max(float(np.abs(o).max()) for o in outs):.3g} (reference backend)")
+for m in ("bert_mask", "gpt2", "llama"):
+    b = load_bundle(f".gpu/bundles/{m}")
+    with GraphRunner(b) as r:
+        r.run(**random_inputs(b, seed=4))
+        outs = [r.get_output(i) for i in range(r.get_num_outputs())]
+    assert all(np.isfinite(o).all() for o in outs), f"{m}: non-finite reference outputs"
+    print(f"[gpu_prep] {m}: {len(b.graph.op_nodes)} op nodes, outputs {[list(o.shape) for o in outs]} (reference backend)")
 EOF
 
 # ---- CPython 3.12 headers, in case the GPU image has no Python.h (python3.12-dev) ----------------
