@@ -56,6 +56,8 @@ def torch_eager_us(bundle, inputs, repeat: int) -> float | None:
         from tvmpipe.compiler.models import build_builtin
     except ImportError:
         return None
+    if not torch.cuda.is_available():  # a CPU build of torch (the fake driver's runs on CPU)
+        return None
     model = build_builtin(source["name"], bundle.manifest.batch, source.get("seed", 0)).cuda()
     (x,) = inputs.values()
 

@@ -34,6 +34,7 @@ SHIM=${GPU_CHECK_SHIM:-/tmp/tvmpipe-shim}
 ONLY=${GPU_CHECK_STEPS:-}  # a comma-separated subset of the steps (tests/bench runs some on the CPU)
 PIPELINE_ARGS=${GPU_CHECK_PIPELINE_ARGS:---stages 1,2,3,4 --graphs both --micro-batches 200}
 IPC_ARGS=${GPU_CHECK_IPC_ARGS:---mb 4,64 --iters 50}
+EXECUTOR_ARGS=${GPU_CHECK_EXECUTOR_ARGS:---repeat 200}
 UPLOAD_ARGS=${GPU_CHECK_UPLOAD_ARGS:---gib 2 --stages 1,2,4}
 DECODE_BUNDLE=${GPU_CHECK_DECODE_BUNDLE:-.gpu/bundles/gpt2_decode}
 DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
@@ -293,7 +294,8 @@ s_pytest() {
 s_executor() {
   local rc=0
   rm -f bench/results/executor_gpu.json "$OUT/executor_gpu.json"
-  tmo "$PY" bench/executor_gpu.py "${BUNDLES[@]}" --repeat 200 || rc=$?
+  # shellcheck disable=SC2086  # EXECUTOR_ARGS is a list of options
+  tmo "$PY" bench/executor_gpu.py "${BUNDLES[@]}" $EXECUTOR_ARGS || rc=$?
   if [ -s bench/results/executor_gpu.json ]; then cp bench/results/executor_gpu.json "$OUT/"; else
     echo "bench/executor_gpu.py wrote no results (it exits 0 when it finds no GPU)"; [ "$rc" -ne 0 ] || rc=1; fi
   return "$rc"

@@ -1,7 +1,7 @@
 """bench/gpu_check.sh on the CPU, over the strict fake PyCUDA (tests/fakecuda): the tvmpipe step on
 its fallback package shim, `pytest -m gpu` (every GPU test must run and pass, from outside the repo
-so the repo's tvmpipe/ folder cannot shadow the shim: issue 12, defect 6) and the pipeline bench on
-the cuda backend with and without graph replay. A copy of the tree, so no result file is touched."""
+so the repo's tvmpipe/ folder cannot shadow the shim: issue 12, defect 6), the executor bench and the
+pipeline bench on the cuda backend with and without graph replay. A copy of the tree, so no result file is touched."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
     env = {**os.environ, **fake_env(tmp_path / "cache", [tree / "examples" / "mlp", tree / "examples" / "cnn", inner])}
     env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
-               GPU_CHECK_STEPS="tvmpipe,pytest,pipeline", GPU_CHECK_FORCE_SHIM="1",
+               GPU_CHECK_STEPS="tvmpipe,pytest,executor,pipeline", GPU_CHECK_FORCE_SHIM="1",
+               GPU_CHECK_EXECUTOR_ARGS="--repeat 5",
                PYTEST_ADDOPTS=f"--basetemp={inner}",
                GPU_CHECK_PIPELINE_ARGS="--stages 1,2 --graphs both --micro-batches 4 --distinct 2 "
                                        "--runner-repeat 3 --plan equal")
@@ -49,7 +50,10 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
     assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
     back = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(back) <= 8, f"the device tool returns at most 8 files from $OUT: {back}"  # run 2 lost two
-    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "pytest", "pipeline"]
+    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "pytest", "executor", "pipeline"]
+    rows = {r["model"]: r for r in summary["executor"]}  # bench/executor_gpu.py ran over the fake
+    assert set(rows) == {"mlp", "cnn"} and all(r["kernel_sum_us"] > 0 and r["io_us"] > 0 and r["graph_device_us"] > 0
+                                                for r in rows.values()), rows
     assert "using a package shim" in r.stdout
     n = summary["pytest_gpu"]
     assert n["tests"] >= 4 and n["passed"] == n["tests"], n
