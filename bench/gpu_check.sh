@@ -16,10 +16,12 @@
 #             against its weights, staged upload GB/s against the page-locked copy limit
 #   decode    bench/decode_gpu.py: .gpu/bundles/gpt2_decode as K = 1, 2 cuda stages, caches on the
 #             device: the reference's tokens, tokens/s with 1, 2, 4 sequences in flight
+#   generate  bench/generate.py --no-published on .gpu/bundles/decode_fixture: issue 24's sweep of
+#             simulated stages (no GPU) on this host's cores, a core per stage process
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
 # GPU_CHECK_BUDGET_S (default 560 s, inside the tool's 600 s). Results: bench/results/gpu_check.json
-# (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, upload_gpu.json, decode_gpu.json, and
-# copies of them plus gpu_check.log in $OUT: 7 files, under the device tool's 8 (the PyCUDA build log
+# (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, upload_gpu.json, decode_gpu.json,
+# generate_gpu_host.json, and copies of them plus gpu_check.log in $OUT: 8 files, the device tool's limit (the PyCUDA build log
 # and pytest's own files stay in $WORK; gpu_check.log holds pytest's output). Steps that found no time left can be run in a second call while the
 # machine is warm (pycuda stays built in $SITE): GPU_CHECK_STEPS=tvmpipe,upload,decode.
 # Exit status: 0 only if every step passed.
@@ -38,6 +40,8 @@ EXECUTOR_ARGS=${GPU_CHECK_EXECUTOR_ARGS:---repeat 200}
 UPLOAD_ARGS=${GPU_CHECK_UPLOAD_ARGS:---gib 2 --stages 1,2,4}
 DECODE_BUNDLE=${GPU_CHECK_DECODE_BUNDLE:-.gpu/bundles/gpt2_decode}
 DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
+GENERATE_BUNDLE=${GPU_CHECK_GENERATE_BUNDLE:-.gpu/bundles/decode_fixture}
+GENERATE_ARGS=${GPU_CHECK_GENERATE_ARGS:---stages 1,2,3,4}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}
 BUDGET=${GPU_CHECK_BUDGET_S:-560}
 T0=$(date +%s)
@@ -339,6 +343,17 @@ s_decode() {  # generation with the KV caches on the device, tokens against the 
   return "$rc"
 }
 
+s_generate() {  # issue 24's sweep (simulated 1 ms / 0.1 ms stages, no GPU) on this host's cores
+  local rc=0
+  [ -f "$GENERATE_BUNDLE/bundle/bundle.json" ] || { echo "no decode fixture at $GENERATE_BUNDLE (run bench/gpu_prep.sh and carry .gpu)"; return 1; }
+  rm -f bench/results/generate_gpu_host.json
+  # shellcheck disable=SC2086  # GENERATE_ARGS is a list of options
+  tmo "$PY" bench/generate.py --bundle "$GENERATE_BUNDLE" --no-published $GENERATE_ARGS \
+    --out bench/results/generate_gpu_host.json || rc=$?
+  [ -s bench/results/generate_gpu_host.json ] && cp bench/results/generate_gpu_host.json "$OUT/"
+  return "$rc"
+}
+
 step env 30 s_env
 step wheels 60 s_wheels
 step pycuda 240 s_pycuda
@@ -349,6 +364,7 @@ step pipeline 240 s_pipeline
 step ipc 60 s_ipc
 step upload 90 s_upload
 step decode 90 s_decode
+step generate 150 s_generate
 
 # ---- summary ------------------------------------------------------------------------------------
 FAILED=0
@@ -411,6 +427,11 @@ if de:
     summary["decode"] = {"all_exact": de.get("all_exact"), "model": de.get("model"), "rows": [
         {k: r.get(k) for k in ("stages", "in_flight", "same_tokens_as_reference", "tokens_per_s", "itl_ms_p50",
                                "max_hop_bytes_per_step", "cache_bytes_per_slot")} for r in de.get("rows", [])]}
+ge = load("bench/results/generate_gpu_host.json")
+if ge:
+    summary["generate"] = {"cpus": ge["machine"]["cpus"], "target": ge["target"], "rows": [
+        {k: r.get(k) for k in ("stage_ms", "stages", "in_flight", "tokens_per_s", "fraction_of_ideal",
+                               "fraction_of_measured_slowest")} for r in ge["rows"]]}
 text = json.dumps(summary, indent=1) + "\n"
 open("bench/results/gpu_check.json", "w").write(text)
 open(os.path.join(out, "gpu_check.json"), "w").write(text)

@@ -88,6 +88,12 @@ for m in "${ZOO_MODELS[@]}"; do
 print(export_model(ZOO[sys.argv[1]], "pt2", Path(sys.argv[2]))[0])' "$m" "$tmp/zoo")
   "$PY" -m tvmpipe compile "$pt2" -o ".gpu/bundles/$m" --name "$m" --force --quiet
 done
+# The decode fixture of bench/generate.py (tests/support/decode_bundle.py), for the `generate` step:
+# the simulated-stage sweep run on the GPU host's 16 cores (a core per stage, which this VM lacks).
+say "compiling the decode fixture -> .gpu/bundles/decode_fixture/bundle"
+rm -rf .gpu/bundles/decode_fixture
+"$PY" -c 'import shutil, sys; sys.path.insert(0, "."); from tests.support.decode_bundle import decode_bundle
+shutil.copytree(decode_bundle(sys.argv[1]), ".gpu/bundles/decode_fixture/bundle")' "$tmp/decode_fixture"
 # Each bundle must load, use generated weights, and give finite outputs on the reference backend.
 say "compiling gpt2 --decode -> .gpu/bundles/gpt2_decode (max context 64, seeded weights)"
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
@@ -167,5 +173,5 @@ open(".gpu/run-call.json", "w").write(json.dumps(call, indent=1) + "\n")
 print(json.dumps(call))
 EOF
 say "next (a session whose task has a GPU): call the device tool's run with the JSON above, then copy"
-say "the returned gpu_check.json and the step files (executor_gpu, gpu_pipeline, ipc_gpu, upload_gpu,"
+say "the returned gpu_check.json and the step files (executor_gpu, gpu_pipeline, ipc_gpu, upload_gpu, generate_gpu_host,"
 say "decode_gpu .json) into bench/results/, named with the GPU model and driver (docs/gpu-validation.md)."

@@ -64,9 +64,10 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
 
 
 def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle):
-    """The IPC hop, big-model upload and decode steps of the kit, end to end on the fake: both hop
-    paths move the bytes, a stage's device memory is its weights, and a 2-stage cuda decode pipeline
-    (caches on the device, CUDA IPC between the stages) gives the reference backend's tokens."""
+    """The IPC hop, big-model upload, decode and generate steps of the kit, end to end on the fake:
+    both hop paths move the bytes, a stage's device memory is its weights, a 2-stage cuda decode
+    pipeline (caches on the device, CUDA IPC between the stages) gives the reference backend's
+    tokens, and the generation sweep runs from the carried fixture alone."""
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))
@@ -74,18 +75,22 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle])}
     env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
-               GPU_CHECK_STEPS="tvmpipe,ipc,upload,decode", GPU_CHECK_FORCE_SHIM="1",
+               GPU_CHECK_STEPS="tvmpipe,ipc,upload,decode,generate", GPU_CHECK_FORCE_SHIM="1",
                GPU_CHECK_IPC_ARGS="--mb 1 --iters 4",
                GPU_CHECK_UPLOAD_ARGS="--gib 0.02 --width 256 --stages 1,2",
                GPU_CHECK_DECODE_BUNDLE=str(decode_bundle),
-               GPU_CHECK_DECODE_ARGS="--stages 1,2 --in-flight 1,2 --new 4")
+               GPU_CHECK_DECODE_ARGS="--stages 1,2 --in-flight 1,2 --new 4",
+               GPU_CHECK_GENERATE_BUNDLE=str(decode_bundle.parent), GPU_CHECK_GENERATE_ARGS="--quick --stages 1,2")
     r = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh")], cwd=tree, env=env, capture_output=True,
                        text=True, timeout=500)
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
     back = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(back) <= 8, f"the device tool returns at most 8 files from $OUT: {back}"  # run 2 lost two
-    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "ipc", "upload", "decode"]
+    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "ipc", "upload", "decode", "generate"]
+    ge = summary["generate"]  # issue 24's simulated-stage sweep, without TVM or transformers
+    assert ge["target"]["no_cache_bytes"] and {(r["stages"], r["in_flight"]) for r in ge["rows"]} >= {(1, 1), (2, 2), (2, 4)}
+    assert all(r["tokens_per_s"] > 0 for r in ge["rows"])
     (ipc,) = summary["ipc"]
     assert ipc["mb"] == 1 and ipc["host_gbps"] > 0 and ipc["cuda-ipc_gbps"] > 0
     up = summary["upload"]
