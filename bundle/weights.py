@@ -260,9 +260,13 @@ class WeightsFile:
             if n <= 0:
                 raise _fail(str(self.path), f"tensor '{name}'", "truncated: the file shrank while reading")
             done += n
-        self.bytes_read += length
-        self.reads[name] = self.reads.get(name, 0) + length
+        self._count(name, length)
         return length
+
+    def _count(self, name: str, nbytes: int) -> None:
+        """Account `nbytes` of tensor `name` as taken from the file (read, or mapped by `map`)."""
+        self.bytes_read += nbytes
+        self.reads[name] = self.reads.get(name, 0) + nbytes
 
     def chunks(self, name: str, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
         """(offset, length) pieces of a tensor, for bounded staging copies."""
@@ -353,13 +357,12 @@ class WeightsFile:
                 pass
             for t in run:
                 arr = out[t.name] = np.frombuffer(m, np.uint8, t.nbytes, t.begin - start)
-                self.bytes_read += t.nbytes
-                self.reads[t.name] = self.reads.get(t.name, 0) + t.nbytes
+                self._count(t.name, t.nbytes)
                 if t.name in self._verified:
                     continue
                 h = BackgroundHash()
-                for off in range(0, t.nbytes, READ_CHUNK):
-                    h.update(arr[off:off + READ_CHUNK])
+                for off, n in self.chunks(t.name, READ_CHUNK):
+                    h.update(arr[off:off + n])
                 self.verify(t.name, h, pending)
         return out
 

@@ -54,11 +54,17 @@ def tcp_sockets(pids: set[int]) -> list[tuple[int, str]]:
     return found
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name (which may hold spaces and parentheses): field 3
+    (state) first, so field N of proc(5) is at index N - 3. OSError if the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def alive(pid: int) -> bool:
     """Running and not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return stat_fields(pid)[0] != "Z"
     except OSError:
         return False
 
@@ -72,8 +78,7 @@ def cmdline(pid: int) -> str:
 
 
 def niceness(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
+    return int(stat_fields(pid)[16])
 
 
 def mapped_file(addr: int) -> str | None:
@@ -96,8 +101,7 @@ def descendants(pid: int) -> set[int]:
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                parent[int(d)] = int(stat_fields(int(d))[1])
             except OSError:
                 continue
     out, frontier = set(), {pid}
