@@ -76,7 +76,7 @@ def open_cluster(opts: ClusterOptions, max_stages: int) -> Iterator[Cluster]:
 
         gpus = detect_gpus()
         with local_ray(num_cpus=max(2.0, max_stages * opts.cpus_per_stage), num_gpus=gpus,
-                       temp_dir=opts.ray_temp_dir):
+                       temp_dir=opts.ray_temp_dir, workers=max_stages):
             yield Cluster("ray", LOOPBACK, gpus, bool(opts.ship_bundle), f"local Ray on {LOOPBACK}",
                           ray_version=ray.__version__)
     else:

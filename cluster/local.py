@@ -35,6 +35,11 @@ Three more things of `ray.init` cost a local run time at every stage count (docs
 - The driver asks the GCS for its raylet 0.1 s after starting it, and Ray's C++ accessor retries
   only every second: a raylet that registered 0.1 s too late cost a whole second. The head polls
   the node table every 20 ms first, so the accessor's first try finds it.
+- Ray's raylet prestarts int(num_cpus) Python workers when the driver connects. A local run knows
+  how many worker processes it will use (one per stage actor), so it prestarts exactly those
+  (`workers`): at K = 1 on the 2-core VM the second prestarted worker only ever idled, yet took
+  0.35 CPU-s while the stage booted, and with more stages than CPUs every worker still boots
+  during `ray.init` instead of after it.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ def quiet_token_auth_notice() -> Iterator[None]:
 
 # Ray's Node methods that start the daemons local mode does without (see the module docstring)
 LEAN_HEAD_SKIPS = ("start_api_server", "start_monitor", "start_log_monitor")
+PRESTART_FLAG = "--num_prestart_python_workers="  # the raylet's flag (ray/_private/services.py, start_raylet)
 AGENT_NICENESS = 19
 NODE_POLL_S = 0.02
 NODE_WAIT_S = 30.0  # Ray's own raylet_start_wait_time_s
@@ -107,13 +113,19 @@ def _wait_for_node(get_node, gcs_address: str, node_id: str):
     return get_node(gcs_address, node_id)
 
 
+def prestarting(command: list[str], workers: int) -> list[str]:
+    """The raylet's command line with its prestart count (Ray's int(num_cpus)) set to `workers`."""
+    return [f"{PRESTART_FLAG}{workers}" if arg.startswith(PRESTART_FLAG) else arg for arg in command]
+
+
 @contextmanager
-def lean_head() -> Iterator[list[str]]:
+def lean_head(workers: int | None = None) -> Iterator[list[str]]:
     """While the block runs, a Ray head started in this process starts none of LEAN_HEAD_SKIPS,
-    runs its dashboard agent minimal and both agents niced, and waits for its raylet without
-    one-second steps (module docstring). Yields what it changed: the names of the daemons skipped
-    (those this Ray version has), then "minimal agent", "niced agents" and "node poll" where this
-    Ray version has the functions patched."""
+    runs its dashboard agent minimal and both agents niced, waits for its raylet without
+    one-second steps and, given `workers`, prestarts that many Python workers (module docstring).
+    Yields what it changed: the names of the daemons skipped (those this Ray version has), then
+    "minimal agent", "niced agents", "node poll" and "prestart N" where this Ray version has the
+    functions patched."""
     from ray._private import node, ray_constants, services, utils
 
     saved = {name: node.Node.__dict__[name] for name in LEAN_HEAD_SKIPS if name in node.Node.__dict__}
@@ -138,6 +150,14 @@ def lean_head() -> Iterator[list[str]]:
         return [nice, "-n", str(AGENT_NICENESS), *cmd] if component in agents - {None} else cmd
 
     get_node = getattr(services, "get_node", None)
+    start_process = getattr(services, "start_ray_process", None)
+    raylet = getattr(ray_constants, "PROCESS_TYPE_RAYLET", None)
+
+    def start_prestarting(command, process_type, *args, **kwargs):
+        if process_type == raylet:
+            command = prestarting(command, workers)
+        return start_process(command, process_type, *args, **kwargs)
+
     changed = list(saved)
     for name in saved:
         setattr(node.Node, name, skipped)
@@ -148,6 +168,8 @@ def lean_head() -> Iterator[list[str]]:
             changed.append("niced agents")
         if get_node and patch(services, "get_node", lambda gcs_address, node_id: _wait_for_node(get_node, gcs_address, node_id)):
             changed.append("node poll")
+        if workers is not None and raylet and patch(services, "start_ray_process", start_prestarting):
+            changed.append(f"prestart {workers}")
         yield changed
     finally:
         for owner, name, fn in reversed(patched):
@@ -157,8 +179,12 @@ def lean_head() -> Iterator[list[str]]:
 
 
 @contextmanager
-def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -> Iterator[None]:
+def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None,
+              workers: int | None = None) -> Iterator[None]:
     """An embedded Ray head on loopback for the duration of the block, shut down afterwards.
+
+    `workers`: how many Python workers the raylet prestarts (the run's stage actors); None leaves
+    Ray's own count, int(num_cpus).
 
     `temp_dir` defaults to a fresh short directory (Ray's socket paths must stay under 108 bytes),
     removed on exit, so concurrent local runs never share Ray's session files.
@@ -183,7 +209,7 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -
               "TVMPIPE_CACHE": str(cache_root()), **thread_env()}
     try:
         # the environment is inherited by the daemons ray.init starts, and by their workers
-        with scoped_environ(pinned), quiet_token_auth_notice(), lean_head():
+        with scoped_environ(pinned), quiet_token_auth_notice(), lean_head(workers):
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
             daemons = dict(os.environ)

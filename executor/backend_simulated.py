@@ -35,7 +35,7 @@ DEVICES = {
 }
 EFFICIENCY = 0.5  # fraction of peak a TVM-generated kernel reaches, for both FLOPs and bandwidth
 LAUNCH_US = 2.5  # per kernel launch
-SPIN_S = 0.00015  # the last 150 us are spun, not slept: with 1 ns timer slack, sleep overshoots ~60 us here
+SPIN_S = 0.00006  # the last 60 us are spun, not slept: with 1 ns timer slack a sleep wakes ~40 us late here
 PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 

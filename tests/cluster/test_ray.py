@@ -201,8 +201,14 @@ def test_lean_head_changes_ray_only_inside_its_block():
     patched = (utils.get_dashboard_dependency_error, services._build_python_executable_command_memory_profileable,
                services.get_node)
     plain = services._build_python_executable_command_memory_profileable(ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, "/s")
+    start_process = services.start_ray_process
     with lean_head() as changed:
         assert changed == [*LEAN_HEAD_SKIPS, "minimal agent", "niced agents", "node poll"]  # Ray 2.60 has them all
+        assert services.start_ray_process is start_process  # no count given: Ray's own prestart
+    with lean_head(workers=3) as changed:
+        assert changed[-1] == "prestart 3" and services.start_ray_process is not start_process
+    assert services.start_ray_process is start_process
+    with lean_head() as changed:
         for name in LEAN_HEAD_SKIPS:
             assert getattr(node.Node, name) is not before[name]
             assert getattr(node.Node, name)(object()) is None
@@ -217,6 +223,54 @@ def test_lean_head_changes_ray_only_inside_its_block():
             services.get_node) == patched
     assert services._build_python_executable_command_memory_profileable(
         ray_constants.PROCESS_TYPE_DASHBOARD_AGENT, "/s") == plain
+
+
+def test_the_raylet_prestarts_the_given_count_of_workers():
+    """Ray's raylet is told to prestart int(num_cpus) workers; the local head replaces that one flag."""
+    from tvmpipe.cluster.local import PRESTART_FLAG, prestarting
+
+    cmd = ["raylet", "--node_ip_address=127.0.0.1", f"{PRESTART_FLAG}2", "--maximum_startup_concurrency=2"]
+    assert prestarting(cmd, 1) == ["raylet", "--node_ip_address=127.0.0.1", f"{PRESTART_FLAG}1",
+                                   "--maximum_startup_concurrency=2"]
+    assert prestarting(["raylet"], 4) == ["raylet"]  # a Ray without the flag: unchanged
+
+
+def ray_workers(pid: int) -> list[str]:
+    """Command lines of the Ray worker processes under `pid`: booting (python .../default_worker.py)
+    or retitled (ray::IDLE, ray::StageActor...); the two agents retitle themselves too."""
+    out = []
+    for c in map(cmdline, descendants(pid)):
+        args = c.split()
+        if (len(args) > 1 and args[1].endswith("default_worker.py")) or \
+                (c.startswith("ray::") and not c.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))):
+            out.append(c)
+    return out
+
+
+def test_a_local_run_starts_one_ray_worker_per_stage():
+    """`tvmpipe run --local --stages 1` on this 2-CPU cluster (num_cpus 2): Ray alone would prestart two
+    workers, and one would idle through the run (0.35 CPU-s and 78 MB while the stage boots); the
+    local head prestarts exactly the stage's."""
+    import subprocess
+    import sys
+    import time
+
+    driver = subprocess.Popen([sys.executable, "-m", "tvmpipe", "run", "--stages", "1", "--local", "-n", "20000"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # mid-run: the stage actor computes
+            workers = ray_workers(driver.pid)
+            if any("StageActor" in c for c in workers):
+                break
+            assert driver.poll() is None and time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.2)
+        time.sleep(1.0)  # a prestarted worker registers within a second of the stage's
+        workers = ray_workers(driver.pid)
+        assert len(workers) == 1 and "StageActor" in workers[0], workers
+    finally:
+        driver.terminate()
+        driver.wait(timeout=60)
 
 
 def test_the_head_asks_for_its_raylet_once_the_node_table_lists_it(monkeypatch):
