@@ -9,13 +9,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests.support.pipeline_harness import alive, cmdline, descendants
+from tests.support.pipeline_harness import alive, cmdline, descendants, local_run
 
 RUN_DIR = re.compile(rb"/tmp/tvp-(?:ray|home)-[A-Za-z0-9_]+")
 GONE_WITHIN_S = 5.0  # the target; a loaded 2-core machine gets twice that before the test fails
@@ -34,18 +32,11 @@ def run_dirs(pid: int) -> set[str]:
 
 @pytest.mark.ray
 def test_sigkilled_local_driver_leaves_no_process_or_directory():
-    driver = subprocess.Popen([sys.executable, "-m", "tvmpipe", "run", "--stages", "2", "--local", "-n", "20000"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # mid-run: the stage actors and both Ray agents are up
+    driver = local_run(2, lambda lines: sum("StageActor" in c for c in lines) >= 2
+                       and any("dashboard/agent.py" in c for c in lines)
+                       and any("runtime_env/agent" in c for c in lines))
     try:
-        deadline = time.monotonic() + 180
-        while True:  # mid-run: the stage actors and both Ray agents are up
-            procs = descendants(driver.pid)
-            lines = [cmdline(p) for p in procs]
-            if (sum("StageActor" in c for c in lines) >= 2 and any("dashboard/agent.py" in c for c in lines)
-                    and any("runtime_env/agent" in c for c in lines)):
-                break
-            assert driver.poll() is None and time.monotonic() < deadline, "the run never got going"
-            time.sleep(0.2)
         time.sleep(1.0)
         procs = descendants(driver.pid)
         dirs = set().union(*(run_dirs(p) for p in procs))

@@ -6,8 +6,8 @@ import os
 import threading
 
 import pytest
-from tests.support.pipeline_harness import (alive, assert_bit_identical, case, cmdline, descendants, listening_ports, niceness,
-                                           record_ports, tcp_sockets)
+from tests.support.pipeline_harness import (alive, assert_bit_identical, case, cmdline, descendants, listening_ports,
+                                           local_run, niceness, record_ports, tcp_sockets)
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
@@ -235,38 +235,23 @@ def test_the_raylet_prestarts_the_given_count_of_workers():
     assert prestarting(["raylet"], 4) == ["raylet"]  # a Ray without the flag: unchanged
 
 
-def ray_workers(pid: int) -> list[str]:
-    """Command lines of the Ray worker processes under `pid`: booting (python .../default_worker.py)
-    or retitled (ray::IDLE, ray::StageActor...); the two agents retitle themselves too."""
-    out = []
-    for c in map(cmdline, descendants(pid)):
-        args = c.split()
-        if (len(args) > 1 and args[1].endswith("default_worker.py")) or \
-                (c.startswith("ray::") and not c.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))):
-            out.append(c)
-    return out
+def ray_workers(lines: list[str]) -> list[str]:
+    """The Ray worker processes among command lines: booting (python .../default_worker.py) or
+    retitled (ray::IDLE, ray::StageActor...); the two agents retitle themselves too."""
+    return [c for c in lines if (len(c.split()) > 1 and c.split()[1].endswith("default_worker.py")) or
+            (c.startswith("ray::") and not c.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent")))]
 
 
 def test_a_local_run_starts_one_ray_worker_per_stage():
     """`tvmpipe run --local --stages 1` on this 2-CPU cluster (num_cpus 2): Ray alone would prestart two
     workers, and one would idle through the run (0.35 CPU-s and 78 MB while the stage boots); the
     local head prestarts exactly the stage's."""
-    import subprocess
-    import sys
     import time
 
-    driver = subprocess.Popen([sys.executable, "-m", "tvmpipe", "run", "--stages", "1", "--local", "-n", "20000"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = local_run(1, lambda lines: any("StageActor" in c for c in ray_workers(lines)))  # mid-run
     try:
-        deadline = time.monotonic() + 180
-        while True:  # mid-run: the stage actor computes
-            workers = ray_workers(driver.pid)
-            if any("StageActor" in c for c in workers):
-                break
-            assert driver.poll() is None and time.monotonic() < deadline, "the run never got going"
-            time.sleep(0.2)
         time.sleep(1.0)  # a prestarted worker registers within a second of the stage's
-        workers = ray_workers(driver.pid)
+        workers = ray_workers([cmdline(p) for p in descendants(driver.pid)])
         assert len(workers) == 1 and "StageActor" in workers[0], workers
     finally:
         driver.terminate()

@@ -4,6 +4,7 @@ and socket/process leak checks."""
 from __future__ import annotations
 
 import functools
+import subprocess
 import threading
 from typing import Any
 
@@ -109,6 +110,26 @@ def descendants(pid: int) -> set[int]:
         frontier = {c for c, p in parent.items() if p in frontier} - out
         out |= frontier
     return {p for p in out if alive(p) and "multiprocessing.resource_tracker" not in cmdline(p)}
+
+
+def local_run(stages: int, underway) -> subprocess.Popen:
+    """`tvmpipe run --stages N --local` for a long while, returned once `underway(command lines of
+    its processes)` holds (mid-run); fails if the run ends or 180 s pass first. The caller stops it."""
+    import sys
+    import time
+
+    driver = subprocess.Popen([sys.executable, "-m", "tvmpipe", "run", "--stages", str(stages), "--local",
+                               "-n", "20000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    try:
+        while not underway([cmdline(p) for p in descendants(driver.pid)]):
+            assert driver.poll() is None and time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.2)
+    except BaseException:
+        driver.kill()
+        driver.wait()
+        raise
+    return driver
 
 
 def batches(bundle, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
