@@ -99,6 +99,21 @@ def test_cuda_profile_has_kernel_times(model_bundles):
         r.close()
 
 
+def rescaled(param, rng) -> np.ndarray:
+    """A floating `param` with each element times its own factor in [0.5, 1.5): the magnitudes the
+    model was built for. Integer and bool params (index_tensor's indices, mask patterns) stay as
+    they are: scaled indices point past their tensor, which no backend defines. Elements near the
+    dtype's limit (an attention mask's finfo.max) keep their value instead of overflowing to inf.
+    Always an array of the param's shape and dtype (a 0-d param stays a 0-d array, not a numpy
+    scalar, which set_param rightly rejects)."""
+    value = np.asarray(param)
+    if not np.issubdtype(value.dtype, np.floating):
+        return value.copy()
+    scaled = value * rng.uniform(0.5, 1.5, value.shape)
+    scaled = np.where(np.abs(value) < np.finfo(value.dtype).max / 2, scaled, value)
+    return np.asarray(scaled, dtype=value.dtype).reshape(value.shape)
+
+
 def test_cuda_load_params_after_build(model_bundles):
     """load_params replaces the weights already on the device; the outputs follow the reference's,
     and on at least one model they changed (a relu can hide the change on a small one)."""
@@ -108,9 +123,7 @@ def test_cuda_load_params_after_build(model_bundles):
             continue
         inputs = random_inputs(b, seed=6)
         rng = np.random.default_rng(6)
-        # each weight times its own factor in [0.5, 1.5): the magnitudes the model was built for
-        new = {n: (np.asarray(b.params[n]) * rng.uniform(0.5, 1.5, np.shape(b.params[n]))).astype(b.params[n].dtype)
-               for n in b.param_names}
+        new = {n: rescaled(b.params[n], rng) for n in b.param_names}
         ref, gpu = GraphRunner(b), GraphRunner(b, backend="cuda")
         gpu.run(**inputs)
         before = outputs(gpu)
