@@ -8,6 +8,7 @@ maps every group back to the recorded ops, exactly, by following bindings instea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +247,7 @@ class Fusion:
             else:
                 self.by_key[k] = b.var
         self.owner = owners(legalized_main, prog)
+        self.const_of: dict[int, Any] = {}  # fused-main var -> the constant it passes (groups())
 
     def canonical(self, expr: Any) -> Any:
         k = key(expr)
@@ -300,6 +302,11 @@ class Fusion:
                 group.outputs = [resolve(b.var)]
                 groups.append(group)
             else:
+                if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Tuple):
+                    # `lv = (c0, c1)[i]`: how FuseOps passes constant arguments (index_tensor's indices)
+                    field = value.tuple_value.fields[int(value.index)]
+                    if _is_const(field):
+                        self.const_of[key(b.var)] = field
                 match(b, None)
         return groups
 
@@ -312,6 +319,17 @@ class Fusion:
         arg_index: dict[int, int] = {}
         for i, a in enumerate(group.args):
             arg_index.setdefault(key(a), i)
+        # Constant arguments by value: graph.json makes each one a param (a null node) that
+        # load_params can replace, so an op reading the same constant must read the argument, not
+        # an inlined copy of its value that the reference backend would keep using. The call gets
+        # a different object holding equal data (a lone call_tir of index_tensor gets `(c0, c1)[i]`),
+        # so identity alone misses it.
+        const_args: dict[tuple, int] = {}
+        for i, a in enumerate(group.args):
+            a = self.const_of.get(key(a), a)
+            vk = _const_value_key(a) if _is_const(a) else None
+            if vk is not None:
+                const_args.setdefault(vk, i)
 
         def ref(expr: Any, where: str) -> Ref:
             c = self.canonical(expr)
@@ -327,7 +345,9 @@ class Fusion:
             if k in arg_index:
                 return Ref("arg", arg_index[k])
             if _is_const(c):
-                return _const_ref(c, where)
+                vk = _const_value_key(c)
+                i = const_args.get(vk) if vk is not None else None
+                return Ref("arg", i) if i is not None else _const_ref(c, where)
             raise CompileError(f"internal: {where} reads '{getattr(expr, 'name', expr)}', which is neither an "
                                f"argument of '{func_name}' nor an op fused into it")
 
@@ -348,6 +368,13 @@ class Fusion:
                 outputs += [Ref("op", op_index[key(c)], k) for k in range(len(c.ty.fields))]
             else:
                 outputs.append(ref(o, f"output of '{func_name}'"))
+        read = {r.index for r in [*outputs, *(x for op in ops for x in op.inputs)] if r.kind == "arg"}
+        unread = [i for i in range(len(group.args)) if i not in read]
+        if unread:
+            # the kernel reads them (graph.json wires each to a node) but the op program would not:
+            # the reference backend would ignore the value a user loads into such a param
+            raise CompileError(f"internal: '{func_name}' takes argument(s) {unread} that none of its ops "
+                               f"({', '.join(op.op for op in ops) or 'none'}) reads")
         return FusedFunction(func_name, len(group.args), len(outputs), ops, outputs)
 
 
@@ -355,6 +382,16 @@ def _is_const(expr: Any) -> bool:
     import tvm
 
     return isinstance(expr, tvm.ir.GenericConst)
+
+
+def _const_value_key(const: Any) -> tuple | None:
+    """(dtype, shape, bytes) of a constant small enough to inline (equal keys hold equal tensors);
+    None for a larger one, whose data is never copied here (a weight, maybe a lazy placeholder)."""
+    shape = tuple(int(d) for d in const.value.shape)
+    if math.prod(shape) > MAX_INLINE_CONST:
+        return None
+    arr = const.value.numpy()
+    return str(arr.dtype), shape, arr.tobytes()
 
 
 def _const_ref(const: Any, where: str) -> Ref:

@@ -387,6 +387,37 @@ def test_torch_gather_compiles_and_runs_on_the_reference_backend(tmp_path):
     np.testing.assert_allclose(cpu, want, rtol=1e-6, atol=1e-6)
 
 
+def test_constant_indices_passed_to_a_kernel_are_params_the_reference_reads(tmp_path):
+    """BERT's, GPT-2's and Llama's mask lookup `mask[rows, cols]` with constant index tensors: FuseOps
+    passes them to the lone index_tensor kernel as `(c0, c1)[i]`, graph.json makes each a param, but
+    ops.json inlined their values. The kernel read the param and the reference its own copy, so after
+    load_params the two disagreed (found on an H100: the GPU's load_params test, bert_mask). Now
+    ops.json reads the arguments, and the compiler refuses a function whose ops ignore an argument."""
+    import torch
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.executor import GraphRunner
+
+    class MaskLookup(torch.nn.Module):
+        def forward(self, x):
+            rows = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+            cols = torch.arange(16).view(1, 1, 1, 16)
+            return x[rows, cols] * 2.0
+
+    x = torch.randn(1, 16, generator=torch.Generator().manual_seed(0))
+    ex = quiet_export(save_pt2(MaskLookup(), (x,), tmp_path / "m.pt2"))
+    (fn,) = [f for f in ex.ops["functions"].values() if f["ops"][0]["op"] == "index_tensor"]
+    assert fn["num_inputs"] == 3 and fn["ops"][0]["inputs"] == [{"arg": 0}, {"arg": 1}, {"arg": 2}]
+    b = load_bundle(ex.write(tmp_path / "bundle"))
+    (cols_param,) = [n for n in b.param_names if np.shape(b.params[n]) == (1, 1, 1, 16)]
+    r = GraphRunner(b)
+    r.run(x=x.numpy())
+    np.testing.assert_array_equal(r.get_output(0).reshape(16), x.numpy()[0] * 2)
+    r.load_params({cols_param: np.arange(16)[::-1].reshape(1, 1, 1, 16).astype(np.int64)})
+    r.run(x=x.numpy())
+    np.testing.assert_array_equal(r.get_output(0).reshape(16), x.numpy()[0, ::-1] * 2)
+
+
 def test_negative_list_index_counts_from_the_back(tmp_path):
     """Falcon's `qkv[..., [-2], :]`: TVM imports it as a fast-mode `take` of the constant [-2], which
     TVM's kernel reads at offset -2 (outside the row); several index lists become an `index_tensor`,
