@@ -101,14 +101,16 @@ def test_cuda_profile_has_kernel_times(model_bundles):
 
 def rescaled(param, rng) -> np.ndarray:
     """A floating `param` with each element times its own factor in [0.5, 1.5): the magnitudes the
-    model was built for. Integer and bool params (index_tensor's indices, mask patterns) stay as
-    they are: scaled indices point past their tensor, which no backend defines. Elements near the
-    dtype's limit (an attention mask's finfo.max) keep their value instead of overflowing to inf.
-    Always an array of the param's shape and dtype (a 0-d param stays a 0-d array, not a numpy
-    scalar, which set_param rightly rejects)."""
+    model was built for. Integer and bool params (index_tensor's indices, mask patterns) are
+    shuffled instead: scaled indices would point past their tensor, which no backend defines, and a
+    permutation keeps every index valid while moving it (the compiler once inlined such params in
+    ops.json, so the reference ignored what load_params put there). Elements near the dtype's limit
+    (an attention mask's finfo.max) keep their value instead of overflowing to inf. Always an array
+    of the param's shape and dtype (a 0-d param stays a 0-d array, not a numpy scalar, which
+    set_param rightly rejects)."""
     value = np.asarray(param)
     if not np.issubdtype(value.dtype, np.floating):
-        return value.copy()
+        return rng.permutation(value.reshape(-1)).reshape(value.shape)
     scaled = value * rng.uniform(0.5, 1.5, value.shape)
     scaled = np.where(np.abs(value) < np.finfo(value.dtype).max / 2, scaled, value)
     return np.asarray(scaled, dtype=value.dtype).reshape(value.shape)
