@@ -320,18 +320,15 @@ class Fusion:
         for i, a in enumerate(group.args):
             arg_index.setdefault(key(a), i)
 
-        def const_key(i: int) -> tuple | None:
-            a = self.const_of.get(key(group.args[i]), group.args[i])
-            return _const_value_key(a) if _is_const(a) else None
-
         # Constant arguments by value: graph.json makes each one a param (a null node) that
         # load_params can replace, so an op reading the same constant must read the argument, not
         # an inlined copy of its value that the reference backend would keep using. The call gets
         # a different object holding equal data (a lone call_tir of index_tensor gets `(c0, c1)[i]`),
-        # so identity alone misses it.
+        # so identity alone misses it. One value key per argument (None: not a small constant).
+        arg_consts = [self.const_of.get(key(a), a) for a in group.args]
+        const_keys = [_const_value_key(c) if _is_const(c) else None for c in arg_consts]
         const_args: dict[tuple, int] = {}
-        for i in range(len(group.args)):
-            vk = const_key(i)
+        for i, vk in enumerate(const_keys):
             if vk is not None:
                 const_args.setdefault(vk, i)
 
@@ -376,9 +373,9 @@ class Fusion:
         # an argument passed twice (`x * x` calls multiply(x, x)) is read through its first index; so
         # is a constant equal in value to one read (the ops cannot tell which of the two they read)
         read_keys = {key(group.args[i]) for i in read}
-        read_consts = {const_key(i) for i in read} - {None}
-        unread = [i for i in range(len(group.args)) if i not in read and key(group.args[i]) not in read_keys
-                  and (const_key(i) is None or const_key(i) not in read_consts)]
+        read_consts = {const_keys[i] for i in read} - {None}
+        unread = [i for i, a in enumerate(group.args) if i not in read and key(a) not in read_keys
+                  and const_keys[i] not in read_consts]
         if unread:
             # the kernel reads them (graph.json wires each to a node) but the op program would not:
             # the reference backend would ignore the value a user loads into such a param
