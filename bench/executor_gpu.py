@@ -7,13 +7,16 @@ Run on a GPU machine: python bench/executor_gpu.py [BUNDLE ...] [--repeat N]
 (examples/, others compiled on the fly when TVM is installed). Without pycuda or a GPU it prints
 why and exits 0, so `make bench` runs on CPU machines.
 
-run() times include what a pipeline stage pays per request: input validation, the copy into
-page-locked buffers, H2D, the kernels, D2H and the copy out. So the ratio with the target is run()
-against the device time of the stage's own work, kernels plus the H2D of its inputs and the D2H of
-its outputs (`io_us`, CUDA events around those copies alone); `graph_ratio_kernels_only` divides by
-the kernels alone, and `graph_device_us` is one graph replay between two events. PyTorch eager is timed the same way
-(tensor from NumPy, .cuda(), forward, .cpu()); its weights are the builtin's torch weights, not the
-bundle's, which does not matter for time.
+run() is TVM's stage time: as in TVM's graph executor, set_input has copied the input where the
+run takes it from (the page-locked buffer), and get_output copies an output out afterwards. A run
+checks its inputs, makes the context current, replays H2D + kernels + D2H, and synchronizes. The
+ratio with the target is run() against the device time of that work, kernels plus the H2D of the
+inputs and the D2H of the outputs (`io_us`, CUDA events around those copies alone);
+`graph_ratio_kernels_only` divides by the kernels alone, and `graph_ratio_device` by `graph_device_us`,
+one graph replay between two events (the target holds when both ratios are within it).
+`request_us` is what a caller pays per request: set_input + run + get_output of every output, the
+two host copies of the data included (`request_ratio`, `request_ratio_device`). PyTorch eager is timed as such a request (tensor from NumPy, .cuda(), forward, .cpu());
+its weights are the builtin's torch weights, not the bundle's, which does not matter for time.
 """
 
 from __future__ import annotations
@@ -91,6 +94,12 @@ def device_times(runner: GraphRunner, repeat: int = 50) -> tuple[float, float]:
     return statistics.median(io) * 1e6, statistics.median(replay) * 1e6
 
 
+def target_met(row: dict) -> bool:
+    """run() with replay within TARGET of the device work by both measures, the kernel-event sum
+    (+ io) and one replay's device time: the stricter decides."""
+    return max(row["graph_ratio"], row["graph_ratio_device"]) <= TARGET
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundles", nargs="*")
@@ -112,22 +121,37 @@ def main() -> int:
         with GraphRunner(b, backend="cuda", graphs=True) as graphed:
             graphed.set_input(**inputs)
             row["graph_us"] = statistics.median(time_runs(graphed.run, args.repeat, warmup=10)) * 1e6
+            n_out = graphed.get_num_outputs()
+
+            def request() -> None:
+                graphed.set_input(**inputs)
+                graphed.run()
+                for i in range(n_out):
+                    graphed.get_output(i)
+
+            row["request_us"] = statistics.median(time_runs(request, args.repeat, warmup=10)) * 1e6
             row["io_us"], row["graph_device_us"] = device_times(graphed)
         work = row["kernel_sum_us"] + row["io_us"]
         row["plain_ratio"] = row["plain_us"] / work
         row["graph_ratio"] = row["graph_us"] / work
+        row["request_ratio"] = row["request_us"] / work
+        # The same against one replay's device time: the exact device work of a run, with no event
+        # between kernels inflating it (the kernel sum moved 466 -> 724 us between two H100 sessions).
+        row["graph_ratio_device"] = row["graph_us"] / row["graph_device_us"]
+        row["request_ratio_device"] = row["request_us"] / row["graph_device_us"]
         row["graph_ratio_kernels_only"] = row["graph_us"] / row["kernel_sum_us"]
         row["torch_us"] = torch_eager_us(b, inputs, args.repeat)
-        row["vs_torch"] = row["graph_us"] / row["torch_us"] if row["torch_us"] else None
+        row["vs_torch"] = row["request_us"] / row["torch_us"] if row["torch_us"] else None
         rows.append(row)
         print(f"  {b.name}: done", flush=True)
-    head = f"{'model':<14}{'kernels':>8}{'kern us':>10}{'io us':>8}{'run us':>10}{'ratio':>7}{'graph us':>10}{'ratio':>7}{'torch us':>10}{'/torch':>8}"
+    head = (f"{'model':<14}{'kernels':>8}{'kern us':>10}{'io us':>8}{'run us':>10}{'ratio':>7}{'graph us':>10}{'ratio':>7}"
+            f"{'request':>10}{'ratio':>7}{'torch us':>10}{'/torch':>8}")
     print(f"\n{device}\n{head}")
     for r in rows:
         torch_s = f"{r['torch_us']:>10.1f}{r['vs_torch']:>8.2f}" if r["torch_us"] else f"{'-':>10}{'-':>8}"
-        flag = "" if r["graph_ratio"] <= TARGET else f"  (graph ratio over the {TARGET}x target)"
+        flag = "" if target_met(r) else f"  (graph ratio over the {TARGET}x target)"
         print(f"{r['model']:<14}{r['kernels']:>8}{r['kernel_sum_us']:>10.1f}{r['io_us']:>8.1f}{r['plain_us']:>10.1f}{r['plain_ratio']:>7.2f}"
-              f"{r['graph_us']:>10.1f}{r['graph_ratio']:>7.2f}{torch_s}{flag}")
+              f"{r['graph_us']:>10.1f}{r['graph_ratio']:>7.2f}{r['request_us']:>10.1f}{r['request_ratio']:>7.2f}{torch_s}{flag}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "executor_gpu", "device": device, "platform": platform.platform(), "repeat": args.repeat,
            "target_graph_ratio": TARGET, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "models": rows}

@@ -139,11 +139,12 @@ class CudaBackend:
             self.dev.upload(self.ptr[self.program.param_entries[name]], value)
 
     def write(self, entry: int, value: np.ndarray) -> None:
-        """A fed entry goes to its page-locked buffer (copied in by the next execute); a param is
-        uploaded now, synchronously: the stream is idle between runs."""
+        """A fed entry goes to its page-locked buffer (copied in by the next execute; nothing to do
+        when `value` is that buffer, filled in place: Stage.input_buffer); a param is uploaded now,
+        synchronously: the stream is idle between runs."""
         host = self.host_in.get(entry)
         if host is not None:
-            if entry not in self.device_fed:
+            if entry not in self.device_fed and value is not host:
                 np.copyto(host, value)
             return
         if getattr(self.dev, "ctx", True) is None:
@@ -284,6 +285,41 @@ def _close_open_devices() -> None:
             dev.close()
 
 
+class _Check:
+    """PyCudaDevice.check's context manager: a class, not a generator, as it wraps every launch and
+    every run (a generator-based one costs a few microseconds a run on a GPU host)."""
+
+    __slots__ = ("error", "what")
+
+    def __init__(self, error: type, what: str):
+        self.error, self.what = error, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if typ is not None and issubclass(typ, self.error):
+            raise DeviceError(f"CUDA error while {self.what}: {exc}") from None
+        return False
+
+
+class _Current:
+    """PyCudaDevice.current's context manager (a class for the same reason as _Check)."""
+
+    __slots__ = ("dev",)
+
+    def __init__(self, dev: "PyCudaDevice"):
+        self.dev = dev
+
+    def __enter__(self) -> None:
+        with self.dev.check("making the CUDA context current"):
+            self.dev.ctx.push()
+
+    def __exit__(self, *exc: object) -> bool:
+        self.dev._pop()
+        return False
+
+
 class PyCudaDevice:
     """The driver side: PyCUDA for memory, modules, launches and events; the driver API through
     ctypes for stream capture, which PyCUDA 2026.1 does not wrap.
@@ -314,18 +350,12 @@ class PyCudaDevice:
             self.stream = cuda.Stream()
         _OPEN.add(self)
 
-    @contextlib.contextmanager
-    def current(self) -> Iterator[None]:
+    def current(self) -> "_Current":
         """This device's context is current on the calling thread inside the block (pushed on
         entry, and exactly it popped on exit), whatever thread that is."""
         if self.ctx is None:
             raise DeviceError("the CUDA device is closed")
-        with self.check("making the CUDA context current"):
-            self.ctx.push()
-        try:
-            yield
-        finally:
-            self._pop()
+        return _Current(self)
 
     def _pop(self) -> None:
         """Pop this device's context, and only it: Context.pop() pops whatever is on top."""
@@ -336,13 +366,9 @@ class PyCudaDevice:
                                   "(a context pushed and not popped)")
             self.cuda.Context.pop()
 
-    @contextlib.contextmanager
-    def check(self, what: str) -> Iterator[None]:
+    def check(self, what: str) -> "_Check":
         """Every driver error becomes a DeviceError that says what tvmpipe was doing."""
-        try:
-            yield
-        except self.cuda.Error as exc:
-            raise DeviceError(f"CUDA error while {what}: {exc}") from None
+        return _Check(self.cuda.Error, what)
 
     def compile(self, source: str) -> bytes:
         return compile_cubin(source, self.arch)

@@ -5,7 +5,10 @@
     runner.run()                      # or run(x=x)
     y = runner.get_output(0)
 
-It is the one-stage case of `Stage`: inputs are kept by name until `run`, then fed by entry id.
+It is the one-stage case of `Stage`. As in TVM, `set_input` copies the input where the executor
+runs it from: on cuda, the stage's page-locked buffer that each run copies to the device (so run()
+copies nothing on the host), elsewhere a private copy fed at `run`. Outputs stay where the run left
+them until `get_output` copies the one asked for (each at most once per run).
 """
 
 from __future__ import annotations
@@ -25,18 +28,15 @@ from tvmpipe.executor.profile import Profile, build_profile
 from tvmpipe.executor.stage import Stage, as_bundle
 
 
+def passed_through(bundle: Bundle, entry: int, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A head that is a null node (an input or a param passed straight through): a copy of it."""
+    name = bundle.graph.nodes[bundle.graph.entries[entry].node].name
+    return np.array(inputs[name] if name in inputs else bundle.params[name])
+
+
 def head_outputs(bundle: Bundle, computed: Mapping[int, np.ndarray], inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """The graph's outputs in head order: computed entries as they are; a head that is a null node
-    (an input or a param passed straight through) as a copy of the input or param."""
-    g = bundle.graph
-    outs = []
-    for e in g.head_entries:
-        if e in computed:
-            outs.append(computed[e])
-        else:
-            name = g.nodes[g.entries[e].node].name
-            outs.append(np.array(inputs[name] if name in inputs else bundle.params[name]))
-    return outs
+    """The graph's outputs in head order: computed entries as they are, passed-through ones copied."""
+    return [computed[e] if e in computed else passed_through(bundle, e, inputs) for e in bundle.graph.head_entries]
 
 
 class GraphRunner:
@@ -48,7 +48,10 @@ class GraphRunner:
         self.input_names = list(self.bundle.input_names)
         self._specs = input_specs(self.bundle)
         self._inputs: dict[str, np.ndarray] = {}
-        self._outputs: list[np.ndarray] | None = None
+        # per head, after a run: its array once copied out (or a passed-through input/param), else None
+        self._outputs: list[np.ndarray | None] | None = None
+        sent = set(self.program.send_entries)
+        self._heads = [(e, e in sent) for e in g.head_entries]  # (entry, computed by the stage)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _name(self, key: str | int) -> str:
@@ -66,8 +69,15 @@ class GraphRunner:
         checked = {}
         for k, v in items:
             name = self._name(k)
-            checked[name] = check_array(v, self._specs[name], f"input '{name}'").copy()
-        self._inputs.update(checked)
+            checked[name] = check_array(v, self._specs[name], f"input '{name}'")
+        for name, v in checked.items():  # every value checked before any is stored
+            entry = self.program.input_entries.get(name)
+            buf = self.stage.input_buffer(entry) if entry is not None else None
+            if buf is None:
+                self._inputs[name] = v.copy()
+            else:
+                np.copyto(buf, v)
+                self._inputs[name] = buf
 
     def get_input(self, key: str | int) -> np.ndarray:
         name = self._name(key)
@@ -88,17 +98,28 @@ class GraphRunner:
     def run(self, **inputs: np.ndarray) -> None:
         if inputs:
             self.set_input(**inputs)
-        self._outputs = self._collect(self.stage.run(self._feeds()))
+        self.stage.compute(self._feeds())
+        self._outputs = self._passed_through()
 
-    def _collect(self, sent: Mapping[int, np.ndarray]) -> list[np.ndarray]:
+    def _passed_through(self) -> list[np.ndarray | None]:
+        """Per head: None for a computed entry (copied out by get_output), else a copy of the input
+        or param it passes through, taken now, as the run saw it."""
+        return [None if computed else passed_through(self.bundle, e, self._inputs) for e, computed in self._heads]
+
+    def _collect(self, sent: Mapping[int, np.ndarray]) -> list[np.ndarray | None]:
         return head_outputs(self.bundle, sent, self._inputs)
 
     def get_output(self, index: int) -> np.ndarray:
+        """Output `index` of the last run, copied from where the run left it the first time it is
+        asked for (the same array after that)."""
         if self._outputs is None:
             raise ExecutorError("no outputs yet: call run() first")
         if not 0 <= index < len(self._outputs):
             raise ExecutorError(f"output index {index} is out of range: the graph has {len(self._outputs)} output(s)")
-        return self._outputs[index]
+        out = self._outputs[index]
+        if out is None:
+            out = self._outputs[index] = self.stage.read(self._heads[index][0])
+        return out
 
     def get_num_outputs(self) -> int:
         return len(self.bundle.graph.heads)
@@ -143,6 +164,7 @@ class GraphRunner:
         return build_profile(self.bundle, self.program, self.stage.backend_name, reps, run_s)
 
     def close(self) -> None:
+        self._inputs, self._outputs = {}, None  # cuda: staging buffers are freed by the stage, not held here
         self.stage.close()
 
     def __enter__(self) -> "GraphRunner":

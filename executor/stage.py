@@ -52,6 +52,25 @@ class Stage:
         entries that come device to device (cluster/cudaipc.py, cuda backend only), not in `inputs`."""
         return self._run(inputs, profile=False, device=device)[0]
 
+    def compute(self, inputs: Mapping[int, np.ndarray]) -> None:
+        """`run` without reading the sent entries back: each is copied out by `read` when asked for,
+        until the next run (GraphRunner.get_output copies only the outputs a caller takes)."""
+        self._run(inputs, profile=False, read=False)
+
+    def read(self, entry: int) -> np.ndarray:
+        """A copy of sent entry `entry` as the last run left it."""
+        return self.backend.read(entry)
+
+    def input_buffer(self, entry: int) -> np.ndarray | None:
+        """The backend's own host buffer that fed entry `entry` is copied in from at every run (the
+        cuda backend's page-locked one), or None. Filling it in place and passing it as the feed
+        saves the copy: GraphRunner.set_input copies a user's input there once, as TVM's did into
+        the device tensor, and run() copies nothing more."""
+        buffers = getattr(self.backend, "host_in", None)
+        if buffers is None or entry in getattr(self.backend, "device_fed", ()):
+            return None
+        return buffers.get(entry)
+
     def _placeholder(self, e: int) -> np.ndarray:
         """What check_feeds sees for an entry fed on the device: its shape and dtype, no memory."""
         spec = self.program.entry_specs[e]
@@ -65,8 +84,8 @@ class Stage:
         """`run`, plus the backend's per-step timings (wall, CUDA-event or modelled)."""
         return self._run(inputs, profile=True)
 
-    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool,
-             device: list[Any] | None = None) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
+    def _run(self, inputs: Mapping[int, np.ndarray], profile: bool, device: list[Any] | None = None,
+             read: bool = True) -> tuple[dict[int, np.ndarray], list[StepTiming]]:
         if device or getattr(self.backend, "device_fed", None):  # a run without feeds resets them
             self.backend.feed_device(device or [])
             if device:
@@ -83,7 +102,7 @@ class Stage:
         for e, v in feeds.items():
             self.backend.write(e, v)
         timings = self.backend.execute(profile=profile) or []
-        out = {e: self.backend.read(e) for e in self._send}
+        out = {e: self.backend.read(e) for e in self._send} if read else {}
         if slot is not None:
             self.state.leave(slot)
         return out, timings

@@ -98,3 +98,36 @@ def test_compile_cubin_cached(bundles, tmp_path):
     assert len(list((tmp_path / "cubin").glob("*.cubin"))) == 1
     compile_cubin(src, "sm_80", cache_dir=tmp_path)
     assert len(list((tmp_path / "cubin").glob("*.cubin"))) == 2
+
+
+def test_graph_runner_copies_an_input_once_and_an_output_when_asked(fake_cuda, bundles, monkeypatch):
+    """TVM's verbs on cuda: set_input copies the input into the page-locked buffer each run copies
+    to the device, so run() copies nothing on the host (it used to copy the input again); outputs
+    stay in their page-locked buffers until get_output copies the one asked for, once per run."""
+    from tests.support.tiny_bundle import tiny_expected, tiny_params
+    from tvmpipe.executor import GraphRunner
+
+    x = np.random.default_rng(3).standard_normal((1, 4)).astype(np.float32)
+    copied_into: list[int] = []
+    real_copyto = np.copyto
+    with GraphRunner(bundles["tiny"], backend="cuda", graphs=True) as r:
+        staging = {id(h) for h in r.stage.backend.host_in.values()}
+        monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (copied_into.append(id(dst)), real_copyto(dst, src, **kw))[1])
+        reads: list[int] = []
+        real_read = r.stage.backend.read
+        monkeypatch.setattr(r.stage.backend, "read", lambda e: (reads.append(e), real_read(e))[1])
+        r.set_input("x", x)
+        assert [c for c in copied_into if c in staging] == [next(iter(staging))]
+        x_orig, x[...] = x.copy(), 0  # the runner holds its own copy
+        copied_into.clear()
+        for _ in range(3):
+            r.run()
+        assert not [c for c in copied_into if c in staging], "run() copied an input that set_input had put in place"
+        assert reads == []
+        out = r.get_output(0)
+        assert r.get_output(0) is out and len(reads) == 1
+        np.testing.assert_allclose(out, tiny_expected(x_orig, tiny_params()), rtol=1e-6)
+        r.run(x=2 * x_orig)
+        np.testing.assert_allclose(out, tiny_expected(x_orig, tiny_params()), rtol=1e-6)  # a copy: the next run left it
+        np.testing.assert_allclose(r.get_output(0), tiny_expected(2 * x_orig, tiny_params()), rtol=1e-6)
+        assert len(reads) == 2
