@@ -138,6 +138,11 @@ class CudaBackend:
         with self.dev.check(f"uploading param '{name}'"):
             self.dev.upload(self.ptr[self.program.param_entries[name]], value)
 
+    def input_buffer(self, entry: int) -> np.ndarray | None:
+        """Fed entry `entry`'s page-locked buffer, which every execute copies to the device (None for
+        an entry that arrives on the device this run, or is not fed): see Stage.input_buffer."""
+        return None if entry in self.device_fed else self.host_in.get(entry)
+
     def write(self, entry: int, value: np.ndarray) -> None:
         """A fed entry goes to its page-locked buffer (copied in by the next execute; nothing to do
         when `value` is that buffer, filled in place: Stage.input_buffer); a param is uploaded now,

@@ -66,10 +66,8 @@ class Stage:
         cuda backend's page-locked one), or None. Filling it in place and passing it as the feed
         saves the copy: GraphRunner.set_input copies a user's input there once, as TVM's did into
         the device tensor, and run() copies nothing more."""
-        buffers = getattr(self.backend, "host_in", None)
-        if buffers is None or entry in getattr(self.backend, "device_fed", ()):
-            return None
-        return buffers.get(entry)
+        own = getattr(self.backend, "input_buffer", None)
+        return own(entry) if own is not None else None
 
     def _placeholder(self, e: int) -> np.ndarray:
         """What check_feeds sees for an entry fed on the device: its shape and dtype, no memory."""
