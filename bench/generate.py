@@ -59,22 +59,29 @@ def stage_profile(bundle, plan, stage_ms: float) -> dict:
     return {"nodes": nodes}
 
 
-def trip(first_seq: int, record, submit_times: dict, done_times: dict) -> dict:
+def trip(first_seq: int, record, submit_times: dict, done_times: dict, fed_from: dict | None = None) -> dict:
     """Where one step's time goes, in microseconds (means over the run's steps from `first_seq`):
-    `driver->0` (submitted -> stage 0 starts), `stage` (each stage's compute), `i->i+1` (stage i ends
-    -> stage i+1 starts, queueing behind another step included), `last->driver` (the last stage ends
-    -> its outputs are complete at the driver) and `driver turnaround` (an output in -> the driver
-    submits the next step: sampling, the generation loop, the input checks). With S = K and no
-    queueing, a sequence's cycle is their sum over the whole ring, and tokens/s is S / cycle."""
+    `stage` (each stage's compute), `i->i+1` (stage i ends -> stage i+1 starts, queueing behind
+    another step included), `last->driver` (the last stage ends -> its outputs are complete at the
+    driver), and for the two ways a step gets its token:
+    - fed back by the sampling stage (`fed_from`: step -> the micro-batch whose draw it takes;
+      cluster/sampling.py): `feedback` (the last stage ends that micro-batch -> stage 0 starts
+      this step). Its cycle is the stages, the hops and the feedback hop: the driver is off it.
+    - fed by the driver: `driver->0` (submitted -> stage 0 starts) and `driver turnaround` (an output
+      in -> the driver submits the next step). Its cycle also has last->driver.
+    `fed_back` is the share of steps fed back; `cycle` is the cycle of the way most steps took. With
+    S = K and no queueing, tokens/s is S / cycle."""
     ev = [{e.seq: (e.start, e.end) for e in w.events if e.seq >= first_seq} for w in record.worker_stats]
     steps = sorted(set.intersection(*(set(e) for e in ev)) & set(submit_times) & set(done_times))
     if not steps:
         return {}
 
-    def mean_us(xs: list[float]) -> float:
+    def mean_us(xs: list[float]) -> float | None:
         return round(sum(xs) / len(xs) * 1e6, 1) if xs else None
 
-    out = {"driver->0": mean_us([ev[0][q][0] - submit_times[q] for q in steps]),
+    last_end = {e.seq: e.end for e in record.worker_stats[-1].events}  # a step may take an earlier run's draw
+    fed = {q: m for q, m in (fed_from or {}).items() if q in ev[0] and m in last_end}
+    out = {"driver->0": mean_us([ev[0][q][0] - submit_times[q] for q in steps if q not in fed]),
            "stage": [mean_us([e[q][1] - e[q][0] for q in steps]) for e in ev]}
     for i in range(len(ev) - 1):
         out[f"{i}->{i + 1}"] = mean_us([ev[i + 1][q][0] - ev[i][q][1] for q in steps])
@@ -86,8 +93,11 @@ def trip(first_seq: int, record, submit_times: dict, done_times: dict) -> dict:
         if i < len(subs):
             turn.append(subs[i] - done_times[q])
     out["driver turnaround"] = mean_us(turn)
-    hops = [v for key, v in out.items() if key not in ("stage",)]
-    out["cycle"] = round(sum(out["stage"]) + sum(hops), 1)
+    out["feedback"] = mean_us([ev[0][q][0] - last_end[m] for q, m in fed.items() if q in steps])
+    out["fed_back"] = round(sum(q in fed for q in steps) / len(steps), 3)
+    ring = sum(out["stage"]) + sum(out[f"{i}->{i + 1}"] for i in range(len(ev) - 1))
+    legs = ("feedback",) if out["fed_back"] > 0.5 else ("driver->0", "last->driver", "driver turnaround")
+    out["cycle"] = round(ring + sum(out[key] or 0.0 for key in legs), 1)
     return out
 
 
@@ -113,7 +123,7 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
             res = pipe.generate_all(prompts, per_seq, in_flight=s)
             wall = time.perf_counter() - t0
             after = pipe.record()
-            path = trip(before_seq, after, pipe.submit_times, pipe.done_times)
+            path = trip(before_seq, after, pipe.submit_times, pipe.done_times, pipe.fed_from)
             made = sum(len(r.tokens) for r in res)
             steps = made  # one-token prompts: every step yields a token
             ttft = [r.first_token_s * 1e3 for r in res]
@@ -152,8 +162,10 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
                   f"{r['stage_busy']}, step {max(took):.2f} ms measured ({r['fraction_of_measured_slowest']:.2f} of "
                   f"1/measured)", flush=True)
             if s == k and path:
-                hops = ", ".join(f"{key} {v:.0f}" for key, v in path.items() if key not in ("stage", "cycle"))
-                print(f"    one step's trip (us, means): stages {[round(x) for x in path['stage']]}, {hops}; a sequence's "
+                hops = ", ".join(f"{key} {v:.0f}" for key, v in path.items()
+                                 if key not in ("stage", "cycle", "fed_back") and v is not None)
+                print(f"    one step's trip (us, means): stages {[round(x) for x in path['stage']]}, {hops}; "
+                      f"{path['fed_back']:.0%} of steps fed back by the last stage; a sequence's "
                       f"cycle {path['cycle'] / 1e3:.2f} ms -> S/cycle = {s / path['cycle'] * 1e6:.0f} tok/s", flush=True)
     return rows
 

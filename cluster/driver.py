@@ -41,6 +41,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, conti
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
+from tvmpipe.cluster.sampling import NO_STEP, STEP_NAME
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
@@ -160,8 +161,10 @@ class Pipeline:
         self._admitted: set[int] = set()  # stages connected in this epoch (one connection each)
         self._next_from: dict[int, int] = {}  # stage -> next micro-batch it must send in this epoch
         self._results: dict[int, Outputs] = {}
+        self._tokens: dict[int, int] = {}  # decode pipelines: the token each completed micro-batch drew
         self.submit_times: dict[int, float] = {}
         self.done_times: dict[int, float] = {}
+        self.fed_from: dict[int, int] = {}  # generation: step -> the micro-batch whose draw it took (timeline)
         self._last_progress = time.time()
         self._fatal: PipelineError | None = None
         self._stall_seen: int | None = None  # a stall nobody was blamed for, at this many completed
@@ -203,6 +206,8 @@ class Pipeline:
     def check_inputs(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
         """Graph inputs by name -> by entry id, each of exactly the graph's shape and dtype; else
         InputError listing what the graph takes. Nothing is sent before this passes."""
+        if self.topology.step_entry is not None and STEP_NAME not in inputs:
+            inputs = {**inputs, STEP_NAME: NO_STEP}  # a plain run of a decode step: nothing fed back or drawn
         checked = check_inputs(inputs, self._input_specs)
         return {eid: contiguous(checked[name]) for name, eid in self.topology.inputs.items()}
 
@@ -281,6 +286,12 @@ class Pipeline:
         for _ in self.generate(prompts, max_new_tokens, results=results, **kw):
             pass
         return [results[i] for i in sorted(results)]
+
+    def sampled(self, seq: int) -> int:
+        """The token micro-batch `seq` drew on the sampling stage (a decode pipeline's; sampling.py),
+        once it completed; kept for the last few `window`s of micro-batches."""
+        with self._cond:
+            return self._tokens[seq]
 
     @property
     def submitted(self) -> int:
@@ -432,11 +443,15 @@ class Pipeline:
                 inputs = self._inputs.pop(seq)
                 self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
                                       else inputs.get(h) for h in self.topology.heads]  # state heads: None
+                if self.topology.feedback is not None:
+                    self._tokens[seq] = int(parts[self.topology.feedback[0]].tensors[self.topology.token_entry][0])
+                    self._tokens.pop(seq - 4 * self.window - 8, None)
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
                 if len(self.done_times) > TIMELINE_KEPT:
                     old = next(iter(self.done_times))
                     del self.done_times[old], self.submit_times[old]
+                    self.fed_from.pop(old, None)
             self._cond.notify_all()  # a submit() waiting for the window
 
     def _notify(self) -> None:
@@ -475,10 +490,16 @@ class Pipeline:
                           for i, s in enumerate(self.launcher.call_all("status"))]
         path = {(e.src, e.dst): self._path(e, node) for e in topo.edges}  # each edge's, decided once
         via = lambda i, kind: frozenset(e.dst for e in topo.outbound(i) if path[e.src, e.dst] == kind)  # noqa: E731
+        # the feedback edge carries tokens from the driver's first incomplete micro-batch on: a step
+        # the token stage computes may take the token of any incomplete one (sampling.py)
+        fb = topo.feedback if topo.feedback is not None and topo.feedback[0] != topo.feedback[1] else None
+        send_from = lambda e: first_seq if (e.src, e.dst) == fb else start(e.dst)  # noqa: E731
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
-                          secret=self._secret, send_from={e.dst: start(e.dst) for e in topo.outbound(i)},
-                          retain=retain, shm_to=via(i, "shm"), ring_slots=self.window, ipc_to=via(i, "cuda-ipc"))
+                          secret=self._secret, send_from={e.dst: send_from(e) for e in topo.outbound(i)},
+                          retain=retain, shm_to=via(i, "shm"), ring_slots=self.window, ipc_to=via(i, "cuda-ipc"),
+                          feedback_from=fb[0] if fb and i == fb[1] else None,
+                          feedback_first=first_seq)
                    for i in range(topo.num_stages)]
         self._feed_from = {i: resume[i] for i in range(topo.num_stages)}
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))
@@ -499,8 +520,8 @@ class Pipeline:
     def _path(self, edge: Edge, node: Callable[[int], shm.Node]) -> str:
         """"cuda-ipc", "shm" or "tcp" for `edge`, from the transport option, the backend and the two
         ends' node ids (and processes: CUDA IPC is between two)."""
-        if not edge.carries_data:
-            return "tcp"
+        if not edge.carries_data or (edge.src, edge.dst) == self.topology.feedback:
+            return "tcp"  # the feedback edge: 8 bytes a step, host memory (not a device output)
         two = (edge.src != DRIVER and edge.dst != DRIVER and len(self._pids) > max(edge.src, edge.dst)
                and self._pids[edge.src][0] != self._pids[edge.dst][0]
                and self._pids[edge.src][1] == self._pids[edge.dst][1])
@@ -618,6 +639,7 @@ class Pipeline:
                 self._partial.clear()
                 self._admitted.clear()
                 self._sent = first
+                self._settle_fed_back(first)
             self._close_links()
             self._listener.drop_connections()
             if any(i in self.topology.stateful for i in restart):
@@ -633,6 +655,23 @@ class Pipeline:
             with self._cond:
                 self._last_progress = time.time()
             self._pump()
+
+    def _settle_fed_back(self, first: int) -> None:
+        """Before a replay (_cond held): a step that takes the token of a micro-batch that completed
+        gets that token from the driver instead (it is not sent on the feedback edge again)."""
+        step = self.topology.step_entry
+        if self.topology.feedback is None:
+            return
+        token_in = self.topology.inputs[self.bundle.generation.token]
+        spec = self.topology.specs[token_in]
+        for n in range(first, self._submitted):
+            arrays = self._inputs.get(n)
+            m = int(arrays[step][0]) if arrays is not None else -1
+            if 0 <= m < first:
+                tag = arrays[step].copy()
+                tag[0] = -1
+                self._inputs[n] = {**arrays, step: tag,
+                                   token_in: np.full(spec.shape, self._tokens[m], dtype=spec.dtype)}
 
     def _resume_points(self, first: int, restart: list[int], paused: list[Any]) -> list[int]:
         """Where each stage computes from in the new epoch (see the module docstring).

@@ -1,9 +1,12 @@
 """The generation loop: autoregressive decoding over a pipeline whose stages keep their KV caches.
 
-Each micro-batch is one decode step of one sequence: the driver feeds the step's token and position
-(and the sequence's slot, [slot, fresh], to every stage holding state), the stages read and write
-that slot's caches where they are, and only hidden states cross stages. The logits come back to
-the driver, which samples the next token and feeds it back as that sequence's next micro-batch.
+Each micro-batch is one decode step of one sequence: the driver feeds the step's position (and the
+sequence's slot, [slot, fresh], to every stage holding state), the stages read and write that
+slot's caches where they are, and only hidden states cross stages. The stage that computes the
+logits draws the next token and sends it straight to the stage that reads tokens (sampling.py),
+so the driver is off the token's path: it submits a sequence's next step as soon as the previous
+one is in flight, naming the micro-batch whose token it takes. The driver gets the logits and the
+token too, for streaming and stop tokens; a step submitted after a stop token is dropped.
 
 - The prompt goes in token by token, and a prompt's steps do not wait for each other: every stage
   runs micro-batches in submission order, so step p+1 of a slot always sees step p's cache.
@@ -15,8 +18,8 @@ the driver, which samples the next token and feeds it back as that sequence's ne
   dropped, and each sequence replays its history (prompt + tokens generated so far) from position 0
   into a fresh slot state before it continues; tokens already generated are kept, not sampled
   again, so the streams equal those of a run without the fault.
-- Sampling is per sequence and seeded per sequence (`seed`, sequence index): the streams do not
-  depend on how sequences interleave, how many are in flight, or on faults.
+- Sampling draws each token from a generator keyed by (seed, sequence index, token index): the
+  streams do not depend on how sequences interleave, how many are in flight, or on faults.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
+from tvmpipe.cluster.sampling import STEP_NAME, Sampling, StepTag
 from tvmpipe.core.errors import TvmpipeError
 
 if TYPE_CHECKING:
@@ -68,36 +72,6 @@ class TokenEvent:
     done: bool = False
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Greedy when `temperature` is 0; else softmax(logits / temperature) over the `top_k` largest
-    (0: all), drawn from a generator seeded by (seed, sequence index)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    seed: int = 0
-
-    def check(self, vocab: int) -> None:
-        if not isinstance(self.temperature, (int, float)) or not np.isfinite(self.temperature) or self.temperature < 0:
-            raise TvmpipeError(f"--temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise TvmpipeError(f"--top-k must be an integer >= 0, got {self.top_k!r}")
-        if self.top_k > vocab:
-            raise TvmpipeError(f"--top-k {self.top_k} is larger than the vocabulary ({vocab})")
-
-    def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
-        x = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if self.temperature == 0:
-            return int(np.argmax(x))
-        x = x / self.temperature
-        if self.top_k:
-            cut = np.partition(x, -self.top_k)[-self.top_k]
-            x = np.where(x >= cut, x, -np.inf)
-        p = np.exp(x - x.max())
-        p /= p.sum()
-        return int(rng.choice(len(p), p=p))
-
-
 def check_prompts(prompts: list[list[int]], vocab: int, max_context: int) -> list[list[int]]:
     """Every prompt a non-empty list of token ids inside the vocabulary, no longer than the context."""
     if not prompts:
@@ -136,7 +110,7 @@ def check_stop_tokens(tokens: Iterable[int], vocab: int) -> set[int]:
 
 
 class _Seq:
-    def __init__(self, result: SequenceResult, slot: int, epoch: int, seed: int, now: float):
+    def __init__(self, result: SequenceResult, slot: int, epoch: int, now: float):
         self.r = result
         self.hist = list(result.prompt)  # every token fed or to feed: prompt, then generated
         self.slot = slot
@@ -144,7 +118,8 @@ class _Seq:
         self.next_pos = 0  # next position to submit
         self.outstanding = 0
         self.queued = False  # in the loop's ready queue
-        self.rng = np.random.default_rng([seed, result.index])
+        # (micro-batch, position, epoch, its draw is fed back) of its latest step
+        self.last: tuple[int, int, int, bool] | None = None
         self.admitted = now
 
 
@@ -173,7 +148,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     if int(np.prod(tok_spec.shape)) != 1:
         raise TvmpipeError(f"input '{gen.token}' is {tok_spec}: generation feeds one sequence per micro-batch "
                            "(a bundle compiled with batch 1)")
-    other = [n for n in inputs if n not in (gen.token, gen.position, "__slot__")]
+    other = [n for n in inputs if n not in (gen.token, gen.position, "__slot__", STEP_NAME)]
     if other:
         raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
     results = {} if results is None else results
@@ -182,21 +157,44 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     queue = deque(SequenceResult(i, p) for i, p in enumerate(prompts))
     free = list(range(in_flight))[::-1]
     active: dict[int, _Seq] = {}
-    records: deque[tuple[_Seq, int, int]] = deque()  # per micro-batch in flight: (sequence, position, epoch)
-    # Sequences with a step to submit (a known token not yet fed, or caches to rebuild), round robin:
-    # each step costs O(1) however many sequences are in flight
+    records: deque[tuple[_Seq, int, int, int]] = deque()  # per micro-batch in flight: (sequence, position, epoch, seq)
+    # Sequences with a step to submit (a known token not yet fed, a token in flight to feed forward,
+    # or caches to rebuild), round robin: each step costs O(1) however many sequences are in flight
     ready: deque[_Seq] = deque()
     seen_losses = pipe.state_losses
+
+    def source(s: _Seq, epoch: int) -> int | None:
+        """Where the token of s's next step comes from: -1, it is known; m, the draw of micro-batch m
+        (s's latest step, still in flight, whose draw is fed back; a stop token it may draw makes
+        the step a wasted one); None: nothing to submit yet."""
+        q = s.next_pos
+        if q < len(s.hist):
+            return -1
+        if q == len(s.hist) and s.last is not None and s.last[1:] == (q - 1, epoch, True):
+            return s.last[0]
+        return None
 
     def want(s: _Seq) -> None:
         if not s.queued:
             s.queued = True
             ready.append(s)
 
-    def feed(s: _Seq, pos: int) -> dict:
-        return {gen.token: np.full(tok_spec.shape, s.hist[pos], dtype=tok_spec.dtype),
+    def feed(s: _Seq, pos: int, src: int, forward: bool) -> dict:
+        return {gen.token: np.full(tok_spec.shape, s.hist[pos] if src < 0 else 0, dtype=tok_spec.dtype),
                 gen.position: np.full(pos_spec.shape, pos, dtype=pos_spec.dtype),
-                "__slot__": np.array([s.slot, 1 if pos == 0 else 0], dtype=np.int64)}
+                "__slot__": np.array([s.slot, 1 if pos == 0 else 0], dtype=np.int64),
+                STEP_NAME: StepTag(src, sampling, s.r.index, draw(s, pos), forward).encode()}
+
+    def draw(s: _Seq, pos: int) -> int:
+        """Which generated token the step at `pos` draws: -1 when its next token is known."""
+        return pos + 1 - len(s.r.prompt) if pos + 1 >= len(s.hist) else -1
+
+    def forward(s: _Seq, pos: int) -> bool:
+        """Whether the step at `pos` feeds its draw forward: it draws, the draw cannot end the
+        sequence by length or context, and the window holds two steps of every sequence in flight
+        (with fewer, the next step could not be submitted before this one completes anyway)."""
+        d = draw(s, pos)
+        return 0 <= d and d + 1 < max_new_tokens and pos + 1 < gen.max_context and 2 * len(active) <= pipe.window
 
     def finish(s: _Seq, why: str) -> None:
         s.r.finish = why
@@ -209,36 +207,53 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
         while queue or active:
             while queue and free:
                 r = queue.popleft()
-                active[r.index] = _Seq(r, free.pop(), pipe.state_losses, sampling.seed, time.time())
+                active[r.index] = _Seq(r, free.pop(), pipe.state_losses, time.time())
                 want(active[r.index])
             epoch = pipe.state_losses
             if epoch != seen_losses:  # a stage holding caches restarted: every sequence rebuilds its own
                 seen_losses = epoch
                 for s in active.values():
                     want(s)
-            # submit every step whose token is known, round robin over sequences, while the window has room
+            # submit every step whose token is known or in flight, round robin over sequences, while
+            # the window has room. The token stage runs steps in submission order, so a step that takes
+            # the token of the step just before it would hold that stage up for a whole trip round the
+            # ring: such a step waits until as many other steps as there are stages (or sequences, if
+            # fewer) were submitted after its predecessor.
+            spacing = min(len(active), pipe.topology.num_stages)
+            deferred = []
             while pipe.submitted - pipe._delivered < pipe.window and ready:
                 s = ready.popleft()
                 s.queued = False
                 if active.get(s.r.index) is not s:
                     continue  # finished since it was queued
                 if s.epoch != epoch:  # its caches were lost: rebuild them from position 0
-                    s.epoch, s.next_pos = epoch, 0
+                    s.epoch, s.next_pos, s.last = epoch, 0, None
                     s.r.replays += 1
-                elif s.next_pos >= len(s.hist):
-                    continue  # nothing known to feed (queued again after its rebuild was submitted)
-                pipe.submit(feed(s, s.next_pos))
-                records.append((s, s.next_pos, epoch))
+                src = source(s, epoch)
+                if src is None:
+                    continue  # nothing to feed yet (queued again after its step was submitted)
+                if src >= 0 and pipe.submitted - src < spacing:
+                    deferred.append(s)
+                    continue
+                pos = s.next_pos
+                fwd = forward(s, pos)
+                seq = pipe.submit(feed(s, pos, src, fwd))
+                if src >= 0:
+                    pipe.fed_from[seq] = src
+                records.append((s, pos, epoch, seq))
+                s.last = (seq, pos, epoch, fwd)
                 s.next_pos += 1
                 s.outstanding += 1
-                if s.next_pos < len(s.hist):
-                    want(s)  # more of its prompt (or history) to feed: back of the queue
+                if source(s, epoch) is not None:
+                    want(s)  # more to feed (its prompt, history, or the token this step draws): back of the queue
+            for s in deferred:
+                want(s)
             if not records:
                 raise TvmpipeError("generation loop has nothing in flight")  # cannot happen: a bug
             out = pipe.get()
-            s, pos, ep = records.popleft()
+            s, pos, ep, seq = records.popleft()
             s.outstanding -= 1
-            if s.r.index not in active:  # finished while a stale step was in flight
+            if s.r.index not in active:  # finished while a stale or wasted step was in flight
                 if s.outstanding == 0:
                     free.append(s.slot)
                 continue
@@ -249,7 +264,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                 logits_log.setdefault(s.r.index, {})[pos] = np.array(logits, copy=True)
             if pos != len(s.hist) - 1:
                 continue  # a prompt step (or a replayed one): its token is already known
-            t = sampling.pick(np.asarray(logits).reshape(-1, gen.vocab_size)[-1], s.rng)
+            t = pipe.sampled(seq)
             now = time.time()
             if s.r.first_token_s is None:
                 s.r.first_token_s = now - s.admitted
@@ -262,7 +277,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             if why:
                 finish(s, why)
             else:
-                want(s)  # its next step's token is known now
+                want(s)  # its next step's token is known now, or in flight
     except TvmpipeError as exc:
         if isinstance(exc, GenerationError):
             raise

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.state import state_spans as bundle_state_spans
 from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.sampling import STEP_NAME, STEP_SPEC, TOKEN_NAME, TOKEN_SPEC
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
 from tvmpipe.partition import Plan, validate_plan
@@ -58,6 +59,13 @@ class Topology:
     state_heads: frozenset[int] = frozenset()
     slot_entry: int | None = None
     stateful: tuple[int, ...] = ()
+    # Generation (a bundle with a `generation` section; sampling.py): the driver tags each micro-batch
+    # with `step_entry` for the token stage and the sampling stage; the sampling stage sends the token
+    # it drew (`token_entry`) to the driver and, over the feedback edge (none when it is the token
+    # stage itself), to the token stage. `feedback` is (sampling stage, token stage).
+    step_entry: int | None = None
+    token_entry: int | None = None
+    feedback: tuple[int, int] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -101,6 +109,15 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         names[slot] = SLOT_NAME
         inputs = {n: e for n, e in inputs.items() if e not in state_in}
         inputs[SLOT_NAME] = slot
+    step = token = feedback = None
+    if slot is not None and bundle.generation is not None:
+        step, token = step_entries(bundle)
+        specs[step], names[step], specs[token], names[token] = STEP_SPEC, STEP_NAME, TOKEN_SPEC, TOKEN_NAME
+        inputs[STEP_NAME] = step
+        token_in = input_entry_ids(bundle)[bundle.generation.token]
+        readers = [j for j, p in enumerate(programs) if token_in in p.input_entries.values()]
+        logits = heads[bundle.generation.logits]
+        feedback = (stage_of_node[g.entries[logits].node], min(readers, default=0))
 
     edges: list[Edge] = []
     for j, p in enumerate(programs):
@@ -108,14 +125,28 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         for eid in p.recv_entries:
             from_stage.setdefault(stage_of_node[g.entries[eid].node], []).append(eid)
         fed = tuple(e for e in p.input_entries.values() if e not in state_in) + ((slot,) if j in stateful else ())
+        if feedback is not None and j in feedback:
+            fed += (step,)
         if fed or not from_stage:
             edges.append(Edge(DRIVER, j, fed))
         edges += [Edge(i, j, tuple(es)) for i, es in sorted(from_stage.items())]
+        if feedback is not None and j == feedback[1] != feedback[0]:
+            edges.append(Edge(feedback[0], j, (token,)))
     head_set = set(heads) - state_heads
     for i, p in enumerate(programs):
-        edges.append(Edge(i, DRIVER, tuple(e for e in p.send_entries if e in head_set)))
+        sends = tuple(e for e in p.send_entries if e in head_set)
+        if feedback is not None and i == feedback[0]:
+            sends += (token,)
+        edges.append(Edge(i, DRIVER, sends))
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
-                    state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful)
+                    state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
+                    step_entry=step, token_entry=token, feedback=feedback)
+
+
+def step_entries(bundle: Bundle) -> tuple[int, int]:
+    """The synthetic entry ids of the step tag and of the sampled token (after the slot's)."""
+    n = slot_entry(bundle)
+    return n + 1, n + 2
 
 
 def check_state_split(bundle: Bundle, plan: Plan) -> None:

@@ -32,12 +32,13 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
+from tvmpipe.cluster.sampling import STEP_SPEC, TOKEN_NAME, TOKEN_SPEC, StepTag, sample_token
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
 from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
-from tvmpipe.executor.inputs import random_feed
+from tvmpipe.executor.inputs import input_entry_ids, random_feed
 
 
 @dataclass
@@ -86,6 +87,11 @@ class Wiring:
     # Consumer stages on this node whose edges keep tensors on the GPU (cudaipc.py: both stages on
     # the cuda backend), through a ring of `ring_slots` device buffers.
     ipc_to: frozenset[int] = frozenset()
+    # The token stage of a decode pipeline (sampling.py): the producer whose frames carry tokens fed
+    # back from the sampling stage, and the first micro-batch it sends them for in this epoch (the
+    # driver's first incomplete one: a step may take the token drawn by any incomplete micro-batch).
+    feedback_from: int | None = None
+    feedback_first: int = 0
 
 
 def inbound_limits(entries: tuple[int, ...], specs: dict) -> FrameLimits:
@@ -143,7 +149,9 @@ class StageWorker:
         self.weights_bytes_read = wf.bytes_read if wf is not None else 0
         self.program = self.stage.program
         self.specs = dict(self.program.entry_specs)  # what inbound frames may carry
+        self.names = dict(self.program.entry_names)
         self.build_s = time.time() - t0
+        self._init_generation(bundle)
         t1 = time.time()
         feed = random_feed(self.program, spec.seed)
         if self.stage.state is not None:  # warm up on slot 0, which the first sequence there resets
@@ -169,6 +177,7 @@ class StageWorker:
         self._admitted: set[int] = set()  # producers connected in this epoch (one connection each)
         self._links: list[tuple[Edge, Link, dict[int, str]]] = []  # with the names its frames carry
         self._data_links: list[tuple[Link, tuple[int, ...], dict[int, str]]] = []  # those that carry outputs
+        self._feedback_link: Link | None = None  # sampling stage: to the token stage (sampling.py)
         self._compute: threading.Thread | None = None
         self._running = False  # connected: frames may be computed
         self._inline = False  # inputs are small: the receiving thread computes (see _on_frame)
@@ -180,6 +189,9 @@ class StageWorker:
         self._retained: deque[tuple[int, dict[int, np.ndarray]]] = deque()
         self._error: str | None = None
         self._peer_errors: list[str] = []
+        self._expected = 0  # frames a micro-batch needs: one per producer, fed-back tokens apart
+        # Token stage: seq -> the token drawn from that micro-batch (fed back), until a step takes it
+        self._fed: dict[int, np.ndarray] = {}
         # (epoch, seq, start, end) per micro-batch, wall clock; the newest TIMELINE_KEPT only
         self.events: deque[tuple[int, int, float, float]] = deque(maxlen=TIMELINE_KEPT)
         self.bytes_out: dict[int, int] = {}
@@ -187,6 +199,30 @@ class StageWorker:
         self._listener = Listener(spec.host or "127.0.0.1", self._accept_hello, self._on_frame, self._on_close)
         if spec.backend == "cuda":
             self._listener.device_inbox = self._device_inbox
+
+    def _init_generation(self, bundle: Any) -> None:
+        """The stage's part in decoding (sampling.py): as the token stage it takes fed-back tokens
+        (`_token_in`: the token input entry it overwrites), as the sampling stage it draws the next
+        token from the logits (`_logits`). Either role reads the step tag, which is popped before
+        the stage runs."""
+        self._step_entry = self._token_entry = self._token_in = self._logits = None
+        self._vocab = 0
+        gen = bundle.generation
+        if gen is None or not bundle.state:
+            return
+        from tvmpipe.cluster.topology import step_entries
+
+        token_in = input_entry_ids(bundle)[gen.token]
+        logits = bundle.graph.head_entries[gen.logits]
+        self._token_in = token_in if token_in in self.program.input_entries.values() else None
+        self._logits = logits if logits in self.program.send_entries else None
+        if self._token_in is None and self._logits is None:
+            return
+        self._step_entry, self._token_entry = step_entries(bundle)
+        self._vocab = gen.vocab_size
+        self.specs[self._step_entry] = STEP_SPEC
+        self.specs[self._token_entry] = TOKEN_SPEC
+        self.names[self._token_entry] = TOKEN_NAME
 
     # ---- control plane -----------------------------------------------------------------------------
     def address(self) -> Address:
@@ -215,6 +251,11 @@ class StageWorker:
             self._wiring = wiring
             self._pending.clear()
             self._next_from = {p: wiring.first_seq for p in wiring.inbound}
+            if wiring.feedback_from is not None:
+                self._next_from[wiring.feedback_from] = wiring.feedback_first
+            self._expected = len([p for p in wiring.inbound if p != wiring.feedback_from])
+            # kept: what this stage drew itself (no feedback edge) for micro-batches still incomplete
+            self._fed = {m: t for m, t in self._fed.items() if m >= wiring.feedback_first}
             self._inbound = {p: inbound_limits(es, self.specs) for p, es in wiring.inbound.items()}
             self._admitted = set()
             self._listener.secret = wiring.secret or None
@@ -248,17 +289,19 @@ class StageWorker:
         assert w is not None, "prepare() first"
         hello = Frame("hello", w.run, w.epoch, w.first_seq, self.index)
         for edge, addr in w.outbound:
-            frame_bytes = payload_bytes([self.program.entry_specs[e].nbytes for e in edge.entries])
+            frame_bytes = payload_bytes([self.specs[e].nbytes for e in edge.entries])
             slots = w.ring_slots if edge.dst in w.shm_to and edge.carries_data else 0
             device_ring = None
             if edge.dst in w.ipc_to and edge.carries_data and self.spec.backend == "cuda":
-                sizes = [(e, self.program.entry_specs[e].nbytes) for e in edge.entries]
+                sizes = [(e, self.specs[e].nbytes) for e in edge.entries]
                 device_ring = lambda sizes=sizes: cudaipc.DeviceRing(  # noqa: E731
                     self.stage.backend.dev, min(max(2, w.ring_slots), cudaipc.MAX_SLOTS), sizes)
             link = Link(tuple(addr), hello, w.secret, self._link_failed(edge.dst), depth=w.queue_depth,
                         ring_slots=slots, frame_bytes=frame_bytes, device_ring=device_ring)
-            names = {e: self.program.entry_names[e] for e in edge.entries}
+            names = {e: self.names[e] for e in edge.entries}
             self._links.append((edge, link, names))
+            if edge.dst != DRIVER and self._token_entry in edge.entries:
+                self._feedback_link = link
             if edge.carries_data:
                 self._data_links.append((link, edge.entries, names))
                 start = w.send_from.get(edge.dst, w.first_seq)
@@ -291,6 +334,7 @@ class StageWorker:
         tally(((edge.dst, link) for edge, link, _ in self._links), self.bytes_out, self.frames_out)
         self._links = []
         self._data_links = []
+        self._feedback_link = None
         self._release_pending()
         self._listener.drop_connections()
 
@@ -373,13 +417,20 @@ class StageWorker:
         seq = frame.seq
         with self._lock:
             want = self._next_from[producer]
-            if seq != want:
+            fed_back = producer == self._wiring.feedback_from  # sent only for steps the driver flagged
+            if seq < want if fed_back else seq != want:
                 raise FrameError(f"{_name(producer)} sent micro-batch {seq}, expected {want}")
-            self._next_from[producer] = want + 1
-            parts = self._pending.get(seq)
-            if parts is None:
-                parts = self._pending[seq] = {}
-            parts[producer] = frame
+            self._next_from[producer] = seq + 1
+            if fed_back:  # the token drawn from micro-batch seq
+                self._fed[seq] = np.array(frame.tensors[self._token_entry], copy=True)
+                if frame.release is not None:
+                    frame.release()
+                    frame.release = None
+            else:
+                parts = self._pending.get(seq)
+                if parts is None:
+                    parts = self._pending[seq] = {}
+                parts[producer] = frame
             if self._inline:
                 self._drain()
             elif self._waiting:
@@ -407,8 +458,16 @@ class StageWorker:
                 link.put(Frame("error", w.run, w.epoch, seq, self.index, error=message[:60000]))
 
     def _ready(self) -> bool:
-        """The next micro-batch has a frame from every producer (_cond held)."""
-        return len(self._pending.get(self._next_seq, ())) == len(self._wiring.inbound)
+        """The next micro-batch has a frame from every producer and, on the token stage, the token
+        it takes from an earlier micro-batch has come back (_cond held)."""
+        parts = self._pending.get(self._next_seq)
+        if parts is None or len(parts) != self._expected:
+            return False
+        if self._token_in is not None:
+            tag = parts[DRIVER].tensors.get(self._step_entry)
+            if tag is not None and tag[0] >= 0 and int(tag[0]) not in self._fed:
+                return False
+        return True
 
     def _drain_once(self) -> None:
         with self._lock:
@@ -456,6 +515,23 @@ class StageWorker:
             if self._waiting:
                 self._cond.notify_all()
 
+    def _take_step(self, feed: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], StepTag | None]:
+        """Pop the step tag off a micro-batch's inputs; on the token stage, put the fed-back token
+        in place of the driver's placeholder. Tokens older than any step in flight can take are
+        dropped (a step takes a token drawn at most `queue_depth` micro-batches before it)."""
+        feed = dict(feed)
+        raw = feed.pop(self._step_entry, None)
+        tag = StepTag.decode(raw) if raw is not None else None
+        if self._token_in is not None:
+            with self._lock:
+                if tag is not None and tag.from_seq >= 0:
+                    spec = self.specs[self._token_in]
+                    feed[self._token_in] = self._fed.pop(tag.from_seq).astype(spec.dtype).reshape(spec.shape)
+                low = self._next_seq - self._wiring.queue_depth
+                while self._fed and next(iter(self._fed)) < low:
+                    del self._fed[next(iter(self._fed))]
+        return feed, tag
+
     def _run(self, seq: int, parts: dict[int, Frame]) -> None:
         """Compute one micro-batch and send its outputs (_cond not held, the right to compute held)."""
         w = self._wiring
@@ -467,7 +543,16 @@ class StageWorker:
                 feed.update(f.tensors)
         device = [f.device for f in parts.values() if f.device is not None]
         try:
+            tag = None
+            if self._step_entry is not None:
+                feed, tag = self._take_step(feed)
             outputs = self.stage.run(feed, device=device)
+            if self._logits is not None:
+                token = sample_token(outputs[self._logits], tag or StepTag(), self._vocab)
+                outputs = {**outputs, self._token_entry: token}
+                if self._token_in is not None:  # this stage reads the token too: no edge, no hop
+                    with self._lock:
+                        self._fed[seq] = token
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
             _release(parts, {})
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"
@@ -486,5 +571,7 @@ class StageWorker:
                 self._retained.append((seq, outputs))
         ptrs = self.stage.send_pointers() if any(l.path == "cuda-ipc" for l, _, _ in self._data_links) else None
         for link, entries, names in self._data_links:
+            if link is self._feedback_link and not (tag is not None and tag.feed_next):
+                continue
             link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names,
                            device=ptrs if link.path == "cuda-ipc" else None))

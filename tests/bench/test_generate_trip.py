@@ -41,3 +41,24 @@ def test_trip_takes_each_leg_from_the_timeline(trip):
     assert out["driver turnaround"] == pytest.approx(40.0)  # step 6's output has no later submission
     assert out["cycle"] == pytest.approx(100 + 1000 + 125 + 155 + 40)
     assert trip(7, record, submit, done) == {}  # no step of the run in every stage's timeline
+
+
+def test_a_fed_back_step_is_timed_from_the_draw_it_takes(trip):
+    """Step 6 takes the token step 5 drew on the last stage: its wait is the feedback hop (the
+    last stage ends step 5 -> stage 0 starts step 6), not the driver's legs, and with most steps fed
+    back the cycle is the stages, the hops and that hop."""
+    us = 1e-6
+    submit = {5: 0.0, 6: 50 * us}  # step 6 was submitted long before its token existed
+    s0 = [Span(0, 5, 100 * us, 600 * us), Span(0, 6, 1280 * us, 1780 * us)]
+    s1 = [Span(0, 5, 700 * us, 1200 * us), Span(0, 6, 1900 * us, 2400 * us)]
+    done = {5: 1360 * us, 6: 2550 * us}
+    record = SimpleNamespace(worker_stats=[SimpleNamespace(events=s0), SimpleNamespace(events=s1)])
+    out = trip(5, record, submit, done, {6: 5, 9: 8})  # 9: not in the run's timeline, ignored
+    assert out["feedback"] == pytest.approx(80.0)
+    assert out["driver->0"] == pytest.approx(100.0)  # step 5 only: the driver fed it
+    assert out["fed_back"] == 0.5
+    assert out["driver turnaround"] is None  # no submission after either output
+    assert out["cycle"] == pytest.approx(100 + 1000 + 110 + 155)  # half fed back: the driver's way
+    out = trip(6, record, submit, done, {6: 5})
+    assert out["fed_back"] == 1.0 and out["driver->0"] is None
+    assert out["feedback"] == pytest.approx(80.0) and out["cycle"] == pytest.approx(500 + 500 + 120 + 80)

@@ -257,3 +257,77 @@ def test_sampled_streams_survive_a_killed_stage(decode_bundle):
                 pipe.launcher.kill(1)
         assert pipe.restarts == [0, 1]
     assert [results[i].tokens for i in range(len(PROMPTS))] == clean
+
+
+def test_the_token_goes_from_the_sampling_stage_to_the_token_stage(decode_bundle, oracle):
+    """With S <= window / 2 the sampling stage (the last) sends each drawn token straight to stage 0
+    on the feedback edge, and the driver submits each next step before the token is known: one
+    frame on that edge per generated token (the last of each sequence excepted). With the window
+    full of one step per sequence (S = 2K) the driver feeds every token and that edge stays quiet.
+    Tokens are the oracle's either way."""
+    with Pipeline(decode_bundle, 2, launcher="process", slots=4) as pipe:
+        assert pipe.topology.feedback == (1, 0)
+        edges = {(e.src, e.dst): e.entries for e in pipe.topology.edges}
+        assert edges[(1, 0)] == (pipe.topology.token_entry,)
+        frames = lambda: pipe.record().worker_stats[1].frames_out.get(0, 0)  # noqa: E731
+        res = pipe.generate_all(PROMPTS[:2], NEW, in_flight=2)
+        fed = frames()
+        res4 = pipe.generate_all(PROMPTS[:4], NEW, in_flight=4)
+        assert frames() == fed
+    assert fed == 2 * (NEW - 1)
+    assert [r.tokens for r in res] == [oracle[i][0] for i in range(2)]
+    assert [r.tokens for r in res4] == [oracle[i][0] for i in range(4)]
+
+
+def test_a_killed_stage_without_state_keeps_every_cache(decode_bundle, oracle):
+    """Stage 1 of 3 holds no state pair: killed mid-generation it is restarted and the pipeline
+    replays what was incomplete without any sequence rebuilding its caches. Steps whose fed-back
+    token came from a micro-batch that had completed get it from the driver instead; the others
+    take it again from the sampling stage. The streams equal the oracle's."""
+    with Pipeline(decode_bundle, 3, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
+        assert 1 not in pipe.topology.stateful
+        results = {}
+        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results, in_flight=3)):
+            if n == 8:
+                pipe.launcher.kill(1)
+        assert pipe.restarts[1] == 1 and pipe.state_losses == 0
+    assert [results[i].tokens for i in range(len(PROMPTS))] == [oracle[i][0] for i in range(len(PROMPTS))]
+    assert sum(r.replays for r in results.values()) == 0
+
+
+def test_a_plain_run_of_a_decode_step_draws_nothing(decode_bundle, oracle):
+    """Pipeline.run on a decode-step bundle, without a step tag: the driver's token is used, nothing
+    is drawn or fed back, and the logits are those of the single-process loop."""
+    prompt = PROMPTS[0]
+    with Pipeline(decode_bundle, 2, launcher="process", slots=1) as pipe:
+        b = pipe.bundle
+        spec = pipe.topology.specs[pipe.topology.inputs[b.generation.token]]
+        outs = pipe.run([{b.generation.token: np.full(spec.shape, t, dtype=spec.dtype),
+                          b.generation.position: np.full(pipe.topology.specs[pipe.topology.inputs[b.generation.position]].shape, p,
+                                                         dtype=pipe.topology.specs[pipe.topology.inputs[b.generation.position]].dtype),
+                          "__slot__": np.array([0, int(p == 0)])} for p, t in enumerate(prompt)])
+        assert all(pipe.sampled(s) == 0 for s in range(len(prompt)))
+    ref = oracle[0][1]
+    for pos, out in enumerate(outs):
+        assert np.abs(out[b.generation.logits] - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max()
+
+
+def test_a_replayed_step_takes_a_completed_micro_batchs_token_from_the_driver(decode_bundle):
+    """After a fault the feedback edge resends only from the first incomplete micro-batch on; a
+    replayed step whose token was drawn by one that completed before gets it from the driver
+    (`Pipeline._settle_fed_back`, run by every re-wiring), and a step fed by an incomplete one
+    still waits for it on the feedback edge."""
+    from tvmpipe.cluster.sampling import Sampling, StepTag
+
+    b = load_bundle(decode_bundle)
+    topo = build_topology(b, plan_keeping_state(b, 2))
+    pipe = object.__new__(Pipeline)  # the bookkeeping only: no workers
+    pipe.topology, pipe.bundle, pipe._tokens, pipe._submitted = topo, b, {3: 42}, 7
+    tok, step = topo.inputs[b.generation.token], topo.step_entry
+    blank = np.zeros(topo.specs[tok].shape, dtype=topo.specs[tok].dtype)
+    pipe._inputs = {n: {tok: blank, step: StepTag(m, Sampling(), 0, 1, True).encode()}
+                    for n, m in ((5, 3), (6, 5))}
+    pipe._settle_fed_back(5)
+    assert pipe._inputs[5][tok].reshape(-1).tolist() == [42] and StepTag.decode(pipe._inputs[5][step]).from_seq == -1
+    assert StepTag.decode(pipe._inputs[5][step]).feed_next  # the rest of the tag is kept
+    assert StepTag.decode(pipe._inputs[6][step]).from_seq == 5 and not pipe._inputs[6][tok].any()

@@ -1,0 +1,41 @@
+"""The step tag and keyed draws (cluster/sampling.py): what the driver tells the token and sampling
+stages per micro-batch survives the wire exactly, and a draw depends only on (seed, sequence, token
+index) and the logits, so any process, in any order, after any restart draws the same token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tvmpipe.cluster.sampling import NO_STEP, STEP_SPEC, Sampling, StepTag, sample_token
+from tvmpipe.core.errors import TvmpipeError
+
+
+def test_the_step_tag_round_trips_through_its_int64_entry():
+    tag = StepTag(41, Sampling(0.8, 10, 2 ** 62 + 5), 7, 3, True)
+    raw = tag.encode()
+    assert raw.dtype == np.int64 and raw.shape == STEP_SPEC.shape
+    assert StepTag.decode(raw.copy()) == tag
+    assert StepTag.decode(NO_STEP) == StepTag() and StepTag().token_index == -1 and not StepTag().feed_next
+
+
+def test_draws_are_keyed_not_sequential():
+    logits = np.random.default_rng(0).standard_normal((1, 1, 50)).astype(np.float32)
+    s = Sampling(1.0, 0, 9)
+    draws = [s.pick(logits[0, -1], 3, i) for i in range(40)]
+    assert draws == [s.pick(logits[0, -1], 3, i) for i in range(40)]  # again, in the same order
+    assert [s.pick(logits[0, -1], 3, i) for i in reversed(range(40))] == draws[::-1]  # in any order
+    assert len(set(draws)) > 5  # a real distribution, not one token
+    assert draws != [s.pick(logits[0, -1], 4, i) for i in range(40)]  # another sequence draws otherwise
+    top = Sampling(1.0, 3, 9)
+    assert {top.pick(logits[0, -1], 3, i) for i in range(40)} <= set(np.argsort(logits[0, -1])[-3:].tolist())
+    greedy = StepTag(-1, Sampling(), 0, 2)
+    assert sample_token(logits, greedy, 50).tolist() == [int(np.argmax(logits))]
+    assert sample_token(logits, StepTag(), 50).tolist() == [0]  # token_index -1: nothing drawn
+
+
+@pytest.mark.parametrize("bad", [-1, 2 ** 63, 1.5, True])
+def test_a_bad_seed_is_a_one_line_error(bad):
+    with pytest.raises(TvmpipeError, match="--seed") as exc:
+        Sampling(0.5, 0, bad).check(10)
+    assert "\n" not in str(exc.value)
