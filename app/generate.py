@@ -83,7 +83,8 @@ def generate_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.sources import choose_plan
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.generate import GenerationError, Sampling, check_prompts, check_stop_tokens, generation_of
+    from tvmpipe.cluster.generate import GenerationError, check_prompts, check_stop_tokens, generation_of
+    from tvmpipe.cluster.sampling import Sampling
 
     options = cluster_options(args)
     check_where(options)

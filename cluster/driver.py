@@ -275,7 +275,8 @@ class Pipeline:
         """Autoregressive generation on a decode-step bundle (cluster/generate.py): yields a
         TokenEvent (seq, token, index, done) per token as it is sampled; finished sequences go into
         `results` (prompt index -> SequenceResult). Greedy by default; seeded temperature/top-k."""
-        from tvmpipe.cluster.generate import Sampling, generate
+        from tvmpipe.cluster.generate import generate
+        from tvmpipe.cluster.sampling import Sampling
 
         return generate(self, prompts, max_new_tokens, in_flight=in_flight, sampling=Sampling(temperature, top_k, seed),
                         stop_tokens=stop_tokens, results=results, logits_log=logits_log)

@@ -103,11 +103,14 @@ class StepTag:
 NO_STEP = StepTag().encode()  # run() on a decode bundle: the driver's token, nothing drawn
 
 
-def sample_token(logits: np.ndarray, tag: StepTag, vocab: int) -> np.ndarray:
-    """The `__token__` a step sends: its draw from the last row of `logits`, or 0 when nothing is drawn."""
-    if tag.token_index < 0:
+def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int) -> np.ndarray:
+    """The `__token__` a step sends: its draw from the last row of `logits`, or 0 when nothing is
+    drawn. `tag` is the step tag as plain ints (`StepTag.encode().tolist()`; None: no tag): this
+    runs on every step, inside the sampling stage's compute, so greedy takes no detour."""
+    if tag is None or tag[3] < 0:
         return np.zeros(1, dtype=np.int64)
     row = np.asarray(logits).reshape(-1)[-vocab:]
-    if tag.sampling.temperature == 0:  # the argmax of the logits as computed (widening changes no order)
+    if tag[5] == 0:  # temperature 0.0 (its float64 bits): the argmax of the logits as computed
         return np.array([row.argmax()], dtype=np.int64)
-    return np.array([tag.sampling.pick(row, tag.seq_index, tag.token_index)], dtype=np.int64)
+    t = StepTag.decode(np.asarray(tag, dtype=np.int64))
+    return np.array([t.sampling.pick(row, t.seq_index, t.token_index)], dtype=np.int64)

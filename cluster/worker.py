@@ -32,7 +32,7 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.sampling import STEP_SPEC, TOKEN_NAME, TOKEN_SPEC, StepTag, sample_token
+from tvmpipe.cluster.sampling import STEP_SPEC, TOKEN_NAME, TOKEN_SPEC, sample_token
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
@@ -515,22 +515,22 @@ class StageWorker:
             if self._waiting:
                 self._cond.notify_all()
 
-    def _take_step(self, feed: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], StepTag | None]:
-        """Pop the step tag off a micro-batch's inputs; on the token stage, put the fed-back token
-        in place of the driver's placeholder. Tokens older than any step in flight can take are
-        dropped (a step takes a token drawn at most `queue_depth` micro-batches before it)."""
-        feed = dict(feed)
+    def _take_step(self, feed: dict[int, np.ndarray]) -> list[int] | None:
+        """Pop the step tag off a micro-batch's inputs (in place: the dict is this micro-batch's
+        own) as plain ints; on the token stage, put the fed-back token in place of the driver's
+        placeholder. Tokens no step in flight can take any more are dropped now and then (a step
+        takes a token drawn at most `queue_depth` micro-batches before it)."""
         raw = feed.pop(self._step_entry, None)
-        tag = StepTag.decode(raw) if raw is not None else None
-        if self._token_in is not None:
+        tag = raw.tolist() if raw is not None else None
+        if self._token_in is not None and tag is not None and tag[0] >= 0:
+            spec = self.specs[self._token_in]
             with self._lock:
-                if tag is not None and tag.from_seq >= 0:
-                    spec = self.specs[self._token_in]
-                    feed[self._token_in] = self._fed.pop(tag.from_seq).astype(spec.dtype).reshape(spec.shape)
-                low = self._next_seq - self._wiring.queue_depth
-                while self._fed and next(iter(self._fed)) < low:
-                    del self._fed[next(iter(self._fed))]
-        return feed, tag
+                token = self._fed.pop(tag[0])
+                if len(self._fed) > 2 * self._wiring.queue_depth:
+                    low = self._next_seq - self._wiring.queue_depth
+                    self._fed = {m: t for m, t in self._fed.items() if m >= low}
+            feed[self._token_in] = token.astype(spec.dtype).reshape(spec.shape)
+        return tag
 
     def _run(self, seq: int, parts: dict[int, Frame]) -> None:
         """Compute one micro-batch and send its outputs (_cond not held, the right to compute held)."""
@@ -543,14 +543,12 @@ class StageWorker:
                 feed.update(f.tensors)
         device = [f.device for f in parts.values() if f.device is not None]
         try:
-            tag = None
-            if self._step_entry is not None:
-                feed, tag = self._take_step(feed)
+            tag = self._take_step(feed) if self._step_entry is not None else None
             outputs = self.stage.run(feed, device=device)
             if self._logits is not None:
-                token = sample_token(outputs[self._logits], tag or StepTag(), self._vocab)
-                outputs = {**outputs, self._token_entry: token}
-                if self._token_in is not None:  # this stage reads the token too: no edge, no hop
+                token = sample_token(outputs[self._logits], tag, self._vocab)
+                outputs[self._token_entry] = token
+                if self._token_in is not None and tag is not None and tag[6]:  # it reads the token too: no hop
                     with self._lock:
                         self._fed[seq] = token
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
@@ -571,7 +569,7 @@ class StageWorker:
                 self._retained.append((seq, outputs))
         ptrs = self.stage.send_pointers() if any(l.path == "cuda-ipc" for l, _, _ in self._data_links) else None
         for link, entries, names in self._data_links:
-            if link is self._feedback_link and not (tag is not None and tag.feed_next):
+            if link is self._feedback_link and not (tag is not None and tag[6]):
                 continue
             link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names,
                            device=ptrs if link.path == "cuda-ipc" else None))

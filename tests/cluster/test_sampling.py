@@ -29,9 +29,12 @@ def test_draws_are_keyed_not_sequential():
     assert draws != [s.pick(logits[0, -1], 4, i) for i in range(40)]  # another sequence draws otherwise
     top = Sampling(1.0, 3, 9)
     assert {top.pick(logits[0, -1], 3, i) for i in range(40)} <= set(np.argsort(logits[0, -1])[-3:].tolist())
-    greedy = StepTag(-1, Sampling(), 0, 2)
+    greedy = StepTag(-1, Sampling(), 0, 2).encode().tolist()
     assert sample_token(logits, greedy, 50).tolist() == [int(np.argmax(logits))]
-    assert sample_token(logits, StepTag(), 50).tolist() == [0]  # token_index -1: nothing drawn
+    assert sample_token(logits, StepTag().encode().tolist(), 50).tolist() == [0]  # token_index -1: nothing drawn
+    assert sample_token(logits, None, 50).tolist() == [0]  # no tag (a plain run)
+    hot = StepTag(-1, s, 3, 5).encode().tolist()
+    assert sample_token(logits, hot, 50).tolist() == [draws[5]]  # what the stage draws is the keyed draw
 
 
 @pytest.mark.parametrize("bad", [-1, 2 ** 63, 1.5, True])
