@@ -133,7 +133,7 @@ def test_bad_prompts_and_options_are_one_line_errors(decode_bundle):
         cases = [([[1] * (ctx + 1)], {}, "max_context"), ([[vocab]], {}, "outside the vocabulary"),
                  ([[]], {}, "empty"), ([], {}, "no prompts"), ([[1]], {"in_flight": 0}, "--in-flight"),
                  ([[1]], {"temperature": -1.0}, "--temperature"), ([[1]], {"top_k": vocab + 1}, "--top-k"),
-                 ([[1]], {"stop_tokens": [-1]}, "--stop-token")]
+                 ([[1]], {"stop_tokens": [-1]}, "--stop-token"), ([[1]], {"seed": -1}, "--seed")]
         for prompts, kw, words in cases:
             with pytest.raises(TvmpipeError) as exc:
                 pipe.generate_all(prompts, 2, **kw)
@@ -155,7 +155,8 @@ def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
     assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
     for argv, words in [(["--prompt-ids", "5,x"], "--prompt-ids"), (["--prompt-ids", "99"], "vocabulary"),
                         (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
-                        (["--prompt", "hello"], "--tokenizer"), (["--prompt-ids", "1", "--top-k", "999"], "--top-k")]:
+                        (["--prompt", "hello"], "--tokenizer"), (["--prompt-ids", "1", "--top-k", "999"], "--top-k"),
+                        (["--prompt-ids", "1", "--seed", "-5"], "--seed")]:
         code = main(["generate", str(decode_bundle), "--processes", *argv])
         err = capsys.readouterr().err
         assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
