@@ -426,6 +426,7 @@ class StageWorker:
                 if frame.release is not None:
                     frame.release()
                     frame.release = None
+                self._bound_fed(producer)
             else:
                 parts = self._pending.get(seq)
                 if parts is None:
@@ -515,20 +516,28 @@ class StageWorker:
             if self._waiting:
                 self._cond.notify_all()
 
+    def _bound_fed(self, producer: int) -> None:
+        """Fed-back tokens kept: at most those a step in flight can take (_cond held). A step takes a
+        token drawn at most `queue_depth` micro-batches before it, so older ones are dropped; a
+        producer that sends more than that many ahead is refused (its connection closes)."""
+        depth = self._wiring.queue_depth
+        if len(self._fed) > 2 * depth:
+            low = self._next_seq - depth
+            self._fed = {m: t for m, t in self._fed.items() if m >= low}
+            if len(self._fed) > 2 * depth:
+                raise FrameError(f"{_name(producer)} sent {len(self._fed)} tokens ahead of micro-batch "
+                                 f"{self._next_seq}; at most {2 * depth} can be in flight")
+
     def _take_step(self, feed: dict[int, np.ndarray]) -> list[int] | None:
         """Pop the step tag off a micro-batch's inputs (in place: the dict is this micro-batch's
         own) as plain ints; on the token stage, put the fed-back token in place of the driver's
-        placeholder. Tokens no step in flight can take any more are dropped now and then (a step
-        takes a token drawn at most `queue_depth` micro-batches before it)."""
+        placeholder."""
         raw = feed.pop(self._step_entry, None)
         tag = raw.tolist() if raw is not None else None
         if self._token_in is not None and tag is not None and tag[0] >= 0:
             spec = self.specs[self._token_in]
             with self._lock:
                 token = self._fed.pop(tag[0])
-                if len(self._fed) > 2 * self._wiring.queue_depth:
-                    low = self._next_seq - self._wiring.queue_depth
-                    self._fed = {m: t for m, t in self._fed.items() if m >= low}
             feed[self._token_in] = token.astype(spec.dtype).reshape(spec.shape)
         return tag
 
@@ -551,6 +560,7 @@ class StageWorker:
                 if self._token_in is not None and tag is not None and tag[6]:  # it reads the token too: no hop
                     with self._lock:
                         self._fed[seq] = token
+                        self._bound_fed(self.index)
         except Exception as exc:  # any failure of the stage is reported, never raised in a thread
             _release(parts, {})
             message = f"micro-batch {seq}: {type(exc).__name__}: {exc}"

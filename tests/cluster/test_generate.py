@@ -332,3 +332,24 @@ def test_a_replayed_step_takes_a_completed_micro_batchs_token_from_the_driver(de
     assert pipe._inputs[5][tok].reshape(-1).tolist() == [42] and StepTag.decode(pipe._inputs[5][step]).from_seq == -1
     assert StepTag.decode(pipe._inputs[5][step]).feed_next  # the rest of the tag is kept
     assert StepTag.decode(pipe._inputs[6][step]).from_seq == 5 and not pipe._inputs[6][tok].any()
+
+
+def test_the_token_stage_keeps_only_the_fed_back_tokens_a_step_can_take():
+    """A step takes a token drawn at most `queue_depth` micro-batches before it: older fed-back
+    tokens are dropped once they pile up, and a producer that sends more than twice that many ahead
+    of the stage is refused (a FrameError closes its connection) instead of growing memory."""
+    from tvmpipe.cluster.frames import FrameError
+    from tvmpipe.cluster.worker import StageWorker, Wiring
+
+    w = object.__new__(StageWorker)  # the bookkeeping only
+    w._wiring = Wiring("r", 0, 0, {}, [], queue_depth=5)
+    w._next_seq = 40
+    w._fed = {m: np.zeros(1, dtype=np.int64) for m in range(20, 31)}
+    w._bound_fed(1)
+    assert w._fed == {}  # 11 > 2 x 5, and all below 40 - 5: dropped
+    w._fed = {m: np.zeros(1, dtype=np.int64) for m in range(36, 46)}  # 10: at the bound, kept
+    w._bound_fed(1)
+    assert sorted(w._fed) == list(range(36, 46))
+    w._fed[46] = np.zeros(1, dtype=np.int64)
+    with pytest.raises(FrameError, match="stage 1 sent 11 tokens ahead of micro-batch 40"):
+        w._bound_fed(1)
