@@ -353,3 +353,21 @@ def test_the_token_stage_keeps_only_the_fed_back_tokens_a_step_can_take():
     w._fed[46] = np.zeros(1, dtype=np.int64)
     with pytest.raises(FrameError, match="stage 1 sent 11 tokens ahead of micro-batch 40"):
         w._bound_fed(1)
+
+
+@pytest.mark.ray
+def test_generate_local_is_the_issue_command_on_ray_actors(decode_bundle, oracle):
+    """The command-line contract as scripts run it, `tvmpipe generate BUNDLE --stages 2 --local
+    --prompt-ids ... --json`: stage actors on its own embedded Ray (a separate process: this test
+    session may hold one), the token fed back actor to actor, one JSON document, the oracle's tokens."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tvmpipe", "generate", str(decode_bundle), "--stages", "2", "--local",
+                           "--prompt-ids", "5,17,3", "--prompt-ids", "60", "--max-new-tokens", str(NEW), "--json"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["stages"] == 2 and doc["error"] is None and doc["restarts"] == 0
+    assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
+    assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
