@@ -444,8 +444,8 @@ class Pipeline:
                 inputs = self._inputs.pop(seq)
                 self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
                                       else inputs.get(h) for h in self.topology.heads]  # state heads: None
-                if self.topology.feedback is not None:
-                    self._tokens[seq] = int(parts[self.topology.feedback[0]].tensors[self.topology.token_entry][0])
+                if self.topology.sampler is not None:
+                    self._tokens[seq] = int(parts[self.topology.sampler].tensors[self.topology.token_entry][0])
                     self._tokens.pop(seq - 4 * self.window - 8, None)
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
@@ -660,9 +660,9 @@ class Pipeline:
     def _settle_fed_back(self, first: int) -> None:
         """Before a replay (_cond held): a step that takes the token of a micro-batch that completed
         gets that token from the driver instead (it is not sent on the feedback edge again)."""
-        step = self.topology.step_entry
         if self.topology.feedback is None:
             return
+        step = self.topology.step_entry
         token_in = self.topology.inputs[self.bundle.generation.token]
         spec = self.topology.specs[token_in]
         for n in range(first, self._submitted):

@@ -162,6 +162,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     # or caches to rebuild), round robin: each step costs O(1) however many sequences are in flight
     ready: deque[_Seq] = deque()
     seen_losses = pipe.state_losses
+    fed_back = pipe.topology.feedback is not None
 
     def source(s: _Seq, epoch: int) -> int | None:
         """Where the token of s's next step comes from: -1, it is known; m, the draw of micro-batch m
@@ -190,11 +191,13 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
         return pos + 1 - len(s.r.prompt) if pos + 1 >= len(s.hist) else -1
 
     def forward(s: _Seq, pos: int) -> bool:
-        """Whether the step at `pos` feeds its draw forward: it draws, the draw cannot end the
-        sequence by length or context, and the window holds two steps of every sequence in flight
-        (with fewer, the next step could not be submitted before this one completes anyway)."""
+        """Whether the step at `pos` feeds its draw forward: the pipeline has a token stage to feed
+        (topology.feedback), the step draws, the draw cannot end the sequence by length or context,
+        and the window holds two steps of every sequence in flight (with fewer, the next step could
+        not be submitted before this one completes anyway)."""
         d = draw(s, pos)
-        return 0 <= d and d + 1 < max_new_tokens and pos + 1 < gen.max_context and 2 * len(active) <= pipe.window
+        return (fed_back and 0 <= d and d + 1 < max_new_tokens and pos + 1 < gen.max_context
+                and 2 * len(active) <= pipe.window)
 
     def finish(s: _Seq, why: str) -> None:
         s.r.finish = why

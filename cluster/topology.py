@@ -60,11 +60,13 @@ class Topology:
     slot_entry: int | None = None
     stateful: tuple[int, ...] = ()
     # Generation (a bundle with a `generation` section; sampling.py): the driver tags each micro-batch
-    # with `step_entry` for the token stage and the sampling stage; the sampling stage sends the token
-    # it drew (`token_entry`) to the driver and, over the feedback edge (none when it is the token
-    # stage itself), to the token stage. `feedback` is (sampling stage, token stage).
+    # with `step_entry` for the sampling stage (`sampler`) and the token stage; the sampling stage
+    # sends the token it drew (`token_entry`) to the driver and, over the feedback edge (none when it
+    # is the token stage itself), to the token stage. `feedback` is (sampling stage, token stage), or
+    # None when the token input is read in more than one stage: then the driver feeds every token.
     step_entry: int | None = None
     token_entry: int | None = None
+    sampler: int | None = None
     feedback: tuple[int, int] | None = None
 
     @property
@@ -109,15 +111,15 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         names[slot] = SLOT_NAME
         inputs = {n: e for n, e in inputs.items() if e not in state_in}
         inputs[SLOT_NAME] = slot
-    step = token = feedback = None
+    step = token = sampler = feedback = None
     if slot is not None and bundle.generation is not None:
         step, token = step_entries(bundle)
         specs[step], names[step], specs[token], names[token] = STEP_SPEC, STEP_NAME, TOKEN_SPEC, TOKEN_NAME
         inputs[STEP_NAME] = step
-        token_in = input_entry_ids(bundle)[bundle.generation.token]
-        readers = [j for j, p in enumerate(programs) if token_in in p.input_entries.values()]
-        logits = heads[bundle.generation.logits]
-        feedback = (stage_of_node[g.entries[logits].node], min(readers, default=0))
+        roles = [generation_roles(bundle, s, e) for s, e in plan.stages]
+        sampler = next(j for j, (_, logits) in enumerate(roles) if logits is not None)
+        reader = next((j for j, (token_in, _) in enumerate(roles) if token_in is not None), None)
+        feedback = (sampler, reader) if reader is not None else None
 
     edges: list[Edge] = []
     for j, p in enumerate(programs):
@@ -125,7 +127,7 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         for eid in p.recv_entries:
             from_stage.setdefault(stage_of_node[g.entries[eid].node], []).append(eid)
         fed = tuple(e for e in p.input_entries.values() if e not in state_in) + ((slot,) if j in stateful else ())
-        if feedback is not None and j in feedback:
+        if step is not None and (j == sampler or (feedback is not None and j == feedback[1])):
             fed += (step,)
         if fed or not from_stage:
             edges.append(Edge(DRIVER, j, fed))
@@ -135,18 +137,35 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
     head_set = set(heads) - state_heads
     for i, p in enumerate(programs):
         sends = tuple(e for e in p.send_entries if e in head_set)
-        if feedback is not None and i == feedback[0]:
+        if i == sampler:
             sends += (token,)
         edges.append(Edge(i, DRIVER, sends))
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
                     state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
-                    step_entry=step, token_entry=token, feedback=feedback)
+                    step_entry=step, token_entry=token, sampler=sampler, feedback=feedback)
 
 
 def step_entries(bundle: Bundle) -> tuple[int, int]:
     """The synthetic entry ids of the step tag and of the sampled token (after the slot's)."""
     n = slot_entry(bundle)
     return n + 1, n + 2
+
+
+def generation_roles(bundle: Bundle, start: int, end: int) -> tuple[int | None, int | None]:
+    """What the node range [start, end) of a decode bundle does in generation (sampling.py): the
+    token input's entry if the range holds every node that reads it (the token stage, which takes
+    fed-back tokens in place of the driver's), and the logits head's entry if the range computes it
+    (the sampling stage). The one place both the topology and each stage worker decide roles."""
+    gen = bundle.generation
+    if gen is None or not bundle.state:
+        return None, None
+    g = bundle.graph
+    token_in = input_entry_ids(bundle)[gen.token]
+    token_node = g.entries[token_in].node
+    readers = [node.index for node in g.nodes if any(r.node == token_node for r in node.inputs)]
+    logits = g.head_entries[gen.logits]
+    return (token_in if readers and all(start <= n < end for n in readers) else None,
+            logits if start <= g.entries[logits].node < end else None)
 
 
 def check_state_split(bundle: Bundle, plan: Plan) -> None:

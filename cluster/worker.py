@@ -36,9 +36,9 @@ from tvmpipe.cluster.sampling import STEP_SPEC, TOKEN_NAME, TOKEN_SPEC, sample_t
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
-from tvmpipe.cluster.topology import Edge
+from tvmpipe.cluster.topology import Edge, generation_roles, step_entries
 from tvmpipe.executor import Stage
-from tvmpipe.executor.inputs import input_entry_ids, random_feed
+from tvmpipe.executor.inputs import random_feed
 
 
 @dataclass
@@ -205,21 +205,13 @@ class StageWorker:
         (`_token_in`: the token input entry it overwrites), as the sampling stage it draws the next
         token from the logits (`_logits`). Either role reads the step tag, which is popped before
         the stage runs."""
-        self._step_entry = self._token_entry = self._token_in = self._logits = None
+        self._step_entry = self._token_entry = None
         self._vocab = 0
-        gen = bundle.generation
-        if gen is None or not bundle.state:
-            return
-        from tvmpipe.cluster.topology import step_entries
-
-        token_in = input_entry_ids(bundle)[gen.token]
-        logits = bundle.graph.head_entries[gen.logits]
-        self._token_in = token_in if token_in in self.program.input_entries.values() else None
-        self._logits = logits if logits in self.program.send_entries else None
+        self._token_in, self._logits = generation_roles(bundle, self.spec.start, self.spec.end)
         if self._token_in is None and self._logits is None:
             return
         self._step_entry, self._token_entry = step_entries(bundle)
-        self._vocab = gen.vocab_size
+        self._vocab = bundle.generation.vocab_size
         self.specs[self._step_entry] = STEP_SPEC
         self.specs[self._token_entry] = TOKEN_SPEC
         self.names[self._token_entry] = TOKEN_NAME

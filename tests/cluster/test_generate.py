@@ -371,3 +371,26 @@ def test_generate_local_is_the_issue_command_on_ray_actors(decode_bundle, oracle
     assert doc["stages"] == 2 and doc["error"] is None and doc["restarts"] == 0
     assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
     assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
+
+
+def test_a_token_read_in_two_stages_is_fed_by_the_driver(decode_bundle):
+    """The token stage takes fed-back draws in place of the driver's placeholder, so it must hold
+    every reader of the token input. When a later stage reads the token too (here a node of stage 1,
+    edited in), no stage is the token stage: the topology has no feedback edge (the generation loop
+    then submits no step before its token is known), while the last stage still draws and sends its
+    token to the driver; stage and topology derive these roles from one function."""
+    from tvmpipe.bundle.graph import EntryRef
+    from tvmpipe.cluster.topology import generation_roles
+
+    b = load_bundle(decode_bundle)
+    plan = plan_keeping_state(b, 2)
+    token_in = build_topology(b, plan).inputs[b.generation.token]
+    assert [generation_roles(b, s, e)[0] for s, e in plan.stages] == [token_in, None]
+    late = next(n for n in range(*plan.stages[1]) if b.graph.nodes[n].is_op)
+    b.graph.nodes[late].inputs.append(EntryRef(b.graph.entries[token_in].node))
+    assert [generation_roles(b, s, e)[0] for s, e in plan.stages] == [None, None]
+    topo = build_topology(b, plan)
+    assert topo.feedback is None and topo.sampler == 1
+    edges = {(e.src, e.dst): e.entries for e in topo.edges}
+    assert (1, 0) not in edges and topo.token_entry in edges[(1, -1)]
+    assert token_in in edges[(-1, 0)] and token_in in edges[(-1, 1)]  # the driver's token, to both
