@@ -9,12 +9,11 @@ import time
 from tvmpipe.cluster.experiment import process_cpu_s
 
 
-def test_process_cpu_counts_threads_below_a_clock_tick():
-    """A calibration reads per-micro-batch CPU of tens of us over a few ms of run: /proc/PID/stat's
-    10 ms ticks read 3 ms of a worker thread's CPU as 0 or 10 ms; schedstat reads it as 3 ms."""
+def _spin_in_a_thread_s() -> float:
+    """process_cpu_s across a worker thread's 3 ms of CPU; the thread stays alive while read."""
     spun, done = threading.Event(), threading.Event()
 
-    def spin() -> None:  # a worker thread: it stays alive while the caller reads
+    def spin() -> None:
         t = time.thread_time()
         while time.thread_time() - t < 0.003:
             pass
@@ -30,4 +29,17 @@ def test_process_cpu_counts_threads_below_a_clock_tick():
     finally:
         done.set()
         th.join()
-    assert 0.003 <= after - before < 0.008, after - before
+    return after - before
+
+
+def test_process_cpu_counts_threads_below_a_clock_tick():
+    """A calibration reads per-micro-batch CPU of tens of us over a few ms of run: /proc/PID/stat's
+    10 ms ticks read 3 ms of a worker thread's CPU as 0 or 10 ms; schedstat reads it as 3 ms.
+
+    Every reading counts the 3 ms (none is lost); the closest of three is under one tick. One
+    reading alone also counts whatever else the process ran meanwhile (pytest's threads from
+    earlier tests, the machine's noise): 8.3 ms once on a loaded 2-core machine, where ticks would
+    still read 0 or 10 ms every time."""
+    spent = [_spin_in_a_thread_s() for _ in range(3)]
+    assert min(spent) >= 0.003, spent
+    assert min(spent) < 0.008, spent
