@@ -180,22 +180,21 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             s.queued = True
             ready.append(s)
 
-    def feed(s: _Seq, pos: int, src: int, forward: bool) -> dict:
+    def feed(s: _Seq, pos: int, src: int, d: int, fwd: bool) -> dict:
         return {gen.token: np.full(tok_spec.shape, s.hist[pos] if src < 0 else 0, dtype=tok_spec.dtype),
                 gen.position: np.full(pos_spec.shape, pos, dtype=pos_spec.dtype),
                 "__slot__": np.array([s.slot, 1 if pos == 0 else 0], dtype=np.int64),
-                STEP_NAME: StepTag(src, sampling, s.r.index, draw(s, pos), forward).encode()}
+                STEP_NAME: StepTag(src, sampling, s.r.index, d, fwd).encode()}
 
     def draw(s: _Seq, pos: int) -> int:
         """Which generated token the step at `pos` draws: -1 when its next token is known."""
         return pos + 1 - len(s.r.prompt) if pos + 1 >= len(s.hist) else -1
 
-    def forward(s: _Seq, pos: int) -> bool:
-        """Whether the step at `pos` feeds its draw forward: the pipeline has a token stage to feed
-        (topology.feedback), the step draws, the draw cannot end the sequence by length or context,
-        and the window holds two steps of every sequence in flight (with fewer, the next step could
-        not be submitted before this one completes anyway)."""
-        d = draw(s, pos)
+    def forward(d: int, pos: int) -> bool:
+        """Whether the step at `pos`, drawing generated token `d` (-1: none), feeds its draw forward:
+        the pipeline has a token stage to feed (topology.feedback), the step draws, the draw cannot
+        end the sequence by length or context, and the window holds two steps of every sequence in
+        flight (with fewer, the next step could not be submitted before this one completes anyway)."""
         return (fed_back and 0 <= d and d + 1 < max_new_tokens and pos + 1 < gen.max_context
                 and 2 * len(active) <= pipe.window)
 
@@ -239,8 +238,9 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                     deferred.append(s)
                     continue
                 pos = s.next_pos
-                fwd = forward(s, pos)
-                seq = pipe.submit(feed(s, pos, src, fwd))
+                d = draw(s, pos)
+                fwd = forward(d, pos)
+                seq = pipe.submit(feed(s, pos, src, d, fwd))
                 if src >= 0:
                     pipe.fed_from[seq] = src
                 records.append((s, pos, epoch, seq))

@@ -94,10 +94,13 @@ class StepTag:
 
     @classmethod
     def decode(cls, tag: np.ndarray) -> "StepTag":
-        t = np.asarray(tag, dtype=np.int64).reshape(-1)
-        v = t.tolist()  # plain ints: this runs on every step of two stages, inside their compute span
-        return cls(v[0], Sampling(float(t[5:6].view(np.float64)[0]) if v[5] else 0.0, v[4], v[1]), v[2], v[3],
-                   bool(v[6]))
+        return cls.from_ints(np.asarray(tag, dtype=np.int64).reshape(-1).tolist())
+
+    @classmethod
+    def from_ints(cls, v: list[int]) -> "StepTag":
+        """The tag from its plain ints (`encode().tolist()`, what the stages hold while they run)."""
+        temperature = float(np.int64(v[5]).view(np.float64)) if v[5] else 0.0
+        return cls(v[0], Sampling(temperature, v[4], v[1]), v[2], v[3], bool(v[6]))
 
 
 NO_STEP = StepTag().encode()  # run() on a decode bundle: the driver's token, nothing drawn
@@ -112,5 +115,5 @@ def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int) -> np.nd
     row = np.asarray(logits).reshape(-1)[-vocab:]
     if tag[5] == 0:  # temperature 0.0 (its float64 bits): the argmax of the logits as computed
         return np.array([row.argmax()], dtype=np.int64)
-    t = StepTag.decode(np.asarray(tag, dtype=np.int64))
+    t = StepTag.from_ints(tag)
     return np.array([t.sampling.pick(row, t.seq_index, t.token_index)], dtype=np.int64)

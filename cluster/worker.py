@@ -545,11 +545,12 @@ class StageWorker:
         device = [f.device for f in parts.values() if f.device is not None]
         try:
             tag = self._take_step(feed) if self._step_entry is not None else None
+            feed_next = tag is not None and tag[6]  # the driver asked for this step's draw to be fed back
             outputs = self.stage.run(feed, device=device)
             if self._logits is not None:
                 token = sample_token(outputs[self._logits], tag, self._vocab)
                 outputs[self._token_entry] = token
-                if self._token_in is not None and tag is not None and tag[6]:  # it reads the token too: no hop
+                if self._token_in is not None and feed_next:  # it reads the token too: no hop
                     with self._lock:
                         self._fed[seq] = token
                         self._bound_fed(self.index)
@@ -571,7 +572,7 @@ class StageWorker:
                 self._retained.append((seq, outputs))
         ptrs = self.stage.send_pointers() if any(l.path == "cuda-ipc" for l, _, _ in self._data_links) else None
         for link, entries, names in self._data_links:
-            if link is self._feedback_link and not (tag is not None and tag[6]):
+            if link is self._feedback_link and not feed_next:
                 continue
             link.put(Frame("data", w.run, w.epoch, seq, self.index, {e: outputs[e] for e in entries}, names,
                            device=ptrs if link.path == "cuda-ipc" else None))
