@@ -46,6 +46,7 @@ Three more things of `ray.init` cost a local run time at every stage count (docs
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import site
@@ -184,8 +185,10 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None,
               workers: int | None = None) -> Iterator[None]:
     """An embedded Ray head on loopback for the duration of the block, shut down afterwards.
 
+    `num_cpus` is rounded up to a whole number: Ray refuses a node with a fractional CPU count, and
+    the stages' fractional shares (--cpus-per-stage 0.5 x 5 stages = 2.5) must still fit on it.
     `workers`: how many Python workers the raylet prestarts (the run's stage actors); None leaves
-    Ray's own count, int(num_cpus).
+    Ray's own count, the node's CPUs.
 
     `temp_dir` defaults to a fresh short directory (Ray's socket paths must stay under 108 bytes),
     removed on exit, so concurrent local runs never share Ray's session files.
@@ -211,8 +214,9 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None,
     try:
         # the environment is inherited by the daemons ray.init starts, and by their workers
         with scoped_environ(pinned), quiet_token_auth_notice(), lean_head(workers):
-            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                     _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+            ray.init(address="local", num_cpus=math.ceil(round(num_cpus, 6)), num_gpus=num_gpus,
+                     include_dashboard=False, _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False,
+                     configure_logging=False)
             daemons = dict(os.environ)
     except BaseException:
         shutil.rmtree(daemon_home, ignore_errors=True)

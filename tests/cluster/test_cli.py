@@ -218,3 +218,15 @@ def test_run_local_is_the_readme_command():
     assert "Token authentication is enabled for this Ray cluster" not in proc.stderr, proc.stderr[-3000:]
     # the table says which columns are per micro-batch and which are totals over the run
     assert "ms/mb (mean)" in proc.stdout and "bytes out (total)" in proc.stdout
+
+
+@pytest.mark.ray
+def test_run_local_with_a_fractional_cpu_total():
+    """--stages 3 --cpus-per-stage 0.75 asks the embedded head for 2.25 CPUs (so did any odd K >= 5
+    at the default 0.5): Ray refuses a node with a fractional CPU count, which `run` printed as a
+    ValueError traceback; the head gets the next whole number and the run goes through."""
+    proc = subprocess.run([sys.executable, "-m", "tvmpipe", "run", "--stages", "3", "--local", "--cpus-per-stage",
+                           "0.75", "-n", "4"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "3 stage(s)" in proc.stdout and "outputs match single-process run: yes (4/4" in proc.stdout
+    assert "Traceback" not in proc.stderr
