@@ -29,6 +29,7 @@ class Cluster:
     description: str
     nodes: int = 1
     ray_version: str | None = None
+    grows: bool = False  # nodes may join (a cluster we joined, not the embedded head we started)
 
 
 def connect_ray(address: str, attempts: int = RAY_CONNECT_ATTEMPTS, pause_s: float = 1.0) -> None:
@@ -88,7 +89,7 @@ def open_cluster(opts: ClusterOptions, max_stages: int) -> Iterator[Cluster]:
             gpus = int(ray.cluster_resources().get("GPU", 0))
             ship = nodes > 1 if opts.ship_bundle is None else opts.ship_bundle
             yield Cluster("ray", None, gpus, ship, f"Ray cluster {opts.address} ({nodes} node(s))", nodes,
-                          ray.__version__)
+                          ray.__version__, grows=True)
         finally:
             ray.shutdown()
 
@@ -114,7 +115,8 @@ def pipeline_kwargs(opts: ClusterOptions, cluster: Cluster, backend: str, k: int
                               ship_bundle=cluster.ship_bundle, max_restarts=opts.max_restarts, timeouts=timeouts,
                               transport=opts.transport)
     if cluster.launcher == "ray":
-        kw["placement"] = Placement(strategy=opts.placement, gpus=gpus, cpus=opts.cpus_per_stage)
+        kw["placement"] = Placement(strategy=opts.placement, gpus=gpus, cpus=opts.cpus_per_stage,
+                                    grows=cluster.grows)
     elif backend == "cuda":  # processes: stage i on GPU i, round robin when stages outnumber GPUs
         kw["launcher"] = ProcessLauncher(timeouts, devices=[str(i) for i in range(cluster.gpus)])
     return kw

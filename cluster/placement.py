@@ -10,14 +10,20 @@ its slot then asks for a sliver of Ray's built-in `node:<ip>` resource, which on
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from tvmpipe.core.errors import TvmpipeError
 
+log = logging.getLogger(__name__)
+
 STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 NODE_PIN = 0.001  # of `node:<ip>`: every node has 1.0, so a pinned slot fits only there
+MIN_CPU = 0.0001  # Ray's resource grain: the slot of a stage that reserves nothing (Ray refuses an empty one)
+POLL_S = 0.5  # how often a pending reservation is looked at
 
 
 class PlacementError(TvmpipeError):
@@ -34,6 +40,10 @@ class Placement:
     gpus: float = 0.0
     cpus: float = 0.5
     nodes: tuple[str | None, ...] | None = None  # per stage: node IP to pin to, or None
+    # Whether nodes may still join (an autoscaler, workers starting): a reservation Ray finds
+    # infeasible on the nodes it has then waits for them; on a cluster that cannot grow (the
+    # embedded --local one) it fails at once instead of waiting out the start timeout.
+    grows: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -52,7 +62,7 @@ class Placement:
                 b["GPU"] = self.gpus
             if self.nodes and self.nodes[i]:
                 b[f"node:{self.nodes[i]}"] = NODE_PIN
-            out.append({k: v for k, v in b.items() if v})
+            out.append({k: v for k, v in b.items() if v} or {"CPU": MIN_CPU})
         return out
 
     def actor_options(self, pg: Any, index: int) -> dict[str, Any]:
@@ -63,20 +73,54 @@ class Placement:
 
 
 def create_placement_group(placement: Placement, num_stages: int, timeout_s: float) -> Any:
-    """Reserve one slot per stage, or raise PlacementError saying what the cluster lacks."""
+    """Reserve one slot per stage, or raise PlacementError saying what the cluster lacks.
+
+    Ray keeps an unsatisfiable reservation pending for ever; its scheduler says INFEASIBLE when no
+    node it has could hold it (a GPU slot on a CPU-only cluster, STRICT_SPREAD over more stages
+    than nodes). That fails at once where the cluster cannot grow, and is said once in the log
+    where it can; anything else waits up to `timeout_s` (other jobs may free what it needs)."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     slots = placement.slots(num_stages)
     # Unique per pipeline: several pipelines (jobs, sweeps) share one cluster, and Ray refuses a
     # second placement group with a name already in use.
     pg = placement_group(slots, strategy=placement.strategy,
                          name=f"tvmpipe-{num_stages}stages-{uuid.uuid4().hex[:8]}")
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except Exception as exc:  # GetTimeoutError: the reservation cannot be met (now)
-        remove_placement_group(pg)
-        raise PlacementError(f"cannot place {num_stages} stages with {placement.strategy} "
-                             f"(each needs {slots[0]}); cluster resources: {ray.cluster_resources()} "
-                             f"[{type(exc).__name__}]") from None
-    return pg
+    ready = pg.ready()
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while True:
+        left = deadline - time.monotonic()
+        done, _ = ray.wait([ready], timeout=max(0.0, min(POLL_S, left)))
+        if done:
+            try:
+                ray.get(ready)
+                return pg
+            except Exception as exc:  # the reservation was removed or failed
+                why = f"{type(exc).__name__}"
+                break
+        state = placement_group_table(pg).get("stats", {}).get("scheduling_state")
+        if state == "INFEASIBLE" and not placement.grows:
+            why = "the cluster's nodes cannot hold it (Ray finds it infeasible)"
+            break
+        if state == "INFEASIBLE" and not told:
+            told = True
+            log.warning("no node of the cluster can hold %d stages with %s (each needs %s) yet; waiting up to "
+                        "%.0f s for nodes to join", num_stages, placement.strategy, slots[0], timeout_s)
+        if left <= 0:
+            why = f"not reserved within {timeout_s:g} s"
+            break
+    remove_placement_group(pg)
+    raise PlacementError(f"cannot place {num_stages} stages with {placement.strategy} (each needs {slots[0]}): "
+                         f"{why}; cluster resources: {_resources()}")
+
+
+def _resources() -> dict[str, float]:
+    """The cluster's CPUs, GPUs and nodes, for errors (not its memory or node-id resources)."""
+    import ray
+
+    res = ray.cluster_resources()
+    out = {k: res.get(k, 0.0) for k in ("CPU", "GPU")}
+    out["nodes"] = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return out

@@ -230,3 +230,15 @@ def test_run_local_with_a_fractional_cpu_total():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "3 stage(s)" in proc.stdout and "outputs match single-process run: yes (4/4" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.ray
+def test_run_local_refuses_a_placement_one_node_cannot_hold():
+    """`run --local --placement STRICT_SPREAD -k 2` (a node per stage, one node) printed nothing
+    and waited out the 300 s start timeout; now one line, exit 2, seconds after Ray starts."""
+    proc = subprocess.run([sys.executable, "-m", "tvmpipe", "run", "--stages", "2", "--local", "--placement",
+                           "STRICT_SPREAD", "-n", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tvmpipe run: error:")]
+    assert len(lines) == 1 and "STRICT_SPREAD" in lines[0] and "cannot hold it" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

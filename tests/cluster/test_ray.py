@@ -149,10 +149,41 @@ def test_soft_strategies_fit_one_node(ray_cluster, bundles, strategy):
         assert_bit_identical(pipe.run(inputs), want)
 
 
-def test_strict_spread_needs_a_node_per_stage(ray_cluster, bundles):
-    with pytest.raises(PlacementError, match="STRICT_SPREAD"):
-        Pipeline(bundles["tiny"], 2, launcher="ray", placement=Placement(strategy="STRICT_SPREAD", cpus=0.25),
-                 timeouts=Timeouts(start=2))
+def test_strict_spread_needs_a_node_per_stage(ray_cluster, bundles, caplog):
+    """On a cluster that may grow, an infeasible reservation waits out the start timeout, saying
+    once in the log what it waits for."""
+    with caplog.at_level("WARNING", logger="tvmpipe.cluster.placement"):
+        with pytest.raises(PlacementError, match="STRICT_SPREAD .*not reserved within 2 s"):
+            Pipeline(bundles["tiny"], 2, launcher="ray", placement=Placement(strategy="STRICT_SPREAD", cpus=0.25),
+                     timeouts=Timeouts(start=2))
+    waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert len(waits) == 1 and "2 stages with STRICT_SPREAD" in waits[0], waits
+
+
+@pytest.mark.parametrize("placement", [Placement(strategy="STRICT_SPREAD", cpus=0.25, grows=False),
+                                       Placement(gpus=8.0, cpus=0.25, grows=False)])
+def test_an_infeasible_placement_fails_at_once_where_no_node_can_join(ray_cluster, bundles, placement):
+    """More stages than nodes under STRICT_SPREAD, or a slot bigger than any node: Ray keeps such a
+    reservation pending for ever, and the run waited out its 300 s start timeout in silence. A
+    cluster that cannot grow (the embedded --local head) refuses it as soon as Ray calls it
+    infeasible, naming the strategy, the slot and what the cluster has."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        Pipeline(bundles["tiny"], 2, launcher="ray", placement=placement, timeouts=Timeouts(start=300))
+    assert time.monotonic() - t0 < 60
+    message = str(info.value)
+    assert "cannot hold it" in message and placement.strategy in message and "nodes" in message
+    assert "\n" not in message
+
+
+def test_a_stage_that_reserves_no_cpu_still_gets_a_slot(ray_cluster, bundles):
+    """--cpus-per-stage 0 without GPUs left each slot empty, which Ray's placement_group() refuses
+    (a ValueError traceback); the slot now holds Ray's smallest CPU grain."""
+    inputs, want = case(bundles["tiny"], 3)
+    with Pipeline(bundles["tiny"], 2, launcher="ray", placement=Placement(cpus=0.0)) as pipe:
+        assert_bit_identical(pipe.run(inputs), want)
 
 
 def test_prediction_bounds_the_measured_pipeline(ray_cluster, bundles):
