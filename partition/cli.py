@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from tvmpipe.core import files
 from tvmpipe.partition.devices import format_bytes
 from tvmpipe.partition.errors import PartitionError
 
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.params and args.inputs:
         raise PartitionError("--inputs and --params both say which null nodes are graph inputs: give one")
+    if args.output:
+        files.check_writable(args.output, "-o/--output")  # before the planning it would lose
     bundle = load_bundle(args.path, params=args.params)
     device = get_device(args.device)
     cuts = _ints(args.cuts, "--cuts") if args.cuts is not None else None

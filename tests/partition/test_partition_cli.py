@@ -85,6 +85,17 @@ def test_errors_are_clear(resnet_path, capsys, argv, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("where, message", [("missing/plan.json", "does not exist"), (".", "is a directory")])
+def test_an_unwritable_plan_file_is_refused_before_planning(resnet_path, tmp_path, capsys, where, message):
+    """-o in a directory that does not exist, or naming a directory, ended in a FileNotFoundError /
+    IsADirectoryError traceback after the planning; now one line, and nothing written."""
+    out = tmp_path / where
+    assert main(["partition", resnet_path, "--stages", "3", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tvmpipe partition: error: -o/--output ") and message in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_missing_path(tmp_path, capsys):
     assert main(["partition", str(tmp_path / "nothing"), "--stages", "2"]) == 2
     assert "no such bundle directory" in capsys.readouterr().err
