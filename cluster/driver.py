@@ -446,6 +446,9 @@ class Pipeline:
                                       else inputs.get(h) for h in self.topology.heads]  # state heads: None
                 if self.topology.sampler is not None:
                     self._tokens[seq] = int(parts[self.topology.sampler].tensors[self.topology.token_entry][0])
+                    # kept while a reader may still ask: sampled() for a result not yet taken (at most
+                    # a window behind), a replay's _settle_fed_back for a step's token (drawn at most a
+                    # window before the replay's first micro-batch); twice that, and a few, as margin
                     self._tokens.pop(seq - 4 * self.window - 8, None)
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
