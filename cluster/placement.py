@@ -106,7 +106,7 @@ def create_placement_group(placement: Placement, num_stages: int, timeout_s: flo
             break
         if state == "INFEASIBLE" and not told:
             told = True
-            log.warning("no node of the cluster can hold %d stages with %s (each needs %s) yet; waiting up to "
+            log.warning("the cluster's nodes cannot hold %d stages with %s (each needs %s) yet; waiting up to "
                         "%.0f s for nodes to join", num_stages, placement.strategy, slots[0], timeout_s)
         if left <= 0:
             why = f"not reserved within {timeout_s:g} s"
