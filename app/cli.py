@@ -122,16 +122,14 @@ def strategies(text: str) -> tuple[str, ...]:
 def run_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where
     from tvmpipe.app.run import PipelineRun, run_checked
-    from tvmpipe.app.sources import choose_plan, micro_batches, resolve_bundle
+    from tvmpipe.app.sources import check_forward_pass, choose_plan, micro_batches, resolve_bundle
     from tvmpipe.bundle import load_bundle
 
     options = cluster_options(args)
     check_where(options)
     path = resolve_bundle(args.bundle)
     bundle = load_bundle(path)
-    if bundle.state:  # its caches stay on the stages: one step alone has no meaning to check
-        raise TvmpipeError(f"{path} is a decode step with {len(bundle.state)} state pair(s): run it with "
-                           "`tvmpipe generate` (docs/generation.md)")
+    check_forward_pass(bundle, "tvmpipe run")
     plan = choose_plan(bundle, args.plan, args.stages, args.strategy)
     batches = micro_batches(bundle, args.inputs, args.micro_batches, args.seed,
                             default_count=DEFAULT_MICRO_BATCHES, cycle=True)
@@ -167,10 +165,12 @@ def run_command(args: argparse.Namespace) -> int:
 
 def sweep_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where
+    from tvmpipe.app.sources import check_forward_pass
     from tvmpipe.app.sweep import run_sweep
     from tvmpipe.bundle import load_bundle
 
     bundle = load_bundle(args.bundle)
+    check_forward_pass(bundle, "tvmpipe sweep")
     say = lambda line: print(line, flush=True)  # noqa: E731
     if args.cluster:
         from tvmpipe.app.sweep import whatif_sweep

@@ -36,6 +36,15 @@ def resolve_bundle(name: str | None) -> Path:
         return path
 
 
+def check_forward_pass(bundle: Bundle, command: str) -> None:
+    """`command` (run, sweep, the cluster job) streams independent forward passes: a decode step's
+    caches stay on its stages and one step alone has nothing to check, so it is refused in one line
+    naming the command that runs it."""
+    if bundle.state:
+        raise TvmpipeError(f"{bundle.path} is a decode step with {len(bundle.state)} state pair(s): {command} streams "
+                           "forward passes; run it with `tvmpipe generate` (docs/generation.md)")
+
+
 def choose_plan(bundle: Bundle, plan_path: str | None, stages: int, strategy: str) -> Plan:
     """The plan file (checked against this bundle's graph and its state pairs, before any cluster
     starts), or K stages cut by `strategy`."""

@@ -47,7 +47,8 @@ if __name__ == "__main__" and sys.path and Path(sys.path[0] or ".").resolve() ==
 from tvmpipe.app.args import COUNT, Parser, add_cluster_args, cluster_options  # noqa: E402
 from tvmpipe.app.options import ClusterOptions  # noqa: E402
 from tvmpipe.app.run import PipelineRun, write_outputs, write_timeline  # noqa: E402
-from tvmpipe.app.sources import BUILTIN_EXAMPLE, choose_plan, micro_batches, resolve_bundle  # noqa: E402
+from tvmpipe.app.sources import (BUILTIN_EXAMPLE, check_forward_pass, choose_plan, micro_batches,  # noqa: E402
+                                  resolve_bundle)
 from tvmpipe.bundle import Bundle, load_bundle  # noqa: E402
 from tvmpipe.core.errors import TvmpipeError  # noqa: E402
 from tvmpipe.deploy.rundir import RunDir, RunDirError, default_run_dir  # noqa: E402
@@ -182,6 +183,7 @@ class Job:
     def _run(self, bundle: Bundle) -> None:
         cfg = self.cfg
         self.phase = "plan"
+        check_forward_pass(bundle, "the cluster job")
         plan = choose_plan(bundle, cfg.plan, cfg.stages, cfg.strategy)
         self.rundir.write_json("plan.json", plan.to_json())
         log.info("plan (%s): %d stages %s", plan.strategy, plan.num_stages, plan.stages)

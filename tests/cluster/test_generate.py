@@ -394,3 +394,23 @@ def test_a_token_read_in_two_stages_is_fed_by_the_driver(decode_bundle):
     edges = {(e.src, e.dst): e.entries for e in topo.edges}
     assert (1, 0) not in edges and topo.token_entry in edges[(1, -1)]
     assert token_in in edges[(-1, 0)] and token_in in edges[(-1, 1)]  # the driver's token, to both
+
+
+def test_forward_pass_commands_refuse_a_decode_step_in_one_line(decode_bundle, tmp_path, capsys):
+    """run, sweep and the cluster job stream independent forward passes. A decode step fed to sweep
+    or the job failed on its cache inputs ("unknown inputs 'k_cache_0', ...; missing input
+    '__slot__'"), in words that never say why; all three now name the command and the one that runs it."""
+    from tvmpipe.cli import main
+    from tvmpipe.deploy.job import main as job_main
+
+    for argv in (["run", str(decode_bundle), "--processes"],
+                 ["sweep", str(decode_bundle), "--stages", "1..2", "--processes", "-o", str(tmp_path / "sweep")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is a decode step with 4 state pair(s): tvmpipe {argv[0]} streams" in err, err
+        assert "`tvmpipe generate`" in err
+    run_dir = tmp_path / "job"
+    assert job_main([str(decode_bundle), "--processes", "--run-dir", str(run_dir)]) == 1
+    error = json.loads((run_dir / "error.json").read_text())
+    assert error["phase"] == "plan" and "the cluster job streams forward passes" in error["message"]
+    assert not (tmp_path / "sweep").exists()
