@@ -80,13 +80,12 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def run_extract(args: argparse.Namespace) -> int:
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.executor.extract import extract_bundle, state_read_in
+    from tvmpipe.executor.extract import extract_bundle
 
     start, end = parse_range(args.nodes)
-    bundle = load_bundle(args.bundle)
-    out = extract_bundle(bundle, start, end, args.output, overwrite=args.force)
+    out = extract_bundle(load_bundle(args.bundle), start, end, args.output, overwrite=args.force)
     _write(f"wrote {out} (nodes [{start}, {end}))\n")
-    plain = state_read_in(bundle, start, end)
+    plain = load_bundle(out).manifest.source["extracted_from"].get("state_as_plain_io")  # as extract recorded it
     if plain:
         _write(f"note: state pair(s) {', '.join(plain)} of the source are plain inputs and outputs here: an extracted "
                "range declares no state (run it with `tvmpipe run`, caches fed and returned like any tensor)\n")

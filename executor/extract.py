@@ -70,16 +70,6 @@ def extract_graph(bundle: Bundle, start: int, end: int) -> tuple[dict[str, Any],
     return graph, inputs, list(prog.param_names)
 
 
-def state_read_in(bundle: Bundle, start: int, end: int) -> list[str]:
-    """Names of the state pairs whose input nodes [start, end) read. An extracted range declares no
-    state (it has no generation loop of its own to feed it): there those caches are plain inputs
-    and outputs, which `extract` says rather than drop the pairs silently."""
-    if not bundle.state:
-        return []
-    read = set(build_stage_program(bundle, start, end).input_names)
-    return [p.name for p in bundle.state if p.input in read]
-
-
 def extract_bundle(bundle: Bundle, start: int, end: int, out: str | Path, overwrite: bool = False) -> Path:
     """Write nodes [start, end) of `bundle` as a bundle at `out` (atomic, validated on write); the
     source's state pairs the range reads are named in `source.extracted_from.state_as_plain_io`."""
@@ -94,7 +84,9 @@ def extract_bundle(bundle: Bundle, start: int, end: int, out: str | Path, overwr
     params = None if generated else {n: bundle.params[n] for n in param_names}
     source = dict(m.source)
     source["extracted_from"] = {"model": m.model, "nodes": [start, end]}
-    plain = state_read_in(bundle, start, end)
+    # An extracted range declares no state (it has no generation loop of its own to feed it): the
+    # caches it reads are plain inputs and outputs there, which is recorded rather than left unsaid
+    plain = [p.name for p in bundle.state if p.input in inputs]
     if plain:
         source["extracted_from"]["state_as_plain_io"] = plain
     return write_bundle(out, model=f"{m.model}[{start}:{end}]", source=source, target=m.target, batch=m.batch,

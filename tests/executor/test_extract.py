@@ -82,8 +82,6 @@ def test_extract_names_the_state_it_turns_into_plain_tensors(decode_bundle, tmp_
     """An extracted range declares no state pairs (it has no generation loop to feed them): its
     caches are plain inputs and outputs. That used to happen without a word; now the command says
     which pairs, and bundle.json's source records them."""
-    from tvmpipe.executor.extract import state_read_in
-
     b = load_bundle(decode_bundle)
     n = len(b.graph.nodes)
     names = [p.name for p in b.state]
@@ -94,7 +92,9 @@ def test_extract_names_the_state_it_turns_into_plain_tensors(decode_bundle, tmp_
     assert all(p.input in sub.input_names for p in b.state)
     assert sub.manifest.source["extracted_from"]["state_as_plain_io"] == names
     # the embedding at the front reads no cache: no note, nothing recorded
-    end = next(c for c in range(1, n) if Stage(b, 0, c).program.steps and not state_read_in(b, 0, c))
+    caches = {p.input for p in b.state}
+    end = next(c for c in range(1, n)
+               if Stage(b, 0, c).program.steps and not caches & set(Stage(b, 0, c).program.input_names))
     assert main(["extract", str(decode_bundle), "--nodes", f"0:{end}", "-o", str(tmp_path / "front")]) == 0
     assert "note:" not in capsys.readouterr().out
     assert "state_as_plain_io" not in load_bundle(tmp_path / "front").manifest.source["extracted_from"]
