@@ -68,6 +68,7 @@ def open_cluster(opts: ClusterOptions, max_stages: int) -> Iterator[Cluster]:
     """The cluster for the duration of the block: started (--local) or joined (--address), and
     stopped or left afterwards; --processes needs neither."""
     from tvmpipe.cluster.local import LOOPBACK, detect_gpus, local_ray
+    from tvmpipe.cluster.placement import alive_nodes
 
     check_where(opts)
     if opts.processes:
@@ -85,7 +86,7 @@ def open_cluster(opts: ClusterOptions, max_stages: int) -> Iterator[Cluster]:
 
         connect_ray(opts.address)
         try:
-            nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+            nodes = alive_nodes()
             gpus = int(ray.cluster_resources().get("GPU", 0))
             ship = nodes > 1 if opts.ship_bundle is None else opts.ship_bundle
             yield Cluster("ray", None, gpus, ship, f"Ray cluster {opts.address} ({nodes} node(s))", nodes,

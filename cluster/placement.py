@@ -116,11 +116,18 @@ def create_placement_group(placement: Placement, num_stages: int, timeout_s: flo
                          f"{why}; cluster resources: {_resources()}")
 
 
+def alive_nodes() -> int:
+    """Nodes of the connected Ray cluster that are up."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
 def _resources() -> dict[str, float]:
     """The cluster's CPUs, GPUs and nodes, for errors (not its memory or node-id resources)."""
     import ray
 
     res = ray.cluster_resources()
     out = {k: res.get(k, 0.0) for k in ("CPU", "GPU")}
-    out["nodes"] = sum(1 for n in ray.nodes() if n.get("Alive"))
+    out["nodes"] = alive_nodes()
     return out
