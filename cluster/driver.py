@@ -111,7 +111,7 @@ class Pipeline:
                  slots: int | None = None):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = plan_keeping_state(self.bundle, plan) if isinstance(plan, int) else plan
-        self.topology: Topology = build_topology(self.bundle, self.plan)
+        self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda")
         self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
@@ -498,12 +498,14 @@ class Pipeline:
         # the token stage computes may take the token of any incomplete one (sampling.py)
         fb = topo.feedback if topo.feedback is not None and topo.feedback[0] != topo.feedback[1] else None
         send_from = lambda e: first_seq if (e.src, e.dst) == fb else start(e.dst)  # noqa: E731
+        relayed = {e: (topo.specs[e], topo.names[e]) for es in topo.relayed for e in es}
         wirings = [Wiring(self.run_id, epoch, resume[i], {e.src: e.entries for e in topo.inbound(i)},
                           [(e, addr(e.dst)) for e in topo.outbound(i)], queue_depth=self.window + 1,
                           secret=self._secret, send_from={e.dst: send_from(e) for e in topo.outbound(i)},
                           retain=retain, shm_to=via(i, "shm"), ring_slots=self.window, ipc_to=via(i, "cuda-ipc"),
                           feedback_from=fb[0] if fb and i == fb[1] else None,
-                          feedback_first=first_seq)
+                          feedback_first=first_seq,
+                          relayed=relayed)
                    for i in range(topo.num_stages)]
         self._feed_from = {i: resume[i] for i in range(topo.num_stages)}
         _raise_first(self.launcher.call_all("prepare", [(w,) for w in wirings]))

@@ -2,8 +2,11 @@
 
 An edge carries, per micro-batch, exactly the entries its consumer needs from its producer. Frames
 go straight from a producing stage to *every* later stage that reads its tensors (skip connections
-included), and graph outputs to the driver: the driver relays nothing. The driver is `DRIVER` (-1)
-on both ends: as a producer of graph inputs, and as the consumer of graph outputs and of errors.
+included), and graph outputs to the driver: the driver relays nothing. The one exception runs the
+other way: a decode step's per-step inputs (a few bytes that every stateful stage reads) go from the
+driver to the first stage and on along the chain with the hidden states (relay_inputs), one frame
+a step from the driver instead of one per stage. The driver is `DRIVER` (-1) on both ends: as a
+producer of graph inputs, and as the consumer of graph outputs and of errors.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ SLOT_NAME = "__slot__"
 # [slot, fresh]: the stage's state slot for this micro-batch, and 1 when the slot starts a sequence
 # (its state is reset to the declared fill first)
 SLOT_SPEC = EntrySpec((2,), "int64")
+RELAY_MAX_BYTES = 1024  # driver inputs a stage passes on to the next (relay_inputs): per-step tags, not tensors
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class Topology:
     token_entry: int | None = None
     sampler: int | None = None
     feedback: tuple[int, int] | None = None
+    # Per stage: the driver entries it takes from the stage before it, which passed them on
+    # (relay_inputs); () where the driver feeds the stage itself.
+    relayed: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -83,8 +90,10 @@ class Topology:
         return sum(self.specs[e].nbytes for e in edge.entries)
 
 
-def build_topology(bundle: Bundle, plan: Plan) -> Topology:
-    """Validate `plan` against the graph and derive every stage's program and every edge."""
+def build_topology(bundle: Bundle, plan: Plan, relay: bool = True) -> Topology:
+    """Validate `plan` against the graph and derive every stage's program and every edge.
+    `relay`: a decode step's per-step inputs go along the chain of stages (relay_inputs); off for
+    the cuda backend, whose edges between stages of one node carry device tensors only (CUDA IPC)."""
     g = bundle.graph
     validate_plan(g, plan)
     check_state_split(bundle, plan)
@@ -121,17 +130,27 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         reader = next((j for j, (token_in, _) in enumerate(roles) if token_in is not None), None)
         feedback = (sampler, reader) if reader is not None else None
 
-    edges: list[Edge] = []
+    recv: list[dict[int, list[int]]] = []  # per stage: producer stage -> entries it sends there
+    fed: list[tuple[int, ...]] = []  # per stage: the driver's entries it reads
     for j, p in enumerate(programs):
         from_stage: dict[int, list[int]] = {}
         for eid in p.recv_entries:
             from_stage.setdefault(stage_of_node[g.entries[eid].node], []).append(eid)
-        fed = tuple(e for e in p.input_entries.values() if e not in state_in) + ((slot,) if j in stateful else ())
+        recv.append(from_stage)
+        need = tuple(e for e in p.input_entries.values() if e not in state_in) + ((slot,) if j in stateful else ())
         if step is not None and (j == sampler or (feedback is not None and j == feedback[1])):
-            fed += (step,)
-        if fed or not from_stage:
-            edges.append(Edge(DRIVER, j, fed))
-        edges += [Edge(i, j, tuple(es)) for i, es in sorted(from_stage.items())]
+            need += (step,)
+        fed.append(need)
+    # a decode step's small per-step inputs travel along the chain of stages (relay_inputs)
+    carry, through = relay_inputs(fed, recv, specs) if relay and slot is not None else (fed, [False] * len(fed))
+
+    edges: list[Edge] = []
+    for j in range(len(programs)):
+        own = () if through[j] else carry[j]
+        if own or not recv[j]:
+            edges.append(Edge(DRIVER, j, own))
+        edges += [Edge(i, j, tuple(es) + (carry[j] if through[j] and i == j - 1 else ()))
+                  for i, es in sorted(recv[j].items())]
         if feedback is not None and j == feedback[1] != feedback[0]:
             edges.append(Edge(feedback[0], j, (token,)))
     head_set = set(heads) - state_heads
@@ -142,7 +161,30 @@ def build_topology(bundle: Bundle, plan: Plan) -> Topology:
         edges.append(Edge(i, DRIVER, sends))
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
                     state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
-                    step_entry=step, token_entry=token, sampler=sampler, feedback=feedback)
+                    step_entry=step, token_entry=token, sampler=sampler, feedback=feedback,
+                    relayed=tuple(c if t else () for c, t in zip(carry, through)))
+
+
+def relay_inputs(fed: list[tuple[int, ...]], recv: list[dict[int, list[int]]],
+                 specs: dict[int, EntrySpec]) -> tuple[list[tuple[int, ...]], list[bool]]:
+    """Which stages get their driver inputs from the stage before them instead of the driver.
+
+    A decode step's per-step inputs are a few bytes (the slot, the step tag, the position) that
+    every stateful stage reads. Fed by the driver, they cost it K frames a step and each stage a
+    second frame to wait for, read and wake up on; on a few cores those bursts queue behind each
+    other (docs/generation.md). Stage j takes them from stage j - 1 when that stage already sends it
+    a frame every micro-batch and they stay within RELAY_MAX_BYTES: stage j - 1 passes them on
+    with its outputs. Returns, per stage, the driver entries that reach it (its own, then those it
+    passes on) and whether they come from the stage before it."""
+    n = len(fed)
+    carry: list[tuple[int, ...]] = list(fed)
+    through = [False] * n
+    for j in range(n - 1, -1, -1):
+        later = carry[j + 1] if j + 1 < n and through[j + 1] else ()
+        carry[j] = fed[j] + tuple(e for e in later if e not in fed[j])
+        through[j] = (j > 0 and j - 1 in recv[j] and bool(carry[j])
+                      and sum(specs[e].nbytes for e in carry[j]) <= RELAY_MAX_BYTES)
+    return carry, through
 
 
 def step_entries(bundle: Bundle) -> tuple[int, int]:

@@ -92,6 +92,9 @@ class Wiring:
     # driver's first incomplete one: a step may take the token drawn by any incomplete micro-batch).
     feedback_from: int | None = None
     feedback_first: int = 0
+    # The driver entries that travel along the chain of stages (topology.relay_inputs), with their
+    # specs and names: a stage may take some only to pass them on.
+    relayed: dict[int, tuple[Any, str]] = field(default_factory=dict)
 
 
 def inbound_limits(entries: tuple[int, ...], specs: dict) -> FrameLimits:
@@ -192,6 +195,9 @@ class StageWorker:
         self._expected = 0  # frames a micro-batch needs: one per producer, fed-back tokens apart
         # Token stage: seq -> the token drawn from that micro-batch (fed back), until a step takes it
         self._fed: dict[int, np.ndarray] = {}
+        self._step_from = DRIVER  # the producer whose frames carry the step tag
+        self._forward: tuple[int, ...] = ()  # driver entries passed on to the next stage (relay_inputs)
+        self._unread: tuple[int, ...] = ()  # of those, the ones its own stage does not take
         # (epoch, seq, start, end) per micro-batch, wall clock; the newest TIMELINE_KEPT only
         self.events: deque[tuple[int, int, float, float]] = deque(maxlen=TIMELINE_KEPT)
         self.bytes_out: dict[int, int] = {}
@@ -248,7 +254,17 @@ class StageWorker:
             self._expected = len([p for p in wiring.inbound if p != wiring.feedback_from])
             # kept: what this stage drew itself (no feedback edge) for micro-batches still incomplete
             self._fed = {m: t for m, t in self._fed.items() if m >= wiring.feedback_first}
+            for e, (spec, name) in wiring.relayed.items():
+                self.specs.setdefault(e, spec)
+                self.names.setdefault(e, name)
             self._inbound = {p: inbound_limits(es, self.specs) for p, es in wiring.inbound.items()}
+            self._step_from = next((p for p, es in wiring.inbound.items() if self._step_entry in es), DRIVER)
+            # what it passes on unread (relay_inputs), and what of that its own stage does not take
+            made = set(self.program.send_entries) | {self._token_entry}
+            self._forward = tuple(sorted({e for edge, _ in wiring.outbound for e in edge.entries} - made))
+            reads = set(self.program.input_entries.values()) | {self.stage.slot_entry, self._step_entry}
+            self._unread = tuple(e for p, es in wiring.inbound.items() for e in es
+                                 if e in wiring.relayed and e not in reads)
             self._admitted = set()
             self._listener.secret = wiring.secret or None
             self._next_seq = wiring.first_seq
@@ -457,7 +473,7 @@ class StageWorker:
         if parts is None or len(parts) != self._expected:
             return False
         if self._token_in is not None:
-            tag = parts[DRIVER].tensors.get(self._step_entry)
+            tag = parts[self._step_from].tensors.get(self._step_entry)
             if tag is not None and tag[0] >= 0 and int(tag[0]) not in self._fed:
                 return False
         return True
@@ -543,6 +559,9 @@ class StageWorker:
             for f in parts.values():
                 feed.update(f.tensors)
         device = [f.device for f in parts.values() if f.device is not None]
+        passed = {e: feed[e] for e in self._forward}  # before the stage and the step tag take theirs
+        for e in self._unread:
+            del feed[e]
         try:
             tag = self._take_step(feed) if self._step_entry is not None else None
             feed_next = tag is not None and tag[6]  # the driver asked for this step's draw to be fed back
@@ -562,6 +581,8 @@ class StageWorker:
                 self._error = message
             self._report(seq, message)
             return
+        if passed:
+            outputs.update(passed)
         outputs = _release(parts, outputs)
         end = time.time()
         with self._lock:  # recorded before the outputs leave: once the driver has them, so has stats()

@@ -14,7 +14,8 @@ from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.control import Timeouts
 from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.cluster.generate import GenerationError
-from tvmpipe.cluster.topology import build_topology, plan_keeping_state, state_spans
+from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.topology import build_topology, plan_keeping_state, relay_inputs, state_spans
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.partition import Plan
 
@@ -280,6 +281,44 @@ def test_the_token_goes_from_the_sampling_stage_to_the_token_stage(decode_bundle
     assert [r.tokens for r in res4] == [oracle[i][0] for i in range(4)]
 
 
+def test_the_driver_sends_one_frame_a_step_and_the_stages_pass_it_on(decode_bundle, oracle):
+    """A decode step's per-step inputs (slot, step tag, position) reach stage j > 0 with stage j - 1's
+    outputs (topology.relay_inputs): the driver sends one frame a step, to stage 0, however many
+    stages there are, and no stage waits for a second frame. Without the relay (the cuda backend:
+    its same-node edges carry device tensors only) the driver feeds each stage that reads them.
+    Tokens equal the oracle's."""
+    b = load_bundle(decode_bundle)
+    plan = plan_keeping_state(b, 3)
+    topo, plain = build_topology(b, plan), build_topology(b, plan, relay=False)
+    direct = {e.dst: e.entries for e in plain.outbound(DRIVER)}
+    assert len(direct) >= 2 and topo.slot_entry in direct[2] and topo.step_entry in direct[2]
+    assert [e.dst for e in topo.outbound(DRIVER)] == [0]
+    edges = {(e.src, e.dst): e.entries for e in topo.edges}
+    for j in (1, 2):
+        assert set(direct.get(j, ())) <= set(edges[(j - 1, j)]) and set(topo.relayed[j]) <= set(edges[(j - 1, j)])
+    assert set(direct[0]) | set(direct.get(1, ())) | set(direct[2]) == set(edges[(DRIVER, 0)])
+    with Pipeline(decode_bundle, 3, launcher="process", slots=3) as pipe:
+        res = pipe.generate_all(PROMPTS, NEW, in_flight=3)
+        rec, steps = pipe.record(), pipe.submitted
+    assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
+    assert {dst for dst, n in rec.driver_frames_out.items() if n} == {0} and rec.driver_frames_out[0] >= steps
+
+
+def test_relay_keeps_tensors_and_stages_off_the_chain_on_the_driver():
+    """Only a few bytes are passed on (RELAY_MAX_BYTES), and only to a stage that already takes a
+    frame a micro-batch from the stage before it; anything else the driver sends itself."""
+    from tvmpipe.executor.program import EntrySpec
+
+    specs = {1: EntrySpec((2,), "int64"), 2: EntrySpec((1024,), "float32")}
+    fed = [(1,), (1,), (1, 2), (1,)]
+    recv = [{}, {0: [7]}, {1: [8]}, {0: [9]}]  # stage 3 takes nothing from stage 2
+    carry, through = relay_inputs(fed, recv, specs)
+    assert through == [False, True, False, False]
+    assert carry == [(1,), (1,), (1, 2), (1,)]
+    carry, through = relay_inputs([(1,), (), (1,), (1,)], [{}, {0: [7]}, {1: [8]}, {2: [9]}], specs)
+    assert through == [False, True, True, True] and carry == [(1,), (1,), (1,), (1,)]
+
+
 def test_a_killed_stage_without_state_keeps_every_cache(decode_bundle, oracle):
     """Stage 1 of 3 holds no state pair: killed mid-generation it is restarted and the pipeline
     replays what was incomplete without any sequence rebuilding its caches. Steps whose fed-back
@@ -393,7 +432,8 @@ def test_a_token_read_in_two_stages_is_fed_by_the_driver(decode_bundle):
     assert topo.feedback is None and topo.sampler == 1
     edges = {(e.src, e.dst): e.entries for e in topo.edges}
     assert (1, 0) not in edges and topo.token_entry in edges[(1, -1)]
-    assert token_in in edges[(-1, 0)] and token_in in edges[(-1, 1)]  # the driver's token, to both
+    # the driver's token, to both: stage 1 takes it with stage 0's outputs (relay_inputs)
+    assert token_in in edges[(-1, 0)] and token_in in edges[(0, 1)] and (-1, 1) not in edges
 
 
 def test_forward_pass_commands_refuse_a_decode_step_in_one_line(decode_bundle, tmp_path, capsys):
