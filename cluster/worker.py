@@ -559,10 +559,10 @@ class StageWorker:
             for f in parts.values():
                 feed.update(f.tensors)
         device = [f.device for f in parts.values() if f.device is not None]
-        passed = {e: feed[e] for e in self._forward}  # before the stage and the step tag take theirs
-        for e in self._unread:
-            del feed[e]
         try:
+            passed = {e: feed[e] for e in self._forward}  # before the stage and the step tag take theirs
+            for e in self._unread:
+                del feed[e]
             tag = self._take_step(feed) if self._step_entry is not None else None
             feed_next = tag is not None and tag[6]  # the driver asked for this step's draw to be fed back
             outputs = self.stage.run(feed, device=device)
