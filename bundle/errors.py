@@ -56,6 +56,9 @@ class ProblemsError(TvmpipeError):
 
     def __init__(self, problems: list[Problem], what: str = "input"):
         self.problems = list(problems)
+        if len(self.problems) == 1:  # the usual case (a missing file, one bad field): one line
+            super().__init__(f"1 problem in {what}: {self.problems[0]}")
+            return
         head = f"{len(self.problems)} problem(s) in {what}"
         shown = self.problems[:20]
         lines = [head + ":"] + [f"  - {p}" for p in shown]

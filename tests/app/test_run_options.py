@@ -166,7 +166,7 @@ def test_local_run_finds_a_bad_plan_before_ray_starts(capsys, tmp_path, nothing_
     plan.write_text(json.dumps({"format": "tvmpipe-plan", "version": 1, "strategy": "manual", "stages": [[0, 2]]}))
     code = main(["run", "--local", "--plan", str(plan)])
     _, err = capsys.readouterr()
-    assert code == 2 and "problem(s) in plan" in err and "Traceback" not in err
+    assert code == 2 and "1 problem in plan: " in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_write_outputs_is_atomic_on_a_full_disk(tmp_path, monkeypatch):

@@ -154,7 +154,9 @@ def test_malformed_graph_fails_with_graph_error_naming_the_problem(graph_json, c
         else:
             parse_graph(g, source=f"{stem}.json")
     message = str(info.value)
-    assert message.startswith(f"{len(info.value.problems)} problem(s) in graph.json:")
+    n = len(info.value.problems)
+    assert message.startswith("1 problem in graph.json: " if n == 1 else f"{n} problem(s) in graph.json:\n")
+    assert n > 1 or "\n" not in message  # one problem, one line
     assert f"{stem}.json: " in message
     for part in expected:
         assert part in message, f"{part!r} not in:\n{message}"

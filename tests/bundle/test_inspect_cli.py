@@ -176,7 +176,7 @@ def test_cli_errors_are_one_paragraph_without_traceback(tiny_bundle, fixtures_di
         p = tvmpipe("inspect", str(path), cwd=tmp_path)
         assert p.returncode != 0
         assert "Traceback" not in p.stderr and p.stdout == ""
-        assert p.stderr.startswith("tvmpipe inspect: error: 1 problem(s) in ")
+        assert p.stderr.startswith("tvmpipe inspect: error: 1 problem in ") and p.stderr.count("\n") == 1
         assert expected in p.stderr and str(path) in p.stderr
         assert "\n\n" not in p.stderr.strip()
 
