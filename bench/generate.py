@@ -15,6 +15,11 @@ For K = 1..4 stages (stage processes, no Ray) and S = 1, K, 2K sequences in flig
   included), and the largest of them against the smallest cache entry: no cache byte may cross.
 Target: with S >= K and 1 ms stages, tokens/s >= 0.85 x 1/(slowest stage).
 
+The driver's cost per token, with zero-time stages so that it is the whole cost: its CPU against
+the sequences in flight (S = 16, 256, 1024: `driver_scaling`; target: the most within 1.5x of the
+fewest), and against the stages (K = 1, 2, 4 at S = 8: `driver_by_stages`): its frames per token
+(target: one a step, whatever K) and its CPU per token.
+
 Also, side by side in one run on this CPU (tokens/s):
 - the fixture: the single-process reference loop (GraphRunner, caches fed by hand) against the same
   model's greedy loop in torch eager;
@@ -231,6 +236,50 @@ def driver_scaling(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dict]
              "runs_us_per_token": [x[0] for x in runs[s]]} for s in DRIVER_S]
 
 
+DRIVER_K = (1, 2, 4)  # stages, for the driver's cost per token against K
+DRIVER_K_S = 8  # sequences in flight there (the window holds two steps of each: feedback on)
+
+
+def driver_by_stages(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dict]:
+    """The driver's CPU per generated token against the number of stages, zero-time stages and
+    S = DRIVER_K_S at every K, so that only K changes. It should not grow with K: the driver sends
+    one frame a step to the first stage (the per-step inputs go along the chain, topology.
+    relay_inputs) and takes one from the last. Rounds alternate the order of K as in driver_scaling;
+    each row is the median of its runs. Its CPU per token still grows with K on a small machine:
+    a cProfile at K = 1 and 4 (2026-11-27, 2 cores) counted the same calls per token, each one
+    20-80% slower with five processes on two cores than with two (sendmsg 10 -> 18 us)."""
+    import statistics
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.cluster.topology import plan_keeping_state
+
+    b = load_bundle(bundle_dir)
+    per = b.generation.max_context - 1
+    s = DRIVER_K_S
+    runs: dict[int, list[tuple[float, float, int]]] = {k: [] for k in DRIVER_K}
+    for r in range(repeat):
+        for k in (DRIVER_K if r % 2 == 0 else DRIVER_K[::-1]):
+            plan = plan_keeping_state(b, k)
+            with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
+                          launcher="process", slots=s, window=2 * s) as pipe:
+                pipe.generate_all([[1]] * 4, 2)  # warm
+                n = max(s, -(-tokens // per))
+                t0, c0 = time.perf_counter(), time.process_time()
+                res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                frames = sum(pipe.record().driver_frames_out.values())
+            made = sum(len(x.tokens) for x in res)
+            runs[k].append((round(cpu / made * 1e6, 1), round(made / wall, 1), made, frames))
+            print(f"driver, K={k}, S={s}: {runs[k][-1][0]} us of driver CPU per token, {runs[k][-1][1]} tok/s "
+                  f"(zero-time stages)", flush=True)
+    return [{"stages": k, "in_flight": s, "tokens": runs[k][0][2],
+             "driver_cpu_us_per_token": statistics.median(x[0] for x in runs[k]),
+             "tokens_per_s": statistics.median(x[1] for x in runs[k]),
+             "runs_us_per_token": [x[0] for x in runs[k]],
+             "driver_frames_per_token": round(runs[k][-1][3] / runs[k][-1][2], 2)} for k in DRIVER_K]
+
+
 HF_DECODERS = ("gpt2", "llama")
 HF_SEED = 1  # the token-exact tests' seed: seed 0's GPT-2 and Llama repeat one token
 HF_MAX_CONTEXT = 64
@@ -295,6 +344,8 @@ def main() -> int:
             rows += measure(bundle_dir, k, stage_ms, tokens)
     drv = driver_scaling(bundle_dir, 2000 if args.quick else 8000, 2 if args.quick else 3)
     growth = drv[-1]["driver_cpu_us_per_token"] / drv[0]["driver_cpu_us_per_token"]
+    by_k = driver_by_stages(bundle_dir, 1000 if args.quick else 4000, 2 if args.quick else 3)
+    growth_k = by_k[-1]["driver_cpu_us_per_token"] / by_k[0]["driver_cpu_us_per_token"]
     sp = single_process(bundle_dir, 60 if args.quick else 300)
     print(f"single process: reference loop {sp['reference_loop_tokens_per_s']} tok/s, torch eager "
           f"{sp['torch_eager_tokens_per_s']} tok/s, same tokens: {sp['same_tokens']}")
@@ -310,12 +361,19 @@ def main() -> int:
     print(f"no cache bytes on the data plane (every hop < one cache entry per token): {'PASS' if ok_bytes else 'FAIL'}")
     print(f"driver CPU per token at S={DRIVER_S[-1]} against S={DRIVER_S[0]} (medians): {growth:.2f}x (<= {DRIVER_GROWTH}): "
           f"{'PASS' if growth <= DRIVER_GROWTH else 'FAIL'}")
+    frames_k = [r["driver_frames_per_token"] for r in by_k]
+    print(f"driver frames per token at K={', '.join(map(str, DRIVER_K))} (one a step, whatever K): {frames_k}: "
+          f"{'PASS' if max(frames_k) <= 1.0 else 'FAIL'}; driver CPU per token at K={DRIVER_K[-1]} against "
+          f"K={DRIVER_K[0]} (S={DRIVER_K_S}, medians): {growth_k:.2f}x (the same calls per token; each one slower "
+          f"with more processes on these {os.cpu_count()} cores)")
     doc = {"bench": "generate", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                             "python": platform.python_version(),
                                             "load_average_at_end": os.getloadavg()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
            "target": {"fraction_of_ideal": TARGET, "met": ok_rate, "no_cache_bytes": ok_bytes},
            "rows": rows, "driver_scaling": {"rows": drv, "growth": round(growth, 3), "target": DRIVER_GROWTH},
+           "driver_by_stages": {"rows": by_k, "cpu_growth": round(growth_k, 3),
+                                "frames_per_token_at_most_one": max(frames_k) <= 1.0},
            "single_process": sp, "transformers": hf}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
