@@ -107,7 +107,7 @@ def generate_command(args: argparse.Namespace) -> int:
     with open_cluster(options, plan.num_stages) as cluster:
         backend = pick_backend(options.backend, cluster.gpus)
         kw = pipeline_kwargs(options, cluster, backend, plan.num_stages)
-        with Pipeline(bundle, plan, slots=args.slots, **kw) as pipe:
+        with Pipeline(bundle, plan, slots=args.slots, logits=False, **kw) as pipe:  # it streams tokens only
             t1 = time.time()
             try:
                 for ev in pipe.generate(prompts, args.max_new_tokens, in_flight=args.in_flight,

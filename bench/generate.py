@@ -117,7 +117,7 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
     per_seq = gen.max_context - 1
     rows = []
     with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, stage_ms)},
-                  launcher="process", slots=2 * k, window=2 * k) as pipe:
+                  launcher="process", slots=2 * k, window=2 * k, logits=False) as pipe:  # as `tvmpipe generate`
         pipe.generate_all([[1]] * k, 2)  # warm: every slot's state allocated, links up
         for s in sorted({1, k, 2 * k}):
             n_seq = max(s, -(-tokens // per_seq))
@@ -220,7 +220,7 @@ def driver_scaling(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dict]
     for r in range(repeat):
         for s in (DRIVER_S if r % 2 == 0 else DRIVER_S[::-1]):
             with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
-                          launcher="process", slots=s, window=s) as pipe:
+                          launcher="process", slots=s, window=s, logits=False) as pipe:
                 pipe.generate_all([[1]] * 4, 2)  # warm
                 n = max(s, -(-tokens // per))
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -262,7 +262,7 @@ def driver_by_stages(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dic
         for k in (DRIVER_K if r % 2 == 0 else DRIVER_K[::-1]):
             plan = plan_keeping_state(b, k)
             with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
-                          launcher="process", slots=s, window=2 * s) as pipe:
+                          launcher="process", slots=s, window=2 * s, logits=False) as pipe:
                 pipe.generate_all([[1]] * 4, 2)  # warm
                 n = max(s, -(-tokens // per))
                 t0, c0 = time.perf_counter(), time.process_time()

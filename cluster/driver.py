@@ -101,6 +101,11 @@ class Pipeline:
     host for processes): "auto" (shared memory for frames of shm.AUTO_MIN_BYTES and more), "shm"
     (shared memory for every such edge), "tcp" (never). Edges between nodes are always TCP.
     `edge_paths()` says what each edge took.
+
+    `logits`: on a decode-step bundle, whether the stage that draws each token also sends the
+    driver its logits (`generate(logits_log=...)`, the logits output of `get()`); False sends the
+    token alone, and the logits output is None. `tvmpipe generate` streams tokens only and says
+    False: a published decoder's logits are 128-600 KB a token.
     """
 
     def __init__(self, bundle: Bundle | str | Path, plan: Plan | int, *, backend: str = "reference",
@@ -108,10 +113,10 @@ class Pipeline:
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
                  ship_bundle: bool = False, replay: str = "upstream", transport: str = "auto",
-                 slots: int | None = None):
+                 slots: int | None = None, logits: bool = True):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = plan_keeping_state(self.bundle, plan) if isinstance(plan, int) else plan
-        self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda")
+        self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits)
         self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
@@ -140,8 +145,8 @@ class Pipeline:
         self.replays: list[Replay] = []  # every re-wiring after a fault: where each stage resumed
         self._head_stages = sorted({e.src for e in self.topology.inbound(DRIVER) if e.entries})
         self._head_from = {eid: e.src for e in self.topology.inbound(DRIVER) for eid in e.entries}
-        missing = [h for h in self.topology.heads if h not in self._head_from
-                   and h not in self.topology.inputs.values() and h not in self.topology.state_heads]
+        missing = [h for h in self.topology.heads if h not in self._head_from and h not in self.topology.inputs.values()
+                   and h not in self.topology.state_heads and h not in self.topology.dropped_heads]
         if missing or not self._head_stages:
             raise TvmpipeError(f"graph output entr(ies) {missing or self.topology.heads} are produced by no stage")
         self._expect = {e.src: inbound_limits(e.entries, self.topology.specs) for e in self.topology.inbound(DRIVER)}
@@ -443,7 +448,7 @@ class Pipeline:
                 parts = self._partial.pop(seq)
                 inputs = self._inputs.pop(seq)
                 self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
-                                      else inputs.get(h) for h in self.topology.heads]  # state heads: None
+                                      else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
                 if self.topology.sampler is not None:
                     self._tokens[seq] = int(parts[self.topology.sampler].tensors[self.topology.token_entry][0])
                     # kept while a reader may still ask: sampled() for a result not yet taken (at most

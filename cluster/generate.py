@@ -5,8 +5,9 @@ sequence's slot, [slot, fresh], to every stage holding state), the stages read a
 slot's caches where they are, and only hidden states cross stages. The stage that computes the
 logits draws the next token and sends it straight to the stage that reads tokens (sampling.py),
 so the driver is off the token's path: it submits a sequence's next step as soon as the previous
-one is in flight, naming the micro-batch whose token it takes. The driver gets the logits and the
-token too, for streaming and stop tokens; a step submitted after a stop token is dropped.
+one is in flight, naming the micro-batch whose token it takes. The driver gets the token too, for
+streaming and stop tokens (and the logits, if the pipeline keeps them: `logits_log`); a step
+submitted after a stop token is dropped.
 
 - The prompt goes in token by token, and a prompt's steps do not wait for each other: every stage
   runs micro-batches in submission order, so step p+1 of a slot always sees step p's cache.
@@ -151,6 +152,8 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     other = [n for n in inputs if n not in (gen.token, gen.position, "__slot__", STEP_NAME)]
     if other:
         raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
+    if logits_log is not None and pipe.topology.dropped_heads:
+        raise TvmpipeError("logits_log needs the logits at the driver: this pipeline was built with logits=False")
     results = {} if results is None else results
     while pipe._delivered < pipe.submitted:  # an earlier generation abandoned mid-way: drop its steps
         pipe.get()

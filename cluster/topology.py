@@ -75,6 +75,8 @@ class Topology:
     # Per stage: the driver entries it takes from the stage before it, which passed them on
     # (relay_inputs); () where the driver feeds the stage itself.
     relayed: tuple[tuple[int, ...], ...] = ()
+    # Graph outputs no stage sends (build_topology's `logits`): None in the driver's results.
+    dropped_heads: frozenset[int] = frozenset()
 
     @property
     def num_stages(self) -> int:
@@ -90,10 +92,13 @@ class Topology:
         return sum(self.specs[e].nbytes for e in edge.entries)
 
 
-def build_topology(bundle: Bundle, plan: Plan, relay: bool = True) -> Topology:
+def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool = True) -> Topology:
     """Validate `plan` against the graph and derive every stage's program and every edge.
     `relay`: a decode step's per-step inputs go along the chain of stages (relay_inputs); off for
-    the cuda backend, whose edges between stages of one node carry device tensors only (CUDA IPC)."""
+    the cuda backend, whose edges between stages of one node carry device tensors only (CUDA IPC).
+    `logits`: a decode step's sampling stage sends the driver its logits with the token it drew;
+    False sends the token alone (the logits are a vocabulary of floats a token, which a generation
+    loop that only streams tokens never reads)."""
     g = bundle.graph
     validate_plan(g, plan)
     check_state_split(bundle, plan)
@@ -126,7 +131,7 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True) -> Topology:
         specs[step], names[step], specs[token], names[token] = STEP_SPEC, STEP_NAME, TOKEN_SPEC, TOKEN_NAME
         inputs[STEP_NAME] = step
         roles = [generation_roles(bundle, s, e) for s, e in plan.stages]
-        sampler = next(j for j, (_, logits) in enumerate(roles) if logits is not None)
+        sampler = next(j for j, (_, head) in enumerate(roles) if head is not None)
         reader = next((j for j, (token_in, _) in enumerate(roles) if token_in is not None), None)
         feedback = (sampler, reader) if reader is not None else None
 
@@ -153,7 +158,10 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True) -> Topology:
                   for i, es in sorted(recv[j].items())]
         if feedback is not None and j == feedback[1] != feedback[0]:
             edges.append(Edge(feedback[0], j, (token,)))
-    head_set = set(heads) - state_heads
+    dropped = frozenset()  # heads no stage sends: the logits, when the driver does not want them
+    if sampler is not None and not logits:
+        dropped = frozenset({heads[bundle.generation.logits]})
+    head_set = set(heads) - state_heads - dropped
     for i, p in enumerate(programs):
         sends = tuple(e for e in p.send_entries if e in head_set)
         if i == sampler:
@@ -162,7 +170,7 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True) -> Topology:
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
                     state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
                     step_entry=step, token_entry=token, sampler=sampler, feedback=feedback,
-                    relayed=tuple(c if t else () for c, t in zip(carry, through)))
+                    relayed=tuple(c if t else () for c, t in zip(carry, through)), dropped_heads=dropped)
 
 
 def relay_inputs(fed: list[tuple[int, ...]], recv: list[dict[int, list[int]]],

@@ -304,6 +304,27 @@ def test_the_driver_sends_one_frame_a_step_and_the_stages_pass_it_on(decode_bund
     assert {dst for dst, n in rec.driver_frames_out.items() if n} == {0} and rec.driver_frames_out[0] >= steps
 
 
+def test_a_pipeline_without_logits_sends_the_driver_tokens_only(decode_bundle, oracle):
+    """`tvmpipe generate` streams tokens only and builds its pipeline with logits=False: the sampling
+    stage's frame to the driver carries the drawn token alone, not a vocabulary of floats a token.
+    Tokens equal the oracle's; asking such a pipeline for the logits is a one-line error."""
+    b = load_bundle(decode_bundle)
+    logits_bytes = b.graph.entries[b.graph.head_entries[b.generation.logits]].nbytes
+    per_frame = {}
+    for logits in (True, False):
+        with Pipeline(decode_bundle, 2, launcher="process", slots=3, logits=logits) as pipe:
+            edges = {(e.src, e.dst): e.entries for e in pipe.topology.edges}
+            assert (edges[(1, DRIVER)] == (pipe.topology.token_entry,)) is not logits
+            res = pipe.generate_all(PROMPTS, NEW, in_flight=3)
+            w = pipe.record().worker_stats[1]
+            per_frame[logits] = w.bytes_out[DRIVER] / w.frames_out[DRIVER]
+            if not logits:
+                with pytest.raises(TvmpipeError, match="built with logits=False"):
+                    list(pipe.generate(PROMPTS[:1], 2, logits_log={}))
+        assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
+    assert per_frame[True] - per_frame[False] >= logits_bytes, per_frame
+
+
 def test_relay_keeps_tensors_and_stages_off_the_chain_on_the_driver():
     """Only a few bytes are passed on (RELAY_MAX_BYTES), and only to a stage that already takes a
     frame a micro-batch from the stage before it; anything else the driver sends itself."""
