@@ -176,10 +176,12 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
     import pycuda.driver as drv
 
     b = load_bundle(decode_bundle)
-    for k, graphs in ((1, False), (2, False), (2, True)):  # graphs: one captured CUDA graph per slot binding
+    # graphs: one captured CUDA graph per slot binding; logits=False: as `tvmpipe generate` runs it
+    for k, graphs, logits in ((1, False, True), (2, False, True), (2, True, False)):
         launcher = ThreadLauncher()
         with Pipeline(b, k, backend="cuda", backend_opts={"graphs": graphs}, launcher=launcher, slots=2,
-                      max_restarts=0) as pipe:
+                      max_restarts=0, logits=logits) as pipe:
+            assert not any(pipe.topology.relayed)  # same-node cuda edges carry device tensors only
             res = pipe.generate_all(PROMPTS[:3], NEW)
             stages = [w.stage for w in launcher.workers if w is not None]
             for st in stages:
