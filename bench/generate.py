@@ -198,38 +198,60 @@ DRIVER_S = (16, 256, 1024)  # sequences in flight for the driver's cost per toke
 DRIVER_GROWTH = 1.5  # target: the driver's CPU per token at the most sequences, against the fewest
 
 
-def driver_scaling(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dict]:
-    """The driver's CPU per generated token (the generation loop, sampling, frames; all its threads)
-    against the sequences in flight, with one stage of zero time so that the driver is the whole
-    cost. It should not grow with S: each step's bookkeeping is O(1) in the sequences.
-
-    Each S runs `repeat` times, the order of S reversed every round (16, 256, 1024, 1024, 256,
-    16, ...), and each row is the median of its runs (all kept in `runs_us_per_token`): on the
-    2-core VM runs of the same S and code spread by up to 1.6x (S = 1024: 129-208 us a token on
-    2026-11-27), so one run per S read the noise as growth or its absence (1.06x-1.99x)."""
-    import statistics
-
-    from tvmpipe.bundle import load_bundle
+def _driver_run(b, k: int, s: int, window: int, tokens: int) -> tuple[float, float, int, int]:
+    """One measured generation on K zero-time stages with S sequences in flight: the driver's CPU
+    per token (us; the generation loop, sampling, frames, all its threads), tokens/s, tokens made,
+    and the frames the driver sent during it."""
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.cluster.topology import plan_keeping_state
 
-    b = load_bundle(bundle_dir)
-    plan = plan_keeping_state(b, 1)
+    plan = plan_keeping_state(b, k)
     per = b.generation.max_context - 1
-    runs: dict[int, list[tuple[float, float, int]]] = {s: [] for s in DRIVER_S}
+    with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
+                  launcher="process", slots=s, window=window, logits=False) as pipe:
+        pipe.generate_all([[1]] * 4, 2)  # warm
+        frames0 = sum(pipe.record().driver_frames_out.values())
+        n = max(s, -(-tokens // per))
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        frames = sum(pipe.record().driver_frames_out.values()) - frames0
+    made = sum(len(x.tokens) for x in res)
+    return round(cpu / made * 1e6, 1), round(made / wall, 1), made, frames
+
+
+def _alternating(values: tuple[int, ...], repeat: int, run) -> dict[int, list]:
+    """`run(v)` for every value, `repeat` rounds, the order reversed every round (16, 256, 1024,
+    1024, 256, 16, ...): a drift of the machine during the rounds falls on every value alike."""
+    runs: dict[int, list] = {v: [] for v in values}
     for r in range(repeat):
-        for s in (DRIVER_S if r % 2 == 0 else DRIVER_S[::-1]):
-            with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
-                          launcher="process", slots=s, window=s, logits=False) as pipe:
-                pipe.generate_all([[1]] * 4, 2)  # warm
-                n = max(s, -(-tokens // per))
-                t0, c0 = time.perf_counter(), time.process_time()
-                res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            made = sum(len(x.tokens) for x in res)
-            runs[s].append((round(cpu / made * 1e6, 1), round(made / wall, 1), made))
-            print(f"driver, S={s:>4}: {runs[s][-1][0]} us of driver CPU per token, "
-                  f"{runs[s][-1][1]} tok/s (one zero-time stage)", flush=True)
+        for v in (values if r % 2 == 0 else values[::-1]):
+            runs[v].append(run(v))
+    return runs
+
+
+def driver_scaling(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dict]:
+    """The driver's CPU per generated token against the sequences in flight, with one stage of zero
+    time so that the driver is the whole cost. It should not grow with S: each step's bookkeeping is
+    O(1) in the sequences.
+
+    Each S runs `repeat` times (_alternating), and each row is the median of its runs (all kept in
+    `runs_us_per_token`): on the 2-core VM runs of the same S and code spread by up to 1.6x
+    (S = 1024: 129-208 us a token on 2026-11-27), so one run per S read the noise as growth or its
+    absence (1.06x-1.99x)."""
+    import statistics
+
+    from tvmpipe.bundle import load_bundle
+
+    b = load_bundle(bundle_dir)
+
+    def run(s: int) -> tuple:
+        out = _driver_run(b, 1, s, s, tokens)
+        print(f"driver, S={s:>4}: {out[0]} us of driver CPU per token, {out[1]} tok/s (one zero-time stage)",
+              flush=True)
+        return out
+
+    runs = _alternating(DRIVER_S, repeat, run)
     return [{"in_flight": s, "tokens": runs[s][0][2],
              "driver_cpu_us_per_token": statistics.median(x[0] for x in runs[s]),
              "tokens_per_s": statistics.median(x[1] for x in runs[s]),
@@ -244,40 +266,29 @@ def driver_by_stages(bundle_dir: Path, tokens: int, repeat: int = 3) -> list[dic
     """The driver's CPU per generated token against the number of stages, zero-time stages and
     S = DRIVER_K_S at every K, so that only K changes. It should not grow with K: the driver sends
     one frame a step to the first stage (the per-step inputs go along the chain, topology.
-    relay_inputs) and takes one from the last. Rounds alternate the order of K as in driver_scaling;
-    each row is the median of its runs. Its CPU per token still grows with K on a small machine:
+    relay_inputs) and takes one from the last; its frames per token are counted over the measured
+    run only. Rounds as in driver_scaling. Its CPU per token still grows with K on a small machine:
     a cProfile at K = 1 and 4 (2026-11-27, 2 cores) counted the same calls per token, each one
     20-80% slower with five processes on two cores than with two (sendmsg 10 -> 18 us)."""
     import statistics
 
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.topology import plan_keeping_state
 
     b = load_bundle(bundle_dir)
-    per = b.generation.max_context - 1
     s = DRIVER_K_S
-    runs: dict[int, list[tuple[float, float, int]]] = {k: [] for k in DRIVER_K}
-    for r in range(repeat):
-        for k in (DRIVER_K if r % 2 == 0 else DRIVER_K[::-1]):
-            plan = plan_keeping_state(b, k)
-            with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
-                          launcher="process", slots=s, window=2 * s, logits=False) as pipe:
-                pipe.generate_all([[1]] * 4, 2)  # warm
-                n = max(s, -(-tokens // per))
-                t0, c0 = time.perf_counter(), time.process_time()
-                res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                frames = sum(pipe.record().driver_frames_out.values())
-            made = sum(len(x.tokens) for x in res)
-            runs[k].append((round(cpu / made * 1e6, 1), round(made / wall, 1), made, frames))
-            print(f"driver, K={k}, S={s}: {runs[k][-1][0]} us of driver CPU per token, {runs[k][-1][1]} tok/s "
-                  f"(zero-time stages)", flush=True)
+
+    def run(k: int) -> tuple:
+        out = _driver_run(b, k, s, 2 * s, tokens)
+        print(f"driver, K={k}, S={s}: {out[0]} us of driver CPU per token, {out[1]} tok/s (zero-time stages)",
+              flush=True)
+        return out
+
+    runs = _alternating(DRIVER_K, repeat, run)
     return [{"stages": k, "in_flight": s, "tokens": runs[k][0][2],
              "driver_cpu_us_per_token": statistics.median(x[0] for x in runs[k]),
              "tokens_per_s": statistics.median(x[1] for x in runs[k]),
              "runs_us_per_token": [x[0] for x in runs[k]],
-             "driver_frames_per_token": round(runs[k][-1][3] / runs[k][-1][2], 2)} for k in DRIVER_K]
+             "driver_frames_per_token": round(max(x[3] / x[2] for x in runs[k]), 3)} for k in DRIVER_K]
 
 
 HF_DECODERS = ("gpt2", "llama")
