@@ -78,6 +78,18 @@ def load_tokenizer(path: str):
                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
+def stage_metrics(pipe):
+    """The run's per-stage figures (PipelineMetrics: each micro-batch is one step of one sequence),
+    with the weights and the KV caches each stage holds; None where a worker cannot say any more
+    (a run that failed), which costs the report its table, not the tokens."""
+    from tvmpipe.cluster.driver import PipelineError
+
+    try:
+        return pipe.metrics()
+    except (PipelineError, TvmpipeError, OSError):
+        return None
+
+
 def generate_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where, open_cluster, pick_backend, pipeline_kwargs
     from tvmpipe.app.sources import choose_plan
@@ -120,6 +132,7 @@ def generate_command(args: argparse.Namespace) -> int:
             wall = time.time() - t1
             restarts = sum(pipe.restarts)
             slots = pipe.slots
+            metrics = stage_metrics(pipe)
     tokens = sum(len(r.tokens) for r in results.values())
     seqs = []
     for i in sorted(results):
@@ -130,7 +143,7 @@ def generate_command(args: argparse.Namespace) -> int:
     doc = {"bundle": str(args.bundle), "stages": plan.num_stages, "plan": [list(s) for s in plan.stages],
            "backend": backend, "slots": slots, "sequences": seqs, "generated_tokens": tokens,
            "tokens_per_s": tokens / wall if wall > 0 else None, "wall_s": wall, "startup_s": t1 - t0,
-           "restarts": restarts, "error": error}
+           "restarts": restarts, "error": error, "metrics": metrics.to_json() if metrics is not None else None}
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
@@ -139,6 +152,8 @@ def generate_command(args: argparse.Namespace) -> int:
                   + (f" {d['text']!r}" if "text" in d else ""))
         print(f"{tokens} tokens in {wall:.3f} s ({doc['tokens_per_s'] or 0:.1f} tokens/s), {plan.num_stages} "
               f"stage(s), backend {backend}, restarts {restarts}")
+        if metrics is not None:
+            print(metrics.table())
     if error:
         print(f"tvmpipe generate: error: {error}", file=sys.stderr)
         return 1

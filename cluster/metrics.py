@@ -64,6 +64,7 @@ class StageMetrics:
     bytes_out: int | None
     build_s: float | None
     weight_bytes: int | None = None  # the stage's own params, resident in its worker
+    state_bytes: int | None = None  # its declared state (KV caches) resident, for the slots used
 
 
 @dataclass
@@ -108,7 +109,12 @@ class PipelineMetrics:
                  _pct(s.bubble), _pct(s.idle), "-" if s.compute_ms_mean is None else f"{s.compute_ms_mean:.3f}",
                  "-" if s.bytes_out is None else format_bytes(s.bytes_out),
                  "-" if s.weight_bytes is None else format_bytes(s.weight_bytes)) for s in self.stages]
-        return "\n".join(render_table([Column(t) for t in STAGE_COLUMNS], rows))
+        columns = STAGE_COLUMNS
+        if any(s.state_bytes for s in self.stages):  # a decode pipeline: its caches, stage by stage
+            columns += ("state resident",)
+            rows = [r + ("-" if s.state_bytes is None else format_bytes(s.state_bytes),)
+                    for r, s in zip(rows, self.stages)]
+        return "\n".join(render_table([Column(t) for t in columns], rows))
 
 
 # per micro-batch (mean over the run) vs totals over the whole run: say which in the header
@@ -143,7 +149,7 @@ def compute_metrics(rec: RunRecord) -> PipelineMetrics:
             i, (start, end), ops, st.host, len(spans),
             float(np.mean([b - a for a, b in spans]) * 1e3) if spans else None,
             busy / wall, fill_drain / wall, max(0.0, 1.0 - (busy + fill_drain) / wall),
-            sum(st.bytes_out.values()), st.build_s, getattr(st, "weight_bytes", None)))
+            sum(st.bytes_out.values()), st.build_s, getattr(st, "weight_bytes", None), getattr(st, "state_bytes", None)))
     edges = []
     for src, dst, planned in rec.edges:
         if src == DRIVER:

@@ -386,7 +386,8 @@ class StageWorker:
                            warmup_s=self.warmup_s, events=events, bytes_out=bytes_out, frames_out=frames_out,
                            paths=self.paths(),
                            weight_bytes=sum(self.program.entry_specs[e].nbytes for e in self.program.param_entries.values()),
-                           weights_read=self.weights_bytes_read, shipped_bytes=self.shipped_bytes)
+                           weights_read=self.weights_bytes_read, shipped_bytes=self.shipped_bytes,
+                           state_bytes=self.stage.state.resident_bytes if self.stage.state is not None else 0)
 
     def close(self) -> None:
         self.stop()

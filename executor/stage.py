@@ -194,6 +194,14 @@ class SlotState:
         if self.alloc is not None and hasattr(backend, "resident"):
             backend.resident(self.inputs | self.private)
 
+    @property
+    def resident_bytes(self) -> int:
+        """The state this stage holds now: two buffers per pair for every slot used so far (slots
+        are allocated when first used; the simulated backend holds none)."""
+        if self.hollow:
+            return 0
+        return len(self.buffers) * 2 * sum(self.program.entry_specs[e].nbytes for _, e, _ in self.pairs)
+
     def _new(self, e: int, fill: float) -> Any:
         if self.hollow:
             return None

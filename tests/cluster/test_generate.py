@@ -15,8 +15,9 @@ from tvmpipe.cluster.control import Timeouts
 from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.cluster.generate import GenerationError
 from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.topology import build_topology, plan_keeping_state, relay_inputs, state_spans
+from tvmpipe.cluster.topology import build_topology, plan_keeping_state, relay_inputs, state_spans, state_stages
 from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.units import format_bytes
 from tvmpipe.partition import Plan
 
 PROMPTS = [[5, 17, 3], [60], [1, 2, 3, 4, 5, 6], [9, 9], [33, 0, 12]]
@@ -65,6 +66,25 @@ def test_token_streams_equal_the_single_process_loop(decode_bundle, oracle, k):
     cache = b.state_bytes_per_slot
     for src, dst, nbytes in rec.edges:
         assert nbytes < cache // len(b.state), (src, dst, nbytes)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_each_stage_reports_the_caches_it_holds(decode_bundle, k):
+    """WorkerStats.state_bytes (the `state resident` column): two buffers of every pair the stage
+    holds, per slot used so far (slot 0 from the warm-up, then one per sequence in flight, never the
+    unused ones); the stages' add up to one process's: the caches are split, not copied."""
+    b = load_bundle(decode_bundle)
+    pair = b.state_bytes_per_slot // len(b.state)
+    with Pipeline(decode_bundle, k, launcher="process", slots=5) as pipe:
+        held = [sum(1 for a, _ in state_stages(b, pipe.plan).values() if a == i) for i in range(k)]
+        before = [s.state_bytes for s in pipe.record().worker_stats]
+        pipe.generate_all(PROMPTS[:3], 2, in_flight=3)
+        metrics = pipe.metrics()
+    assert before == [1 * 2 * pair * n for n in held]
+    assert [s.state_bytes for s in metrics.stages] == [3 * 2 * pair * n for n in held]
+    assert sum(s.state_bytes for s in metrics.stages) == 3 * 2 * b.state_bytes_per_slot
+    table = metrics.table().splitlines()
+    assert table[0].split()[-2:] == ["state", "resident"] and len(table) == k + 1
 
 
 def test_more_sequences_than_slots_are_queued(decode_bundle, oracle):
@@ -154,6 +174,13 @@ def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
     doc = json.loads(out)
     assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
     assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
+    b = load_bundle(decode_bundle)  # each stage's caches: slots 0 and 1, two buffers, one layer's pairs
+    assert [s["state_bytes"] for s in doc["metrics"]["stages"]] == [2 * 2 * b.state_bytes_per_slot // 2] * 2
+    code = main(["generate", str(decode_bundle), "--stages", "2", "--processes", "--prompt-ids", "5,17,3",
+                 "--max-new-tokens", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[-3].split()[-2:] == ["state", "resident"]  # slot 0 only, in each stage
+    assert [" ".join(row.split()[-2:]) for row in out[-2:]] == [format_bytes(2 * b.state_bytes_per_slot // 2)] * 2
     for argv, words in [(["--prompt-ids", "5,x"], "--prompt-ids"), (["--prompt-ids", "99"], "vocabulary"),
                         (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
                         (["--prompt", "hello"], "--tokenizer"), (["--prompt-ids", "1", "--top-k", "999"], "--top-k"),
@@ -433,6 +460,7 @@ def test_generate_local_is_the_issue_command_on_ray_actors(decode_bundle, oracle
     assert doc["stages"] == 2 and doc["error"] is None and doc["restarts"] == 0
     assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
     assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
+    assert all(s["state_bytes"] > 0 for s in doc["metrics"]["stages"])  # reported by the stage actors
 
 
 def test_a_token_read_in_two_stages_is_fed_by_the_driver(decode_bundle):
