@@ -2,8 +2,9 @@
 
     python bench/kv_memory.py [--quick] [--bundle DIR] [--out bench/results/kv_memory.json]
 
-Each stage keeps the caches of its own layers only, two buffers per slot (a step reads one and
-writes the other, then they swap: docs/generation.md), allocated when a slot is first used. The
+Each stage keeps the caches of its own layers only, allocated when a slot is first used: one
+buffer a pair and slot where the step writes the new value over the old (a decode step's cache
+update), else two (it reads one and writes the other, then they swap: docs/generation.md). The
 bench compiles the zoo's Llama decode step with a 1024-token context (`tvmpipe compile llama
 --decode --max-context 1024`: 2 layers, 512 KiB of caches per slot; compiled once into --bundle),
 runs it at K = 1, 2, 4 stages (stage processes, reference backend) with S = 1, 8, 32 slots, all in
@@ -13,7 +14,7 @@ use (S one-token prompts, S in flight), and records per stage:
 - its resident memory's growth (VmRSS of the stage process, after its warm-up and after the run);
 - the driver's growth over the run (this process, from the pipeline's start to its last token);
 - and, from the smallest S to the largest, what one more slot costs each stage, resident, against
-  its caches (a slot costs two buffers of them).
+  the buffers it reports for a slot (`inspect`'s "state held").
 Targets, at every K and S: each stage's growth equals its reported state bytes' growth within
 10% + 4 MiB; the stages' reported bytes add up to K = 1's (the caches are split, not copied); and
 the driver holds no cache: its growth stays under 16 MiB.
@@ -109,7 +110,7 @@ def main() -> int:
                          "state_bytes_per_slot": [(sz["state_bytes"] - sa["state_bytes"]) / (hi - lo)
                                                   for sa, sz in zip(a["stages"], z["stages"])]})
         print(f"K={k}: one more slot costs each stage " + ", ".join(
-            f"{m / MiB:.3f}" for m in per_slot[-1]["rss_bytes_per_slot"]) + " MiB resident; its caches (2 buffers) "
+            f"{m / MiB:.3f}" for m in per_slot[-1]["rss_bytes_per_slot"]) + " MiB resident; its buffers "
             + ", ".join(f"{m / MiB:.3f}" for m in per_slot[-1]["state_bytes_per_slot"]) + " MiB")
     ok_growth = all(s["growth_matches"] for r in rows for s in r["stages"])
     ok_split = all(r["state_bytes_total"] == next(q["state_bytes_total"] for q in rows

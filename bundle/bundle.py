@@ -24,7 +24,7 @@ from tvmpipe.bundle.graph import Graph
 from tvmpipe.bundle.graph_reader import read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
 from tvmpipe.bundle.params import check_param_specs, check_params, generate_params, load_params_file, save_npz
-from tvmpipe.bundle.state import GenerationSpec, StatePair, check_state, parse_generation, parse_state
+from tvmpipe.bundle.state import GenerationSpec, StatePair, check_state, parse_generation, parse_state, updated_in_place
 from tvmpipe.bundle.weights import LazyParams, WeightsFile, save_safetensors
 
 FORMAT = "tvmpipe-bundle"
@@ -132,6 +132,18 @@ class Bundle:
     def state_bytes_per_slot(self) -> int:
         """Bytes of state one sequence slot holds (a micro-batch of `batch` sequences): the KV cache."""
         return sum(self.graph.entry_of(p.input).nbytes for p in self.state)
+
+    @property
+    def state_buffers(self) -> dict[str, int]:
+        """Per state pair, the buffers a stage keeps for it per slot: 1 where the step may write the
+        new value over the current one (state.updated_in_place), else 2 (read one, write the other)."""
+        return {p.name: 1 if updated_in_place(self.graph, self.ops, p) else 2 for p in self.state}
+
+    @property
+    def state_resident_bytes_per_slot(self) -> int:
+        """What a stage holding every pair keeps per slot: each pair's bytes x its buffers."""
+        buffers = self.state_buffers
+        return sum(self.graph.entry_of(p.input).nbytes * buffers[p.name] for p in self.state)
 
     @property
     def is_bare(self) -> bool:

@@ -74,15 +74,18 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
             for h in g.heads
         ],
         "nodes": nodes,
-        "state": None if m is None else [_state_pair(g, p) for p in bundle.state],
+        "state": None if m is None else [_state_pair(g, p, bundle.state_buffers[p.name]) for p in bundle.state],
         "state_bytes_per_slot": None if m is None else bundle.state_bytes_per_slot,
+        "state_resident_bytes_per_slot": None if m is None else bundle.state_resident_bytes_per_slot,
         "generation": None if m is None or m.generation is None else m.generation.to_json(),
     }
 
 
-def _state_pair(g: Graph, p: Any) -> dict[str, Any]:
+def _state_pair(g: Graph, p: Any, buffers: int) -> dict[str, Any]:
+    """A pair as bundle.json declares it, with its tensor and the buffers a stage keeps for it per
+    slot (1: updated in place)."""
     e = g.entry_of(p.input)
-    return {**p.to_json(), "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
+    return {**p.to_json(), "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes, "buffers": buffers}
 
 
 def _tensor(g: Graph, nid: int) -> dict[str, Any]:
@@ -217,6 +220,9 @@ def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
         kinds = "; ".join(f"{len(v)} x {_tensor_type(d, list(sh))}" for (d, sh), v in per.items())
         rows.append(("state", f"{len(r['state'])} pair(s) ({kinds}), {format_bytes(r['state_bytes_per_slot'])} "
                               f"per sequence slot (batch {r['batch']})"))
+        in_place = sum(st["buffers"] == 1 for st in r["state"])
+        rows.append(("state held", f"{format_bytes(r['state_resident_bytes_per_slot'])} a slot in the stages: {in_place} "
+                                   f"pair(s) updated in place, {len(r['state']) - in_place} in two buffers"))
         rows.append(("state pairs", ", ".join(f"{st['name']}: {st['input']} <- output {st['output']}"
                                               + (f" (fill {st['init']['fill']:g})" if st["init"]["fill"] else "")
                                               for st in r["state"])))

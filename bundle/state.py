@@ -147,3 +147,39 @@ def state_spans(graph: Graph, state: list[StatePair]) -> dict[str, tuple[int, in
         nodes = [graph.entries[out].node, *graph.consumers[eid], *graph.consumers[out]]
         spans[p.name] = (min(nodes), max(nodes))
     return spans
+
+
+# Ops whose output element i reads element i of every operand of the output's own shape (the
+# others broadcast): a state input read only by such an op can be overwritten by the op's output.
+ELEMENTWISE = frozenset({"where", "add", "subtract", "multiply", "divide", "maximum", "minimum"})
+
+
+def updated_in_place(graph: Graph, ops: dict[str, Any], pair: StatePair) -> bool:
+    """Whether `pair`'s new value may be written over its current one: one buffer a sequence slot
+    instead of two, half the memory of the caches.
+
+    A stage keeps two buffers a pair and slot by default: the step reads one and writes the other
+    (the generated kernels take their operands as `__restrict__` pointers), and they swap. One
+    buffer is enough when the output's element i depends on the input's element i alone, read
+    before it is written: the one node reading the state input is the one producing the state
+    output, and inside that fused function (ops.json) the input's argument is read by the
+    function's output op only, an elementwise op (ELEMENTWISE) whose output has the input's shape
+    and dtype. That is the cache update a decode step compiles to, `where(arange(T) == pos, new,
+    cache)`: a kernel thread reads cache[i] (or not, at `pos`) and writes element i. Any other form
+    (the input read by another node, through a reshape or a transpose, or a head that is a view of
+    the output) keeps two buffers."""
+    e_in = graph.entry_id(graph.node_index[pair.input])
+    e_out = graph.head_entries[pair.output]
+    node = graph.nodes[graph.entries[e_out].node]
+    fn = ops.get(node.func_name or "")
+    if graph.consumers[e_in] != [node.index] or fn is None or len(fn.outputs) != 1:
+        return False
+    args = [k for k, e in enumerate(graph.input_entry_ids(node.index)) if e == e_in]
+    readers = [i for i, op in enumerate(fn.ops) if any(r.kind == "arg" and r.index in args for r in op.inputs)]
+    out = fn.outputs[0]
+    if len(args) != 1 or len(readers) != 1 or (out.kind, out.index, out.output) != ("op", readers[0], 0):
+        return False
+    op = fn.ops[readers[0]]
+    at = [j for j, r in enumerate(op.inputs) if r.kind == "arg" and r.index == args[0]]
+    return (op.op in ELEMENTWISE and len(at) == 1 and op.input_shapes[at[0]] == op.output_shapes[0]
+            and op.input_dtypes[at[0]] == op.output_dtypes[0])

@@ -58,7 +58,8 @@ class WorkerStats:
     weight_bytes: int = 0
     weights_read: int = 0
     shipped_bytes: int = 0
-    # Declared state (KV caches) resident in the stage: two buffers per pair for each slot used so far
+    # Declared state (KV caches) resident in the stage: each pair's buffers (Bundle.state_buffers) for each
+    # slot used so far
     state_bytes: int = 0
 
 

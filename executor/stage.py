@@ -162,7 +162,9 @@ class SlotState:
 
     Per slot and state pair there are two buffers: the step reads the current one as the pair's
     input and writes the other as its output, then they swap, so the next step reads the new value
-    without a copy. Backends that can point an entry at a buffer (`bind_state`) never copy state:
+    without a copy. A pair whose update may be written over its current value (bundle
+    `state_buffers`, state.updated_in_place: a decode step's cache update) has one buffer, both
+    its input and its output: half the memory, still no copy. Backends that can point an entry at a buffer (`bind_state`) never copy state:
     the reference backend's buffers are NumPy arrays; the cuda backend's are device allocations
     (`alloc_state`) that its kernels are pointed at (a launch plan per binding), so state stays on
     the GPU and never passes through the host. Others get the current buffer written in and the
@@ -185,6 +187,8 @@ class SlotState:
                                  f"it {'reads' if e_in is not None else 'produces'} only one side of it")
             self.pairs.append((p, e_in, e_out))
         self.inputs = {e for _, e, _ in self.pairs}
+        buffers = bundle.state_buffers
+        self.in_place = [buffers[p.name] == 1 for p, _, _ in self.pairs]
         # state outputs nobody after this stage reads: they stay here
         self.private = {o for _, _, o in self.pairs if not any(c >= program.end for c in g.consumers[o])}
         self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
@@ -196,11 +200,13 @@ class SlotState:
 
     @property
     def resident_bytes(self) -> int:
-        """The state this stage holds now: two buffers per pair for every slot used so far (slots
-        are allocated when first used; the simulated backend holds none)."""
+        """The state this stage holds now: per slot used so far, each pair's buffers (one where it
+        is updated in place, else two); slots are allocated when first used, and the simulated
+        backend holds none."""
         if self.hollow:
             return 0
-        return len(self.buffers) * 2 * sum(self.program.entry_specs[e].nbytes for _, e, _ in self.pairs)
+        return len(self.buffers) * sum(self.program.entry_specs[e].nbytes * (1 if one else 2)
+                                       for (_, e, _), one in zip(self.pairs, self.in_place))
 
     def _new(self, e: int, fill: float) -> Any:
         if self.hollow:
@@ -222,18 +228,19 @@ class SlotState:
             raise InputError(f"slot {slot} is outside this stage's {self.max_slots} state slot(s)")
         bufs = self.buffers.get(slot)
         if bufs is None:
-            bufs = self.buffers[slot] = [[self._new(e, p.fill), self._new(e, p.fill)] for p, e, _ in self.pairs]
+            bufs = self.buffers[slot] = [[self._new(e, p.fill) for _ in range(1 if one else 2)]
+                                         for (p, e, _), one in zip(self.pairs, self.in_place)]
         elif fresh:
             for (p, _, _), pair in zip(self.pairs, bufs):
                 self._fill(pair[0], p.fill)
         if self.hollow:
             return slot
-        for (_, e_in, e_out), (cur, nxt) in zip(self.pairs, bufs):
+        for (_, e_in, e_out), pair in zip(self.pairs, bufs):
             if self.bind is not None:
-                self.bind(e_in, cur)
-                self.bind(e_out, nxt)
+                self.bind(e_in, pair[0])
+                self.bind(e_out, pair[-1])  # the same buffer for a pair updated in place
             else:
-                self.backend.write(e_in, cur)
+                self.backend.write(e_in, pair[0])
         return slot
 
     def leave(self, slot: int) -> None:
@@ -242,5 +249,5 @@ class SlotState:
             return
         for (_, _, e_out), pair in zip(self.pairs, self.buffers[slot]):
             if self.bind is None:
-                np.copyto(pair[1], self.backend.read(e_out))
-            pair[0], pair[1] = pair[1], pair[0]
+                np.copyto(pair[-1], self.backend.read(e_out))
+            pair.reverse()  # a swap; nothing for a pair updated in place

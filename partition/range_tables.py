@@ -35,7 +35,7 @@ class RangeTables:
     workspace: np.ndarray  # bytes of workspaces the stage allocates
     activations: np.ndarray  # peak bytes of entries produced in the stage
     send: np.ndarray | None = None  # bytes leaving the stage: its entries read after it, and graph outputs
-    # resident state (bundle.json `state`, see `state_table`): slots x both buffers of every pair the
+    # resident state (bundle.json `state`, see `state_table`): slots x the buffers of every pair the
     # range holds whole; inf where the range holds part of a pair (no plan may cut one)
     state: np.ndarray | None = None
 
@@ -147,15 +147,15 @@ def _peak_activations(flow: GraphFlow) -> np.ndarray:
 
 
 def state_table(n: int, spans: list[tuple[int, int, int]], slots: int) -> np.ndarray:
-    """state[i, j] for op-ordinal ranges [i, j): per pair spanning ordinals [a, b] with `nbytes` per
-    slot, 2 x slots x nbytes (two buffers a slot, swapped each step) when i <= a and b < j; inf
-    when the range holds part of the span only."""
+    """state[i, j] for op-ordinal ranges [i, j): per pair spanning ordinals [a, b] that holds
+    `nbytes` per slot (its buffers: Bundle.state_buffers), slots x nbytes when i <= a and b < j;
+    inf when the range holds part of the span only."""
     i = np.arange(n + 1)[:, None]
     j = np.arange(n + 1)[None, :]
     out = np.zeros((n + 1, n + 1))
     for a, b, nbytes in spans:
         whole = (i <= a) & (j > b)
         part = (i <= b) & (j > a) & ~whole
-        out = out + np.where(whole, 2.0 * slots * nbytes, 0.0)
+        out = out + np.where(whole, float(slots) * nbytes, 0.0)
         out[part] = np.inf
     return out

@@ -70,21 +70,37 @@ def test_token_streams_equal_the_single_process_loop(decode_bundle, oracle, k):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_each_stage_reports_the_caches_it_holds(decode_bundle, k):
-    """WorkerStats.state_bytes (the `state resident` column): two buffers of every pair the stage
-    holds, per slot used so far (slot 0 from the warm-up, then one per sequence in flight, never the
-    unused ones); the stages' add up to one process's: the caches are split, not copied."""
+    """WorkerStats.state_bytes (the `state resident` column): the buffers of every pair the stage
+    holds (one each: the fixture's caches are updated in place), per slot used so far (slot 0 from
+    the warm-up, then one per sequence in flight, never the unused ones); the stages' add up to one
+    process's: the caches are split, not copied."""
     b = load_bundle(decode_bundle)
+    assert set(b.state_buffers.values()) == {1}
     pair = b.state_bytes_per_slot // len(b.state)
     with Pipeline(decode_bundle, k, launcher="process", slots=5) as pipe:
         held = [sum(1 for a, _ in state_stages(b, pipe.plan).values() if a == i) for i in range(k)]
         before = [s.state_bytes for s in pipe.record().worker_stats]
         pipe.generate_all(PROMPTS[:3], 2, in_flight=3)
         metrics = pipe.metrics()
-    assert before == [1 * 2 * pair * n for n in held]
-    assert [s.state_bytes for s in metrics.stages] == [3 * 2 * pair * n for n in held]
-    assert sum(s.state_bytes for s in metrics.stages) == 3 * 2 * b.state_bytes_per_slot
+    assert before == [1 * pair * n for n in held]
+    assert [s.state_bytes for s in metrics.stages] == [3 * pair * n for n in held]
+    assert sum(s.state_bytes for s in metrics.stages) == 3 * b.state_bytes_per_slot
     table = metrics.table().splitlines()
     assert table[0].split()[-2:] == ["state", "resident"] and len(table) == k + 1
+
+
+def test_pairs_kept_in_two_buffers_give_the_same_tokens(decode_bundle, oracle, monkeypatch):
+    """A pair that cannot be updated in place (any update other than an elementwise write of the
+    cache) is read from one buffer and written to the other: the same tokens at twice the bytes."""
+    from tests.support.pipeline_harness import ThreadLauncher
+
+    monkeypatch.setattr("tvmpipe.bundle.bundle.updated_in_place", lambda *a: False)
+    b = load_bundle(decode_bundle)
+    assert b.state_resident_bytes_per_slot == 2 * b.state_bytes_per_slot
+    with Pipeline(b, 2, launcher=ThreadLauncher(), slots=3) as pipe:
+        res = pipe.generate_all(PROMPTS, NEW)
+        assert sum(s.state_bytes for s in pipe.metrics().stages) == 3 * 2 * b.state_bytes_per_slot
+    assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
 
 
 def test_more_sequences_than_slots_are_queued(decode_bundle, oracle):
@@ -174,13 +190,13 @@ def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
     doc = json.loads(out)
     assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
     assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
-    b = load_bundle(decode_bundle)  # each stage's caches: slots 0 and 1, two buffers, one layer's pairs
-    assert [s["state_bytes"] for s in doc["metrics"]["stages"]] == [2 * 2 * b.state_bytes_per_slot // 2] * 2
+    b = load_bundle(decode_bundle)  # each stage's caches: slots 0 and 1, one layer's pairs, one buffer each
+    assert [s["state_bytes"] for s in doc["metrics"]["stages"]] == [2 * b.state_bytes_per_slot // 2] * 2
     code = main(["generate", str(decode_bundle), "--stages", "2", "--processes", "--prompt-ids", "5,17,3",
                  "--max-new-tokens", "2"])
     out = capsys.readouterr().out.splitlines()
     assert code == 0 and out[-3].split()[-2:] == ["state", "resident"]  # slot 0 only, in each stage
-    assert [" ".join(row.split()[-2:]) for row in out[-2:]] == [format_bytes(2 * b.state_bytes_per_slot // 2)] * 2
+    assert [" ".join(row.split()[-2:]) for row in out[-2:]] == [format_bytes(b.state_bytes_per_slot // 2)] * 2
     for argv, words in [(["--prompt-ids", "5,x"], "--prompt-ids"), (["--prompt-ids", "99"], "vocabulary"),
                         (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
                         (["--prompt", "hello"], "--tokenizer"), (["--prompt-ids", "1", "--top-k", "999"], "--top-k"),
@@ -194,7 +210,8 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
     """The strict fake CUDA driver, stages in this process (ThreadLauncher): the tokens equal the
     oracle's at K = 1 and 2 (and with CUDA graphs), and no stage stages a state entry through host
     memory (no host buffer for a state input or output: the slot buffers are device allocations
-    that the kernels are pointed at, two per slot and pair, swapped each step)."""
+    that the kernels are pointed at, one per slot and pair, the cache written in place; and, with
+    the pairs kept in two buffers, two per slot and pair, swapped each step)."""
     pytest.importorskip("tvm")
     from tests.support.fake_cuda import activate
     from tests.support.pipeline_harness import ThreadLauncher
@@ -204,7 +221,9 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
 
     b = load_bundle(decode_bundle)
     # graphs: one captured CUDA graph per slot binding; logits=False: as `tvmpipe generate` runs it
-    for k, graphs, logits in ((1, False, True), (2, False, True), (2, True, False)):
+    for k, graphs, logits, two in ((1, False, True, False), (2, False, True, False), (2, True, False, False),
+                                   (2, True, False, True)):
+        monkeypatch.setattr("tvmpipe.bundle.bundle.updated_in_place", lambda *a: not two)
         launcher = ThreadLauncher()
         with Pipeline(b, k, backend="cuda", backend_opts={"graphs": graphs}, launcher=launcher, slots=2,
                       max_restarts=0, logits=logits) as pipe:
@@ -217,6 +236,7 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
                 state_entries = {e for _, i, o in st.state.pairs for e in (i, o)}
                 assert not state_entries & (set(st.backend.host_in) | set(st.backend.host_out))
                 assert all(isinstance(x, int) for bufs in st.state.buffers.values() for buf in bufs for x in buf)
+                assert {len(buf) for bufs in st.state.buffers.values() for buf in bufs} == {2 if two else 1}
                 assert st.backend._plans  # kernels pointed at the slots' device buffers: no copies
         assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)], k
     assert not drv.violations
@@ -239,8 +259,8 @@ def test_the_optimal_planner_keeps_pairs_whole_and_counts_slots(decode_bundle):
     b = load_bundle(decode_bundle)
     one, many = PipelineModel.build(b, state_slots=1), PipelineModel.build(b, state_slots=8)
     n = one.num_ops
-    # two buffers per slot and pair: 7 more slots add 14 x the cache of a slot
-    assert many.stage_memory(0, n) - one.stage_memory(0, n) == 14 * b.state_bytes_per_slot
+    # one buffer per slot and pair (updated in place): 7 more slots add 7 x the cache of a slot
+    assert many.stage_memory(0, n) - one.stage_memory(0, n) == 7 * b.state_bytes_per_slot
     for k in (2, 3, 4):
         build_topology(b, make_plan(many, k, "optimal"))  # refused if a pair were split
     with pytest.raises(PartitionError, match="memory caps"):
