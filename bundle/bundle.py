@@ -24,7 +24,7 @@ from tvmpipe.bundle.graph import Graph
 from tvmpipe.bundle.graph_reader import read_graph
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction, Launch, parse_kernels, parse_ops
 from tvmpipe.bundle.params import check_param_specs, check_params, generate_params, load_params_file, save_npz
-from tvmpipe.bundle.state import GenerationSpec, StatePair, check_state, parse_generation, parse_state, updated_in_place
+from tvmpipe.bundle.state import GenerationSpec, StatePair, check_state, parse_generation, parse_state, state_buffers
 from tvmpipe.bundle.weights import LazyParams, WeightsFile, save_safetensors
 
 FORMAT = "tvmpipe-bundle"
@@ -135,9 +135,9 @@ class Bundle:
 
     @property
     def state_buffers(self) -> dict[str, int]:
-        """Per state pair, the buffers a stage keeps for it per slot: 1 where the step may write the
-        new value over the current one (state.updated_in_place), else 2 (read one, write the other)."""
-        return {p.name: 1 if updated_in_place(self.graph, self.ops, p) else 2 for p in self.state}
+        """Per state pair, the buffers a stage keeps for it per slot (state.state_buffers): 1 where
+        the step may write the new value over the current one, else 2."""
+        return state_buffers(self.graph, self.ops, self.state)
 
     @property
     def state_resident_bytes_per_slot(self) -> int:

@@ -162,9 +162,9 @@ class SlotState:
 
     Per slot and state pair there are two buffers: the step reads the current one as the pair's
     input and writes the other as its output, then they swap, so the next step reads the new value
-    without a copy. A pair whose update may be written over its current value (bundle
-    `state_buffers`, state.updated_in_place: a decode step's cache update) has one buffer, both
-    its input and its output: half the memory, still no copy. Backends that can point an entry at a buffer (`bind_state`) never copy state:
+    without a copy. A pair whose update may be written over its current value (Bundle.state_buffers:
+    a decode step's cache update) has one buffer, its input and its output both: half the memory,
+    still no copy. Backends that can point an entry at a buffer (`bind_state`) never copy state:
     the reference backend's buffers are NumPy arrays; the cuda backend's are device allocations
     (`alloc_state`) that its kernels are pointed at (a launch plan per binding), so state stays on
     the GPU and never passes through the host. Others get the current buffer written in and the
@@ -188,7 +188,7 @@ class SlotState:
             self.pairs.append((p, e_in, e_out))
         self.inputs = {e for _, e, _ in self.pairs}
         buffers = bundle.state_buffers
-        self.in_place = [buffers[p.name] == 1 for p, _, _ in self.pairs]
+        self.copies = [buffers[p.name] for p, _, _ in self.pairs]  # buffers per slot: 1 (in place) or 2
         # state outputs nobody after this stage reads: they stay here
         self.private = {o for _, _, o in self.pairs if not any(c >= program.end for c in g.consumers[o])}
         self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
@@ -205,8 +205,7 @@ class SlotState:
         backend holds none."""
         if self.hollow:
             return 0
-        return len(self.buffers) * sum(self.program.entry_specs[e].nbytes * (1 if one else 2)
-                                       for (_, e, _), one in zip(self.pairs, self.in_place))
+        return len(self.buffers) * sum(self.program.entry_specs[e].nbytes * n for (_, e, _), n in zip(self.pairs, self.copies))
 
     def _new(self, e: int, fill: float) -> Any:
         if self.hollow:
@@ -228,8 +227,8 @@ class SlotState:
             raise InputError(f"slot {slot} is outside this stage's {self.max_slots} state slot(s)")
         bufs = self.buffers.get(slot)
         if bufs is None:
-            bufs = self.buffers[slot] = [[self._new(e, p.fill) for _ in range(1 if one else 2)]
-                                         for (p, e, _), one in zip(self.pairs, self.in_place)]
+            bufs = self.buffers[slot] = [[self._new(e, p.fill) for _ in range(n)]
+                                         for (p, e, _), n in zip(self.pairs, self.copies)]
         elif fresh:
             for (p, _, _), pair in zip(self.pairs, bufs):
                 self._fill(pair[0], p.fill)

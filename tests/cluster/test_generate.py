@@ -94,7 +94,7 @@ def test_pairs_kept_in_two_buffers_give_the_same_tokens(decode_bundle, oracle, m
     cache) is read from one buffer and written to the other: the same tokens at twice the bytes."""
     from tests.support.pipeline_harness import ThreadLauncher
 
-    monkeypatch.setattr("tvmpipe.bundle.bundle.updated_in_place", lambda *a: False)
+    monkeypatch.setattr("tvmpipe.bundle.state.updated_in_place", lambda *a: False)
     b = load_bundle(decode_bundle)
     assert b.state_resident_bytes_per_slot == 2 * b.state_bytes_per_slot
     with Pipeline(b, 2, launcher=ThreadLauncher(), slots=3) as pipe:
@@ -223,7 +223,7 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
     # graphs: one captured CUDA graph per slot binding; logits=False: as `tvmpipe generate` runs it
     for k, graphs, logits, two in ((1, False, True, False), (2, False, True, False), (2, True, False, False),
                                    (2, True, False, True)):
-        monkeypatch.setattr("tvmpipe.bundle.bundle.updated_in_place", lambda *a: not two)
+        monkeypatch.setattr("tvmpipe.bundle.state.updated_in_place", lambda *a: not two)
         launcher = ThreadLauncher()
         with Pipeline(b, k, backend="cuda", backend_opts={"graphs": graphs}, launcher=launcher, slots=2,
                       max_restarts=0, logits=logits) as pipe:
