@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                        "same_tokens_as_reference": all(same), "tokens_per_s": round(made / wall, 1),
                        "steps_per_s": round(steps / wall, 1), "itl_ms_p50": round(statistics.median(itl), 3) if itl else None,
                        "max_hop_bytes_per_step": round(hop, 1), "cache_bytes_per_slot": b.state_bytes_per_slot,
-                       "edge_paths": paths}
+                       # device bytes of caches each stage holds (one buffer a pair and slot where the
+                       # update is written in place: Bundle.state_buffers)
+                       "state_bytes_per_stage": [w.state_bytes for w in after.worker_stats],
+                       "state_buffers": sorted(set(b.state_buffers.values())), "edge_paths": paths}
                 print(f"[decode] {json.dumps(row)}", flush=True)
                 rows.append(row)
     write_result(args.out, {"bundle": str(args.bundle), "model": b.name, "max_context": gen.max_context,

@@ -103,4 +103,7 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     assert de["all_exact"] and {(x["stages"], x["in_flight"]) for x in de["rows"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert all(x["max_hop_bytes_per_step"] < x["cache_bytes_per_slot"] for x in de["rows"])
     full = json.loads((tmp_path / "out" / "decode_gpu.json").read_text())
+    # the caches on the device: one buffer a pair and slot (written in place), for the slots used so far
+    assert all(x["state_buffers"] == [1] and sum(x["state_bytes_per_stage"]) == x["in_flight"] * x["cache_bytes_per_slot"]
+               for x in full["rows"])
     assert full["rows"][-1]["edge_paths"]["0->1"] == "cuda-ipc"
