@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cuts", help="manual cuts as op ordinals, e.g. 12,30 (3 stages: ops 0-11, 12-29, 30-)")
     p.add_argument("--memory-per-device", help="memory cap per device, e.g. 8GiB, or one per stage: 8GiB,8GiB,4GiB "
                                                "(default: the --device's memory)")
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help="a decode step: sequence slots each stage keeps caches for, counted in the memory column and "
+                        "the cap (default 1; `tvmpipe generate --slots`)")
     p.add_argument("--speeds", help="per-stage speed factors, e.g. 1,1,0.5 (stage time = compute / speed)")
     p.add_argument("--device", default="h100", help="device for the analytic model and default memory cap: "
                                                     "h100, h200, a100, l4, t4, cpu (default h100)")
@@ -79,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         files.check_writable(args.output, "-o/--output")  # before the planning it would lose
     bundle = load_bundle(args.path, params=args.params)
+    if args.slots is not None and (args.slots < 1 or not bundle.state):
+        raise PartitionError(f"--slots {args.slots}: " + ("must be >= 1" if args.slots < 1 else
+                             f"{args.path} declares no state (slots hold a decode step's caches)"))
     device = get_device(args.device)
     cuts = _ints(args.cuts, "--cuts") if args.cuts is not None else None
     strategy = args.strategy or ("manual" if cuts is not None else "optimal")
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     model = PipelineModel.build(
         bundle, cost=args.cost, profile=args.profile, device=device,
         link=Link(parse_bandwidth(args.link_bandwidth), parse_duration_us(args.link_latency)),
-        speeds=speeds, memory_caps=caps, links=links,
+        speeds=speeds, memory_caps=caps, links=links, state_slots=args.slots or 1,
         inputs=[s for s in args.inputs.split(",") if s] if args.inputs else None)
     plan = make_plan(model, args.stages, strategy, cuts=cuts, tolerance=args.tolerance)
     prediction = predict(model, plan)

@@ -267,6 +267,29 @@ def test_the_optimal_planner_keeps_pairs_whole_and_counts_slots(decode_bundle):
         make_plan(PipelineModel.build(b, state_slots=1000, memory_caps=[200_000]), 2, "optimal")
 
 
+def test_partition_counts_the_slots_a_user_asks_for(decode_bundle, capsys):
+    """`tvmpipe partition --slots S`: each stage's memory holds S slots of its pairs' caches (one
+    buffer each: updated in place), the cap refuses a plan they do not fit, and --slots on a
+    bundle without state, or below 1, is one line."""
+    from tvmpipe.cli import main
+
+    def stages(*extra):
+        assert main(["partition", str(decode_bundle), "--stages", "2", "--strategy", "equal", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["prediction"]["stages"]
+
+    b = load_bundle(decode_bundle)
+    one, eight = stages(), stages("--slots", "8")
+    assert [e["memory_bytes"] - o["memory_bytes"] for o, e in zip(one, eight)] == [7 * b.state_bytes_per_slot // 2] * 2
+    assert main(["partition", str(decode_bundle), "--stages", "2", "--slots", "8", "--memory-per-device",
+                 f"{one[0]['memory_bytes'] + 3 * b.state_bytes_per_slot // 2}B"]) == 2
+    assert "fits the memory caps" in capsys.readouterr().err
+    for path, slots, words in ((decode_bundle, "0", "must be >= 1"),
+                               (decode_bundle / "graph.json", "4", "declares no state")):  # a bare graph
+        assert main(["partition", str(path), "--stages", "2", "--slots", slots]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
 def test_cli_text_prompts_through_a_local_tokenizer_and_split_plans(decode_bundle, tmp_path, capsys):
     """--prompt TEXT with --tokenizer DIR (no download): the prompt's ids and the decoded text are in
     the JSON, and the tokens equal those of the same ids; a --plan that splits a pair is one line."""
