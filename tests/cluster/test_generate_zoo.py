@@ -49,7 +49,10 @@ def test_pipelined_generation_equals_transformers(decoder, name, ks):
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.compiler.decode import transformers_generate, transformers_logits
 
+    from tvmpipe.bundle import load_bundle
+
     bundle, model = decoder(name)
+    assert set(load_bundle(bundle).state_buffers.values()) == {1}  # its caches are updated in place
     want = [transformers_generate(model, p, NEW) for p in PROMPTS]
     assert any(len(set(w)) > 1 for w in want)  # not one repeated token: the check can fail
     for k in ks:
