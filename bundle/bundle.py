@@ -137,7 +137,7 @@ class Bundle:
     def state_buffers(self) -> dict[str, int]:
         """Per state pair, the buffers a stage keeps for it per slot (state.state_buffers): 1 where
         the step may write the new value over the current one, else 2."""
-        return state_buffers(self.graph, self.ops, self.state)
+        return state_buffers(self.graph, self.ops, self.kernels, self.state)
 
     @property
     def state_resident_bytes_per_slot(self) -> int:

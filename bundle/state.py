@@ -155,14 +155,15 @@ def state_spans(graph: Graph, state: list[StatePair]) -> dict[str, tuple[int, in
 ELEMENTWISE = frozenset({"where", "add", "subtract", "multiply", "divide", "maximum", "minimum"})
 
 
-def state_buffers(graph: Graph, ops: dict[str, Any], state: list[StatePair]) -> dict[str, int]:
+def state_buffers(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any],
+                  state: list[StatePair]) -> dict[str, int]:
     """Per pair, the buffers a stage keeps for it per sequence slot: 1 where the step may write the
     new value over the current one (updated_in_place), else 2 (read one, write the other)."""
     consumers = graph.consumers  # built once: the table is O(graph)
-    return {p.name: 1 if updated_in_place(graph, ops, p, consumers) else 2 for p in state}
+    return {p.name: 1 if updated_in_place(graph, ops, kernels, p, consumers) else 2 for p in state}
 
 
-def updated_in_place(graph: Graph, ops: dict[str, Any], pair: StatePair,
+def updated_in_place(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any], pair: StatePair,
                      consumers: list[list[int]] | None = None) -> bool:
     """Whether `pair`'s new value may be written over its current one: one buffer a sequence slot
     instead of two, half the memory of the caches.
@@ -173,16 +174,19 @@ def updated_in_place(graph: Graph, ops: dict[str, Any], pair: StatePair,
     before it is written: the one node reading the state input is the one producing the state
     output, and inside that fused function (ops.json) the input's argument is read by the
     function's output op only, an elementwise op (ELEMENTWISE) whose output has the input's shape
-    and dtype. That is the cache update a decode step compiles to, `where(arange(T) == pos, new,
-    cache)`: a kernel thread reads cache[i] (or not, at `pos`) and writes element i. Any other form
-    (the input read by another node, through a reshape or a transpose, or a head that is a view of
-    the output) keeps two buffers. `consumers`: graph.consumers, when the caller has it."""
+    and dtype; and the function is one kernel launch (kernels.json), so no earlier launch of it can
+    use the output as scratch before the cache is read. That is the cache update a decode step
+    compiles to, `where(arange(T) == pos, new, cache)`: a kernel thread reads cache[i] (or not, at
+    `pos`) and writes element i. Any other form (the input read by another node, through a reshape
+    or a transpose, a head that is a view of the output, a function of several launches) keeps two
+    buffers. `consumers`: graph.consumers, when the caller has it."""
     consumers = graph.consumers if consumers is None else consumers
     e_in = graph.entry_id(graph.node_index[pair.input])
     e_out = graph.head_entries[pair.output]
     node = graph.nodes[graph.entries[e_out].node]
     fn = ops.get(node.func_name or "")
-    if consumers[e_in] != [node.index] or fn is None or len(fn.outputs) != 1:
+    launches = getattr(kernels.get(node.func_name or ""), "launches", ())
+    if consumers[e_in] != [node.index] or fn is None or len(fn.outputs) != 1 or len(launches) != 1:
         return False
     args = [k for k, e in enumerate(graph.input_entry_ids(node.index)) if e == e_in]
     readers = [i for i, op in enumerate(fn.ops) if any(r.kind == "arg" and r.index in args for r in op.inputs)]

@@ -34,10 +34,11 @@ def test_a_decode_steps_cache_update_is_in_place(decode_bundle):
     assert fn.ops[op].op == "where" and fn.outputs == [Ref("op", op)]
 
 
-@pytest.mark.parametrize("edit", ["not elementwise", "read twice", "not the output", "other shape"])
+@pytest.mark.parametrize("edit", ["not elementwise", "read twice", "not the output", "other shape", "two launches"])
 def test_any_other_update_keeps_two_buffers(decode_bundle, edit):
     """The cache read by a transpose, by a second op of the function, by an op whose result is not
-    the function's output, or broadcast into a larger output: two buffers."""
+    the function's output, or broadcast into a larger output, or a function of two kernel launches
+    (the first could use the output as scratch): two buffers."""
     b = load_bundle(decode_bundle)
     pair = b.state[0]
     name, fn, op, arg = _update(b, pair)
@@ -53,5 +54,10 @@ def test_any_other_update_keeps_two_buffers(decode_bundle, edit):
         ops[op] = dataclasses.replace(rec, output_shapes=[[2, *rec.output_shapes[0]]])
     outputs = [Ref("op", len(ops) - 1)] if edit == "not the output" else fn.outputs
     edited = {**b.ops, name: dataclasses.replace(fn, ops=ops, outputs=outputs)}
-    assert updated_in_place(b.graph, b.ops, pair)
-    assert not updated_in_place(b.graph, edited, pair)
+    kf = b.kernels[name]
+    kernels = {**b.kernels, name: dataclasses.replace(kf, launches=[*kf.launches, *kf.launches])}
+    assert updated_in_place(b.graph, b.ops, b.kernels, pair)
+    if edit == "two launches":
+        assert not updated_in_place(b.graph, b.ops, kernels, pair)
+    else:
+        assert not updated_in_place(b.graph, edited, b.kernels, pair)
