@@ -162,6 +162,11 @@ class CudaBackend:
             self._upload_param(name, np.ascontiguousarray(value))
 
     # ---- resident state (executor/stage.py SlotState): device buffers, never through the host ----
+    def free_memory(self) -> int:
+        """Device memory still free (cuMemGetInfo), once the stage's weights are on it."""
+        with self.dev.current():
+            return self.dev.free_memory()
+
     def alloc_state(self, entry: int, fill: float) -> int:
         """A device buffer for one sequence slot's value of state entry `entry`, set to `fill`."""
         with self.dev.current():
@@ -396,6 +401,10 @@ class PyCudaDevice:
                 with self.check(f"raising kernel '{sym}' to {nbytes} bytes of dynamic shared memory"):
                     f.set_attribute(self.cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
         return funcs
+
+    def free_memory(self) -> int:
+        with self.check("asking for the free device memory"):
+            return int(self.cuda.mem_get_info()[0])
 
     def alloc(self, nbytes: int) -> int:
         with self.check(f"allocating {nbytes} bytes"):

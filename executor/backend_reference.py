@@ -82,6 +82,18 @@ class ReferenceBackend:
         self._bound: set[int] = set()  # state entries pointed at a slot's buffer (bind_state)
         self._nop_copy: set[int] = set()  # NOP steps that must copy: one side is a bound entry
 
+    def free_memory(self) -> int | None:
+        """Host memory this process could still take (Linux MemAvailable), for SlotState's check
+        that a stage's caches fit before any is allocated; None where it cannot be read."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
     def bind_state(self, entry: int, array: np.ndarray) -> None:
         """Point `entry` at `array` (a sequence slot's state buffer) for the next runs: the kernels
         read and write it in place, so state is never copied (executor/stage.py SlotState)."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.core.units import format_bytes
 from tvmpipe.executor.backend import StepTiming, make_backend
 from tvmpipe.executor.checks import check_array, matches
 from tvmpipe.executor.errors import InputError
@@ -194,9 +195,31 @@ class SlotState:
         self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
         self.bind = getattr(backend, "bind_state", None)
         self.alloc = getattr(backend, "alloc_state", None)
+        self.check_fits()
         self.buffers: dict[int, list[list[Any]]] = {}  # slot -> per pair [current, next]
         if self.alloc is not None and hasattr(backend, "resident"):
             backend.resident(self.inputs | self.private)
+
+    @property
+    def slot_bytes(self) -> int:
+        """What one slot of this stage's state takes: each pair's bytes x its buffers."""
+        return sum(self.program.entry_specs[e].nbytes * n for (_, e, _), n in zip(self.pairs, self.copies))
+
+    def check_fits(self) -> None:
+        """Refuse, in one line and before any slot is allocated, more slots than the memory the
+        backend has free could hold (host memory for the reference backend, the device's for cuda):
+        slots are allocated as sequences first use them, and running out then would be an OOM in
+        the middle of a run. Each stage checks its own; stages sharing a host or device each see
+        all of what is free."""
+        free = getattr(self.backend, "free_memory", None)
+        have = free() if free is not None and not self.hollow else None
+        need = self.max_slots * self.slot_bytes
+        if have is not None and need > have:
+            raise InputError(f"stage [{self.program.start}, {self.program.end}): {self.max_slots} state slot(s) x "
+                             f"{format_bytes(self.slot_bytes)} of caches = {format_bytes(need)}, more than the "
+                             f"{format_bytes(have)} of {'device' if self.alloc is not None else 'host'} memory free; "
+                             + (f"use at most {have // self.slot_bytes} slots (--slots)" if have >= self.slot_bytes
+                                else "not one slot fits: use more stages or a shorter context"))
 
     @property
     def resident_bytes(self) -> int:
@@ -205,7 +228,7 @@ class SlotState:
         backend holds none."""
         if self.hollow:
             return 0
-        return len(self.buffers) * sum(self.program.entry_specs[e].nbytes * n for (_, e, _), n in zip(self.pairs, self.copies))
+        return len(self.buffers) * self.slot_bytes
 
     def _new(self, e: int, fill: float) -> Any:
         if self.hollow:

@@ -103,6 +103,28 @@ def test_pairs_kept_in_two_buffers_give_the_same_tokens(decode_bundle, oracle, m
     assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
 
 
+def test_more_slots_than_memory_holds_are_refused_before_any_is_allocated(decode_bundle, tmp_path, monkeypatch):
+    """Slots are allocated as sequences first use them, so a --slots the memory cannot hold would
+    be an OOM mid-run: each stage refuses it when it is built, in one line naming the stage, the
+    bytes and the most slots that fit (host memory on the reference backend, the device's free
+    memory on cuda: the strict fake driver's cuMemGetInfo)."""
+    pytest.importorskip("tvm")
+    from tests.support.fake_cuda import activate
+    from tests.support.pipeline_harness import ThreadLauncher
+
+    b = load_bundle(decode_bundle)
+    slots = 10**9  # a slot of either stage is a few KiB: terabytes in all
+    with pytest.raises(TvmpipeError) as err:
+        Pipeline(b, 2, launcher="process", slots=slots, max_restarts=0)
+    msg = str(err.value)
+    assert "\n" not in msg and "stage [0, " in msg and f"{slots} state slot(s)" in msg and "of host memory free" in msg
+    fit = int(msg.rsplit("use at most ", 1)[1].split()[0])
+    assert 0 < fit < slots
+    activate(monkeypatch, tmp_path, [decode_bundle])
+    with pytest.raises(TvmpipeError, match=r"of device memory free; use at most \d+ slots"):
+        Pipeline(b, 2, backend="cuda", launcher=ThreadLauncher(), slots=slots, max_restarts=0)
+
+
 def test_more_sequences_than_slots_are_queued(decode_bundle, oracle):
     with Pipeline(decode_bundle, 2, launcher="process", slots=1) as pipe:
         res = pipe.generate_all(PROMPTS[:3], NEW, in_flight=8)
