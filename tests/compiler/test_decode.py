@@ -120,11 +120,13 @@ def test_decode_bundle_declares_its_caches_as_state(decode_bundle):
     assert b.state_bytes_per_slot == 4 * 2 * MAX_CONTEXT * 16 * 4
     r = build_report(b)
     assert r["state_bytes_per_slot"] == b.state_bytes_per_slot and len(r["state"]) == 4
+    assert r["state_resident_bytes_per_slot"] == b.state_bytes_per_slot  # each cache written in place
     assert r["state"][0] == {"name": "layer0.k", "input": "k_cache_0", "output": 1, "init": {"fill": 0.0},
-                             "shape": [1, 2, MAX_CONTEXT, 16], "dtype": "float32", "bytes": 3072}
+                             "shape": [1, 2, MAX_CONTEXT, 16], "dtype": "float32", "bytes": 3072, "buffers": 1}
     assert r["generation"]["max_context"] == MAX_CONTEXT
     text = render_text(r)
     assert "state        4 pair(s) (4 x float32[1,2,24,16]), 12.0 KiB per sequence slot (batch 1)" in text
+    assert "state held   12.0 KiB a slot in the stages: 4 pair(s) updated in place, 0 in two buffers" in text
     assert "max context 24, vocab 128" in text
 
 
