@@ -158,6 +158,9 @@ def check_feeds(program: StageProgram, inputs: Mapping[int, Any],
     return {e: check_array(inputs[e], program.entry_specs[e], program.label(e)) for e in want}
 
 
+SLOT_HEADROOM = 64 << 20  # memory a new slot leaves free, so that its stage is not the one the OOM killer takes
+
+
 class SlotState:
     """The state of one stage's node range, resident, one set per sequence slot.
 
@@ -205,14 +208,18 @@ class SlotState:
         """What one slot of this stage's state takes: each pair's bytes x its buffers."""
         return sum(self.program.entry_specs[e].nbytes * n for (_, e, _), n in zip(self.pairs, self.copies))
 
+    def _free(self) -> int | None:
+        """Memory the backend has free now (host or device), None where it cannot say."""
+        free = getattr(self.backend, "free_memory", None)
+        return free() if free is not None and not self.hollow else None
+
     def check_fits(self) -> None:
         """Refuse, in one line and before any slot is allocated, more slots than the memory the
         backend has free could hold (host memory for the reference backend, the device's for cuda):
         slots are allocated as sequences first use them, and running out then would be an OOM in
         the middle of a run. Each stage checks its own; stages sharing a host or device each see
         all of what is free."""
-        free = getattr(self.backend, "free_memory", None)
-        have = free() if free is not None and not self.hollow else None
+        have = self._free()
         need = self.max_slots * self.slot_bytes
         if have is not None and need > have:
             raise InputError(f"stage [{self.program.start}, {self.program.end}): {self.max_slots} state slot(s) x "
@@ -250,6 +257,11 @@ class SlotState:
             raise InputError(f"slot {slot} is outside this stage's {self.max_slots} state slot(s)")
         bufs = self.buffers.get(slot)
         if bufs is None:
+            have = self._free()  # stages sharing the memory may have taken what check_fits saw free
+            if have is not None and have < self.slot_bytes + SLOT_HEADROOM:
+                raise InputError(f"stage [{self.program.start}, {self.program.end}): no memory for slot {slot}'s "
+                                 f"caches ({format_bytes(self.slot_bytes)}, {format_bytes(have)} free, "
+                                 f"{format_bytes(SLOT_HEADROOM)} kept spare); use fewer --slots or more memory")
             bufs = self.buffers[slot] = [[self._new(e, p.fill) for _ in range(n)]
                                          for (p, e, _), n in zip(self.pairs, self.copies)]
         elif fresh:

@@ -125,6 +125,28 @@ def test_more_slots_than_memory_holds_are_refused_before_any_is_allocated(decode
         Pipeline(b, 2, backend="cuda", launcher=ThreadLauncher(), slots=slots, max_restarts=0)
 
 
+def test_a_slot_the_memory_no_longer_holds_is_a_one_line_error(decode_bundle, monkeypatch):
+    """check_fits sees what is free when a stage is built; stages sharing the memory may take it
+    before a slot is first used. A new slot is allocated only while the memory free still holds it
+    and SLOT_HEADROOM more: otherwise the run ends with a one-line error naming the stage and the
+    slot (the OOM killer would have taken a stage instead)."""
+    from tests.support.pipeline_harness import ThreadLauncher
+    from tvmpipe.executor.backend_reference import ReferenceBackend
+
+    calls: dict[int, int] = {}
+
+    def free_memory(self):  # per stage: the build's check and slots 0 (warm-up) and 1 fit, then 1 MiB is left
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return 10 << 30 if calls[id(self)] <= 3 else 1 << 20
+
+    monkeypatch.setattr(ReferenceBackend, "free_memory", free_memory)
+    with Pipeline(decode_bundle, 2, launcher=ThreadLauncher(), slots=3, max_restarts=0) as pipe:
+        with pytest.raises(GenerationError) as err:
+            pipe.generate_all(PROMPTS[:3], NEW, in_flight=3)
+    msg = str(err.value)
+    assert "no memory for slot 2's caches" in msg and "1.0 MiB free" in msg and "\n" not in msg, msg
+
+
 def test_more_sequences_than_slots_are_queued(decode_bundle, oracle):
     with Pipeline(decode_bundle, 2, launcher="process", slots=1) as pipe:
         res = pipe.generate_all(PROMPTS[:3], NEW, in_flight=8)
