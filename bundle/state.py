@@ -141,11 +141,10 @@ def state_spans(graph: Graph, state: list[StatePair]) -> dict[str, tuple[int, in
     whole span sends no state over the data plane (not even the new value as an activation), so
     plans cut only outside spans."""
     spans = {}
-    consumers = graph.consumers  # built once: the table is O(graph)
     for p in state:
         eid = graph.entry_id(graph.node_index[p.input])
         out = graph.head_entries[p.output]
-        nodes = [graph.entries[out].node, *consumers[eid], *consumers[out]]
+        nodes = [graph.entries[out].node, *graph.consumers[eid], *graph.consumers[out]]
         spans[p.name] = (min(nodes), max(nodes))
     return spans
 
@@ -159,12 +158,10 @@ def state_buffers(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any],
                   state: list[StatePair]) -> dict[str, int]:
     """Per pair, the buffers a stage keeps for it per sequence slot: 1 where the step may write the
     new value over the current one (updated_in_place), else 2 (read one, write the other)."""
-    consumers = graph.consumers  # built once: the table is O(graph)
-    return {p.name: 1 if updated_in_place(graph, ops, kernels, p, consumers) else 2 for p in state}
+    return {p.name: 1 if updated_in_place(graph, ops, kernels, p) else 2 for p in state}
 
 
-def updated_in_place(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any], pair: StatePair,
-                     consumers: list[list[int]] | None = None) -> bool:
+def updated_in_place(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any], pair: StatePair) -> bool:
     """Whether `pair`'s new value may be written over its current one: one buffer a sequence slot
     instead of two, half the memory of the caches.
 
@@ -179,14 +176,13 @@ def updated_in_place(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any],
     compiles to, `where(arange(T) == pos, new, cache)`: a kernel thread reads cache[i] (or not, at
     `pos`) and writes element i. Any other form (the input read by another node, through a reshape
     or a transpose, a head that is a view of the output, a function of several launches) keeps two
-    buffers. `consumers`: graph.consumers, when the caller has it."""
-    consumers = graph.consumers if consumers is None else consumers
+    buffers."""
     e_in = graph.entry_id(graph.node_index[pair.input])
     e_out = graph.head_entries[pair.output]
     node = graph.nodes[graph.entries[e_out].node]
     fn = ops.get(node.func_name or "")
     launches = getattr(kernels.get(node.func_name or ""), "launches", ())
-    if consumers[e_in] != [node.index] or fn is None or len(fn.outputs) != 1 or len(launches) != 1:
+    if graph.consumers[e_in] != [node.index] or fn is None or len(fn.outputs) != 1 or len(launches) != 1:
         return False
     args = [k for k, e in enumerate(graph.input_entry_ids(node.index)) if e == e_in]
     readers = [i for i, op in enumerate(fn.ops) if any(r.kind == "arg" and r.index in args for r in op.inputs)]
