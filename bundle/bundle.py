@@ -140,10 +140,15 @@ class Bundle:
         return state_buffers(self.graph, self.ops, self.kernels, self.state)
 
     @property
-    def state_resident_bytes_per_slot(self) -> int:
-        """What a stage holding every pair keeps per slot: each pair's bytes x its buffers."""
+    def state_held_bytes(self) -> dict[str, int]:
+        """Per state pair, what the stage holding it keeps per slot: its bytes x its buffers."""
         buffers = self.state_buffers
-        return sum(self.graph.entry_of(p.input).nbytes * buffers[p.name] for p in self.state)
+        return {p.name: self.graph.entry_of(p.input).nbytes * buffers[p.name] for p in self.state}
+
+    @property
+    def state_resident_bytes_per_slot(self) -> int:
+        """What stages holding every pair keep per slot, together (state_held_bytes)."""
+        return sum(self.state_held_bytes.values())
 
     @property
     def is_bare(self) -> bool:

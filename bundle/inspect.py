@@ -74,7 +74,7 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
             for h in g.heads
         ],
         "nodes": nodes,
-        "state": None if m is None else [_state_pair(g, p, bundle.state_buffers[p.name]) for p in bundle.state],
+        "state": None if m is None else [_state_pair(g, p, n) for p, n in zip(bundle.state, bundle.state_buffers.values())],
         "state_bytes_per_slot": None if m is None else bundle.state_bytes_per_slot,
         "state_resident_bytes_per_slot": None if m is None else bundle.state_resident_bytes_per_slot,
         "generation": None if m is None or m.generation is None else m.generation.to_json(),

@@ -193,6 +193,8 @@ class SlotState:
         self.inputs = {e for _, e, _ in self.pairs}
         buffers = bundle.state_buffers
         self.copies = [buffers[p.name] for p, _, _ in self.pairs]  # buffers per slot: 1 (in place) or 2
+        held = bundle.state_held_bytes
+        self.slot_bytes = sum(held[p.name] for p, _, _ in self.pairs)  # one slot of this stage's state
         # state outputs nobody after this stage reads: they stay here
         self.private = {o for _, _, o in self.pairs if not any(c >= program.end for c in g.consumers[o])}
         self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
@@ -202,11 +204,6 @@ class SlotState:
         self.buffers: dict[int, list[list[Any]]] = {}  # slot -> per pair [current, next]
         if self.alloc is not None and hasattr(backend, "resident"):
             backend.resident(self.inputs | self.private)
-
-    @property
-    def slot_bytes(self) -> int:
-        """What one slot of this stage's state takes: each pair's bytes x its buffers."""
-        return sum(self.program.entry_specs[e].nbytes * n for (_, e, _), n in zip(self.pairs, self.copies))
 
     def _free(self) -> int | None:
         """Memory the backend has free now (host or device), None where it cannot say."""

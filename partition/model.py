@@ -79,8 +79,7 @@ class PipelineModel:
             from tvmpipe.bundle.state import state_spans
             from tvmpipe.partition.range_tables import state_table
 
-            buffers = bundle.state_buffers  # one buffer a slot where a pair is updated in place, else two
-            nbytes = {p.name: bundle.graph.entry_of(p.input).nbytes * buffers[p.name] for p in bundle.state}
+            nbytes = bundle.state_held_bytes  # one buffer a slot where a pair is updated in place, else two
             tables.state = state_table(flow.num_ops, [(flow.ordinal[lo], flow.ordinal[hi], nbytes[name])
                                                       for name, (lo, hi) in state_spans(bundle.graph, bundle.state).items()],
                                        state_slots)
