@@ -56,7 +56,8 @@ torch.export.save(ep, path)
 """
 
 
-def _status(pid: int) -> dict[str, int]:
+def proc_status(pid: int) -> dict[str, int]:
+    """VmHWM, VmRSS (KiB) and PPid of `pid` from /proc/PID/status; {} once it is gone."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -73,7 +74,7 @@ def _tree(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
-            ppid = _status(int(d)).get("PPid")
+            ppid = proc_status(int(d)).get("PPid")
             if ppid is not None:
                 children.setdefault(ppid, []).append(int(d))
     out, todo = [], [root]
@@ -98,7 +99,7 @@ def monitored(cmd: list[str], env: dict | None = None, interval: float = 0.1) ->
             cpu.append((time.time(), *_machine_jiffies()))
             rss = 0
             for pid in _tree(proc.pid):
-                st = _status(pid)
+                st = proc_status(pid)
                 if not st:
                     continue
                 rss += st.get("VmRSS", 0)

@@ -40,11 +40,10 @@ MiB = 1 << 20
 
 
 def rss(pid: int) -> int:
-    """VmRSS of `pid` in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """VmRSS of `pid` in bytes (bigmodel.proc_status: the process is alive, so it has one)."""
+    from bigmodel import proc_status
+
+    return proc_status(pid)["VmRSS"] * 1024
 
 
 def bundle_at(path: Path) -> Path:
