@@ -1,8 +1,8 @@
 """Generation pipelines of published decoders against transformers (issue 24, "Token-exact").
 
 `tvmpipe compile NAME --decode` bundles of GPT-2, Llama and Qwen2 (tiny configs, seeded random
-weights) run as K = 1, 2, 3 stateful stages in processes on the reference backend; Qwen3, Gemma,
-Phi-3, GPT-NeoX, OPT and Falcon as K = 2. Every sequence's
+weights) run as K = 1, 2, 3 stateful stages in processes on the reference backend; Mistral, Qwen3,
+Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2. Every sequence's
 tokens equal transformers' `generate(do_sample=False)` on the same weights, and every step's logits
 are within 1e-4 x max|ref| of transformers' logits for the same prefix.
 """
@@ -43,7 +43,7 @@ def decoder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,ks", [("gpt2", (1, 2, 3)), ("llama", (1, 2, 3)), ("qwen2", (1, 2, 3)),
-                                     ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)), ("gpt_neox", (2,)),
+                                     ("mistral", (2,)), ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)), ("gpt_neox", (2,)),
                                      ("opt", (2,)), ("falcon", (2,))])
 def test_pipelined_generation_equals_transformers(decoder, name, ks):
     from tvmpipe.cluster.driver import Pipeline
