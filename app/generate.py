@@ -52,8 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a prompt as text (needs --tokenizer; repeatable)")
     g.add_argument("--tokenizer", metavar="DIR", help="local transformers tokenizer directory (no downloads)")
     g.add_argument("--max-new-tokens", type=COUNT, default=16, help="tokens to generate per sequence (default 16)")
-    g.add_argument("--in-flight", type=COUNT, help="sequences in flight (default: the slots; more are queued)")
-    g.add_argument("--slots", type=COUNT, help="sequence slots each stage holds caches for (default: the window)")
+    g.add_argument("--in-flight", type=COUNT, help="sequences in flight (default: all the slots hold; more are "
+                   "queued; a bundle compiled with --batch B runs B a micro-batch, so this is rounded up to whole "
+                   "batches)")
+    g.add_argument("--slots", type=COUNT, help="slots each stage holds caches for, each one micro-batch's sequences "
+                   "(1, or the bundle's --batch B) (default: the window)")
     g.add_argument("--temperature", type=NON_NEGATIVE, default=0.0, help="0 (default): greedy; else sample")
     g.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="sample among the K most likely (0: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (each sequence draws from (seed, index))")
@@ -79,9 +82,10 @@ def load_tokenizer(path: str):
 
 
 def stage_metrics(pipe):
-    """The run's per-stage figures (PipelineMetrics: each micro-batch is one step of one sequence),
-    with the weights and the KV caches each stage holds; None where a worker cannot say any more
-    (a run that failed), which costs the report its table, not the tokens."""
+    """The run's per-stage figures (PipelineMetrics: each micro-batch is one step of one sequence,
+    or of a static batch of them), with the weights and the KV caches each stage holds; None where
+    a worker cannot say any more (a run that failed), which costs the report its table, not the
+    tokens."""
     from tvmpipe.cluster.driver import PipelineError
 
     try:
@@ -132,6 +136,7 @@ def generate_command(args: argparse.Namespace) -> int:
             wall = time.time() - t1
             restarts = sum(pipe.restarts)
             slots = pipe.slots
+            batch = pipe.topology.batch
             metrics = stage_metrics(pipe)
     tokens = sum(len(r.tokens) for r in results.values())
     seqs = []
@@ -141,7 +146,7 @@ def generate_command(args: argparse.Namespace) -> int:
             d["text"] = tok.decode(results[i].tokens)
         seqs.append(d)
     doc = {"bundle": str(args.bundle), "stages": plan.num_stages, "plan": [list(s) for s in plan.stages],
-           "backend": backend, "slots": slots, "sequences": seqs, "generated_tokens": tokens,
+           "backend": backend, "slots": slots, "batch": batch, "sequences": seqs, "generated_tokens": tokens,
            "tokens_per_s": tokens / wall if wall > 0 else None, "wall_s": wall, "startup_s": t1 - t0,
            "restarts": restarts, "error": error, "metrics": metrics.to_json() if metrics is not None else None}
     if args.json:
@@ -151,7 +156,8 @@ def generate_command(args: argparse.Namespace) -> int:
             print(f"sequence {i}: prompt {d['prompt']} -> {d['tokens']} ({d['finish']})"
                   + (f" {d['text']!r}" if "text" in d else ""))
         print(f"{tokens} tokens in {wall:.3f} s ({doc['tokens_per_s'] or 0:.1f} tokens/s), {plan.num_stages} "
-              f"stage(s), backend {backend}, restarts {restarts}")
+              f"stage(s), " + (f"{batch} sequences a micro-batch, " if batch > 1 else "")
+              + f"backend {backend}, restarts {restarts}")
         if metrics is not None:
             print(metrics.table())
     if error:

@@ -41,7 +41,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, conti
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
-from tvmpipe.cluster.sampling import NO_STEP, STEP_NAME
+from tvmpipe.cluster.sampling import FROM, HEAD, ROW, STEP_NAME, fed_rows, no_step
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
@@ -166,7 +166,7 @@ class Pipeline:
         self._admitted: set[int] = set()  # stages connected in this epoch (one connection each)
         self._next_from: dict[int, int] = {}  # stage -> next micro-batch it must send in this epoch
         self._results: dict[int, Outputs] = {}
-        self._tokens: dict[int, int] = {}  # decode pipelines: the token each completed micro-batch drew
+        self._tokens: dict[int, list[int]] = {}  # decode pipelines: each completed micro-batch's draws, per row
         self.submit_times: dict[int, float] = {}
         self.done_times: dict[int, float] = {}
         self.fed_from: dict[int, int] = {}  # generation: step -> the micro-batch whose draw it took (timeline)
@@ -212,7 +212,8 @@ class Pipeline:
         """Graph inputs by name -> by entry id, each of exactly the graph's shape and dtype; else
         InputError listing what the graph takes. Nothing is sent before this passes."""
         if self.topology.step_entry is not None and STEP_NAME not in inputs:
-            inputs = {**inputs, STEP_NAME: NO_STEP}  # a plain run of a decode step: nothing fed back or drawn
+            # a plain run of a decode step: the driver's tokens, nothing fed back or drawn
+            inputs = {**inputs, STEP_NAME: no_step(self.topology.batch)}
         checked = check_inputs(inputs, self._input_specs)
         return {eid: contiguous(checked[name]) for name, eid in self.topology.inputs.items()}
 
@@ -279,7 +280,9 @@ class Pipeline:
                  results: dict | None = None, logits_log: dict | None = None) -> Iterator[Any]:
         """Autoregressive generation on a decode-step bundle (cluster/generate.py): yields a
         TokenEvent (seq, token, index, done) per token as it is sampled; finished sequences go into
-        `results` (prompt index -> SequenceResult). Greedy by default; seeded temperature/top-k."""
+        `results` (prompt index -> SequenceResult). Greedy by default; seeded temperature/top-k.
+        `in_flight`: sequences in flight (default: all the slots hold); a bundle compiled with
+        `--batch B` runs B a micro-batch, each a row of a static batch, so it counts whole batches."""
         from tvmpipe.cluster.generate import generate
         from tvmpipe.cluster.sampling import Sampling
 
@@ -293,9 +296,10 @@ class Pipeline:
             pass
         return [results[i] for i in sorted(results)]
 
-    def sampled(self, seq: int) -> int:
-        """The token micro-batch `seq` drew on the sampling stage (a decode pipeline's; sampling.py),
-        once it completed; kept for the last few `window`s of micro-batches."""
+    def sampled(self, seq: int) -> list[int]:
+        """The tokens micro-batch `seq` drew on the sampling stage, one per row (a decode pipeline's;
+        sampling.py; 0 where a row drew nothing), once it completed; kept for the last few `window`s
+        of micro-batches."""
         with self._cond:
             return self._tokens[seq]
 
@@ -450,7 +454,7 @@ class Pipeline:
                 self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
                                       else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
                 if self.topology.sampler is not None:
-                    self._tokens[seq] = int(parts[self.topology.sampler].tensors[self.topology.token_entry][0])
+                    self._tokens[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
                     # kept while a reader may still ask: sampled() for a result not yet taken (at most
                     # a window behind), a replay's _settle_fed_back for a step's token (drawn at most a
                     # window before the replay's first micro-batch); twice that, and a few, as margin
@@ -668,8 +672,9 @@ class Pipeline:
             self._pump()
 
     def _settle_fed_back(self, first: int) -> None:
-        """Before a replay (_cond held): a step that takes the token of a micro-batch that completed
-        gets that token from the driver instead (it is not sent on the feedback edge again)."""
+        """Before a replay (_cond held): a step that takes the tokens of a micro-batch that completed
+        gets them from the driver instead, in the rows that take them (they are not sent on the
+        feedback edge again)."""
         if self.topology.feedback is None:
             return
         step = self.topology.step_entry
@@ -677,12 +682,14 @@ class Pipeline:
         spec = self.topology.specs[token_in]
         for n in range(first, self._submitted):
             arrays = self._inputs.get(n)
-            m = int(arrays[step][0]) if arrays is not None else -1
+            m = int(arrays[step][FROM]) if arrays is not None else -1
             if 0 <= m < first:
                 tag = arrays[step].copy()
-                tag[0] = -1
-                self._inputs[n] = {**arrays, step: tag,
-                                   token_in: np.full(spec.shape, self._tokens[m], dtype=spec.dtype)}
+                fed = np.array(fed_rows(tag.tolist()), dtype=bool)
+                tokens = np.where(fed, np.array(self._tokens[m]), arrays[token_in].reshape(-1))
+                tag[FROM] = -1
+                tag[HEAD + 2::ROW] = 0  # no row is fed back any more
+                self._inputs[n] = {**arrays, step: tag, token_in: tokens.astype(spec.dtype).reshape(spec.shape)}
 
     def _resume_points(self, first: int, restart: list[int], paused: list[Any]) -> list[int]:
         """Where each stage computes from in the new epoch (see the module docstring).

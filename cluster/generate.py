@@ -1,8 +1,10 @@
 """The generation loop: autoregressive decoding over a pipeline whose stages keep their KV caches.
 
-Each micro-batch is one decode step of one sequence: the driver feeds the step's position (and the
-sequence's slot, [slot, fresh], to every stage holding state), the stages read and write that
-slot's caches where they are, and only hidden states cross stages. The stage that computes the
+Each micro-batch is one decode step of one sequence, or of a static batch of B sequences for a
+bundle compiled with `--batch B` (one per row, all at the same position: a *group*, which takes one
+slot): the driver feeds the step's position (and the group's slot, [slot, fresh], to every stage
+holding state), the stages read and write that slot's caches where they are, and only hidden states
+cross stages. The stage that computes the
 logits draws the next token and sends it straight to the stage that reads tokens (sampling.py),
 so the driver is off the token's path: it submits a sequence's next step as soon as the previous
 one is in flight, naming the micro-batch whose token it takes. The driver gets the token too, for
@@ -11,9 +13,12 @@ submitted after a stop token is dropped.
 
 - The prompt goes in token by token, and a prompt's steps do not wait for each other: every stage
   runs micro-batches in submission order, so step p+1 of a slot always sees step p's cache.
-- Several sequences are in flight (`in_flight`, at most the pipeline's slots): while one waits for
-  its token to be sampled, the others' steps keep every stage busy. When one finishes, the next
-  queued prompt takes its slot (continuous batching at micro-batch granularity).
+- Several groups are in flight (`in_flight` sequences, rounded up to whole groups, at most the
+  pipeline's slots): while one waits for its tokens to be sampled, the others' steps keep every
+  stage busy. When a group's sequences have all finished, the next queued prompts take its slot
+  (continuous batching at micro-batch granularity). In a group, each row feeds its own prompt
+  token by token and then its own draws; a row whose sequence has finished (or an empty one, when
+  fewer prompts than rows are left) is fed padding and draws nothing until the group ends.
 - Faults: when the pipeline restarts a stage that held state (`Pipeline.state_losses` moves), the
   caches of every sequence in flight are gone there. Results of steps submitted before that are
   dropped, and each sequence replays its history (prompt + tokens generated so far) from position 0
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
-from tvmpipe.cluster.sampling import STEP_NAME, Sampling, StepTag
+from tvmpipe.cluster.sampling import STEP_NAME, Sampling, encode_step, step_head
 from tvmpipe.core.errors import TvmpipeError
 
 if TYPE_CHECKING:
@@ -110,18 +115,31 @@ def check_stop_tokens(tokens: Iterable[int], vocab: int) -> set[int]:
     return stops
 
 
-class _Seq:
-    def __init__(self, result: SequenceResult, slot: int, epoch: int, now: float):
+class _Row:
+    """One sequence of a group: its result and every token fed or to feed (prompt, then generated)."""
+
+    def __init__(self, result: SequenceResult):
         self.r = result
-        self.hist = list(result.prompt)  # every token fed or to feed: prompt, then generated
+        self.hist = list(result.prompt)
+        self.done = False
+
+
+class _Group:
+    """The sequences of one static batch, one per row (None: an empty row), in one slot; every step
+    of the group is one micro-batch that advances all its rows by one position."""
+
+    def __init__(self, rows: list[_Row | None], slot: int, epoch: int, now: float):
+        self.rows = rows
+        self.key = rows[0].r.index  # its first sequence's index
         self.slot = slot
         self.epoch = epoch  # the pipeline's state_losses when its caches were (re)started
         self.next_pos = 0  # next position to submit
         self.outstanding = 0
         self.queued = False  # in the loop's ready queue
-        # (micro-batch, position, epoch, its draw is fed back) of its latest step
+        # (micro-batch, position, epoch, its draws are fed back) of its latest step
         self.last: tuple[int, int, int, bool] | None = None
         self.admitted = now
+        self.running = [(i, x) for i, x in enumerate(rows) if x is not None]  # (row, sequence) not finished
 
 
 def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int, *, in_flight: int | None = None,
@@ -138,17 +156,16 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
         raise TvmpipeError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     stops = check_stop_tokens(stop_tokens, gen.vocab_size)
     sampling.check(gen.vocab_size)
-    in_flight = pipe.slots if in_flight is None else in_flight
+    batch = pipe.topology.batch
+    in_flight = pipe.slots * batch if in_flight is None else in_flight
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise TvmpipeError(f"--in-flight must be an integer >= 1, got {in_flight!r}")
-    in_flight = min(in_flight, pipe.slots, len(prompts))  # more sequences than slots: the rest queue
+    # more sequences than the slots' rows: the rest queue
+    groups = min(-(-in_flight // batch), pipe.slots, -(-len(prompts) // batch))
 
     specs = pipe.topology.specs
     inputs = pipe.topology.inputs
     tok_spec, pos_spec = specs[inputs[gen.token]], specs[inputs[gen.position]]
-    if int(np.prod(tok_spec.shape)) != 1:
-        raise TvmpipeError(f"input '{gen.token}' is {tok_spec}: generation feeds one sequence per micro-batch "
-                           "(a bundle compiled with batch 1)")
     other = [n for n in inputs if n not in (gen.token, gen.position, "__slot__", STEP_NAME)]
     if other:
         raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
@@ -158,132 +175,164 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     while pipe._delivered < pipe.submitted:  # an earlier generation abandoned mid-way: drop its steps
         pipe.get()
     queue = deque(SequenceResult(i, p) for i, p in enumerate(prompts))
-    free = list(range(in_flight))[::-1]
-    active: dict[int, _Seq] = {}
-    records: deque[tuple[_Seq, int, int, int]] = deque()  # per micro-batch in flight: (sequence, position, epoch, seq)
-    # Sequences with a step to submit (a known token not yet fed, a token in flight to feed forward,
-    # or caches to rebuild), round robin: each step costs O(1) however many sequences are in flight
-    ready: deque[_Seq] = deque()
+    free = list(range(groups))[::-1]
+    active: dict[int, _Group] = {}
+    records: deque[tuple[_Group, int, int, int]] = deque()  # per micro-batch in flight: (group, position, epoch, seq)
+    # Groups with a step to submit (known tokens not yet fed, tokens in flight to feed forward, or
+    # caches to rebuild), round robin: each step costs O(1) however many groups are in flight
+    ready: deque[_Group] = deque()
     seen_losses = pipe.state_losses
     fed_back = pipe.topology.feedback is not None
+    head = step_head(sampling)
 
-    def source(s: _Seq, epoch: int) -> int | None:
-        """Where the token of s's next step comes from: -1, it is known; m, the draw of micro-batch m
-        (s's latest step, still in flight, whose draw is fed back; a stop token it may draw makes
-        the step a wasted one); None: nothing to submit yet."""
-        q = s.next_pos
-        if q < len(s.hist):
+    def source(g: _Group, epoch: int) -> int | None:
+        """Where the tokens of g's next step come from: -1, every live row's is known; m, the draws
+        of micro-batch m (g's latest step, still in flight, whose draws are fed back; a stop token
+        it may draw makes the step a wasted one for that row); None: nothing to submit yet."""
+        q = g.next_pos
+        fed = False
+        for _, x in g.running:
+            n = len(x.hist)
+            if q > n:
+                return None
+            fed = fed or q == n
+        if not fed:
             return -1
-        if q == len(s.hist) and s.last is not None and s.last[1:] == (q - 1, epoch, True):
-            return s.last[0]
+        if g.last is not None and g.last[1:] == (q - 1, epoch, True):
+            return g.last[0]
         return None
 
-    def want(s: _Seq) -> None:
-        if not s.queued:
-            s.queued = True
-            ready.append(s)
+    def want(g: _Group) -> None:
+        if not g.queued:
+            g.queued = True
+            ready.append(g)
 
-    def feed(s: _Seq, pos: int, src: int, d: int, fwd: bool) -> dict:
-        return {gen.token: np.full(tok_spec.shape, s.hist[pos] if src < 0 else 0, dtype=tok_spec.dtype),
+    def draws(g: _Group, pos: int) -> list[int]:
+        """Which generated token each row's step at `pos` draws: -1 where its next token is known
+        (and in a finished or empty row)."""
+        ds = [-1] * batch
+        for i, x in g.running:
+            if pos + 1 >= len(x.hist):
+                ds[i] = pos + 1 - len(x.r.prompt)
+        return ds
+
+    def feed(g: _Group, pos: int, src: int, ds: list[int], fwd: bool) -> dict:
+        toks, rows = [], []
+        for x, d in zip(g.rows, ds):
+            if x is None or x.done:  # padding; nothing drawn
+                toks.append(0)
+                rows += (x.r.index if x is not None else 0, d, 0)
+            else:
+                n = len(x.hist)
+                toks.append(x.hist[pos] if pos < n else 0)
+                rows += (x.r.index, d, 1 if src >= 0 and pos >= n else 0)
+        return {gen.token: np.array(toks, dtype=tok_spec.dtype).reshape(tok_spec.shape),
                 gen.position: np.full(pos_spec.shape, pos, dtype=pos_spec.dtype),
-                "__slot__": np.array([s.slot, 1 if pos == 0 else 0], dtype=np.int64),
-                STEP_NAME: StepTag(src, sampling, s.r.index, d, fwd).encode()}
+                "__slot__": np.array([g.slot, 1 if pos == 0 else 0], dtype=np.int64),
+                STEP_NAME: encode_step(src, head, fwd, rows)}
 
-    def draw(s: _Seq, pos: int) -> int:
-        """Which generated token the step at `pos` draws: -1 when its next token is known."""
-        return pos + 1 - len(s.r.prompt) if pos + 1 >= len(s.hist) else -1
-
-    def forward(d: int, pos: int) -> bool:
-        """Whether the step at `pos`, drawing generated token `d` (-1: none), feeds its draw forward:
-        the pipeline has a token stage to feed (topology.feedback), the step draws, the draw cannot
-        end the sequence by length or context, and the window holds two steps of every sequence in
-        flight (with fewer, the next step could not be submitted before this one completes anyway)."""
-        return (fed_back and 0 <= d and d + 1 < max_new_tokens and pos + 1 < gen.max_context
+    def forward(ds: list[int], pos: int) -> bool:
+        """Whether the step at `pos`, drawing `ds` (per row, -1: none), feeds its draws forward: the
+        pipeline has a token stage to feed (topology.feedback), a row draws a token that cannot end
+        its sequence by length or context, and the window holds two steps of every group in flight
+        (with fewer, the next step could not be submitted before this one completes anyway)."""
+        return (fed_back and any(0 <= d and d + 1 < max_new_tokens for d in ds) and pos + 1 < gen.max_context
                 and 2 * len(active) <= pipe.window)
 
-    def finish(s: _Seq, why: str) -> None:
-        s.r.finish = why
-        results[s.r.index] = s.r
-        del active[s.r.index]
-        if s.outstanding == 0:
-            free.append(s.slot)
+    def finish(g: _Group, x: _Row, why: str) -> None:
+        x.r.finish = why
+        x.done = True
+        results[x.r.index] = x.r
+        g.running = [(i, y) for i, y in g.running if y is not x]
+        if not g.running:
+            del active[g.key]
+            if g.outstanding == 0:
+                free.append(g.slot)
 
     try:
         while queue or active:
             while queue and free:
-                r = queue.popleft()
-                active[r.index] = _Seq(r, free.pop(), pipe.state_losses, time.time())
-                want(active[r.index])
+                rows: list[_Row | None] = [_Row(queue.popleft()) for _ in range(min(batch, len(queue)))]
+                g = _Group(rows + [None] * (batch - len(rows)), free.pop(), pipe.state_losses, time.time())
+                active[g.key] = g
+                want(g)
             epoch = pipe.state_losses
-            if epoch != seen_losses:  # a stage holding caches restarted: every sequence rebuilds its own
+            if epoch != seen_losses:  # a stage holding caches restarted: every group rebuilds its own
                 seen_losses = epoch
-                for s in active.values():
-                    want(s)
-            # submit every step whose token is known or in flight, round robin over sequences, while
+                for g in active.values():
+                    want(g)
+            # submit every step whose tokens are known or in flight, round robin over groups, while
             # the window has room. The token stage runs steps in submission order, so a step that takes
-            # the token of the step just before it would hold that stage up for a whole trip round the
-            # ring: such a step waits until as many other steps as there are stages (or sequences, if
+            # the tokens of the step just before it would hold that stage up for a whole trip round the
+            # ring: such a step waits until as many other steps as there are stages (or groups, if
             # fewer) were submitted after its predecessor.
             spacing = min(len(active), pipe.topology.num_stages)
             deferred = []
             while pipe.submitted - pipe._delivered < pipe.window and ready:
-                s = ready.popleft()
-                s.queued = False
-                if active.get(s.r.index) is not s:
+                g = ready.popleft()
+                g.queued = False
+                if active.get(g.key) is not g:
                     continue  # finished since it was queued
-                if s.epoch != epoch:  # its caches were lost: rebuild them from position 0
-                    s.epoch, s.next_pos, s.last = epoch, 0, None
-                    s.r.replays += 1
-                src = source(s, epoch)
+                if g.epoch != epoch:  # its caches were lost: rebuild them from position 0
+                    g.epoch, g.next_pos, g.last = epoch, 0, None
+                    for _, x in g.running:
+                        x.r.replays += 1
+                src = source(g, epoch)
                 if src is None:
                     continue  # nothing to feed yet (queued again after its step was submitted)
                 if src >= 0 and pipe.submitted - src < spacing:
-                    deferred.append(s)
+                    deferred.append(g)
                     continue
-                pos = s.next_pos
-                d = draw(s, pos)
-                fwd = forward(d, pos)
-                seq = pipe.submit(feed(s, pos, src, d, fwd))
+                pos = g.next_pos
+                ds = draws(g, pos)
+                fwd = forward(ds, pos)
+                seq = pipe.submit(feed(g, pos, src, ds, fwd))
                 if src >= 0:
                     pipe.fed_from[seq] = src
-                records.append((s, pos, epoch, seq))
-                s.last = (seq, pos, epoch, fwd)
-                s.next_pos += 1
-                s.outstanding += 1
-                if source(s, epoch) is not None:
-                    want(s)  # more to feed (its prompt, history, or the token this step draws): back of the queue
-            for s in deferred:
-                want(s)
+                records.append((g, pos, epoch, seq))
+                g.last = (seq, pos, epoch, fwd)
+                g.next_pos += 1
+                g.outstanding += 1
+                if source(g, epoch) is not None:
+                    want(g)  # more to feed (prompts, history, or the tokens this step draws): back of the queue
+            for g in deferred:
+                want(g)
             if not records:
                 raise TvmpipeError("generation loop has nothing in flight")  # cannot happen: a bug
             out = pipe.get()
-            s, pos, ep, seq = records.popleft()
-            s.outstanding -= 1
-            if s.r.index not in active:  # finished while a stale or wasted step was in flight
-                if s.outstanding == 0:
-                    free.append(s.slot)
+            g, pos, ep, seq = records.popleft()
+            g.outstanding -= 1
+            if active.get(g.key) is not g:  # finished while a stale or wasted step was in flight
+                if g.outstanding == 0:
+                    free.append(g.slot)
                 continue
-            if ep != s.epoch or ep != pipe.state_losses:
-                continue  # computed on caches a restart lost: the sequence rebuilds
-            logits = out[gen.logits]
+            if ep != g.epoch or ep != pipe.state_losses:
+                continue  # computed on caches a restart lost: the group rebuilds
             if logits_log is not None:
-                logits_log.setdefault(s.r.index, {})[pos] = np.array(logits, copy=True)
-            if pos != len(s.hist) - 1:
-                continue  # a prompt step (or a replayed one): its token is already known
-            t = pipe.sampled(seq)
+                logits = np.asarray(out[gen.logits])
+                per_row = logits.reshape(batch, -1) if batch > 1 else None
+                for i, x in g.running:
+                    logits_log.setdefault(x.r.index, {})[pos] = np.array(logits if per_row is None else per_row[i],
+                                                                         copy=True)
+            drew = [(i, x) for i, x in g.running if pos == len(x.hist) - 1]  # the others' next tokens are known
+            if not drew:
+                continue  # prompt steps (or replayed ones)
+            tokens = pipe.sampled(seq)
             now = time.time()
-            if s.r.first_token_s is None:
-                s.r.first_token_s = now - s.admitted
-            s.r.tokens.append(t)
-            s.r.token_times.append(now)
-            s.hist.append(t)
-            why = "stop" if t in stops else "length" if len(s.r.tokens) >= max_new_tokens \
-                else "context" if len(s.hist) > gen.max_context else None
-            yield TokenEvent(s.r.index, t, len(s.r.tokens) - 1, why is not None)
-            if why:
-                finish(s, why)
-            else:
-                want(s)  # its next step's token is known now, or in flight
+            for i, x in drew:
+                t = tokens[i]
+                if x.r.first_token_s is None:
+                    x.r.first_token_s = now - g.admitted
+                x.r.tokens.append(t)
+                x.r.token_times.append(now)
+                x.hist.append(t)
+                why = "stop" if t in stops else "length" if len(x.r.tokens) >= max_new_tokens \
+                    else "context" if len(x.hist) > gen.max_context else None
+                yield TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why is not None)
+                if why:
+                    finish(g, x, why)
+            if active.get(g.key) is g:
+                want(g)  # its next step's tokens are known now, or in flight
     except TvmpipeError as exc:
         if isinstance(exc, GenerationError):
             raise

@@ -8,23 +8,27 @@ sequences could not keep K stages busy (docs/generation.md). The driver still ge
 (for streaming, stop tokens and the results) but is off the token's path: it submits a sequence's
 next step *before* its token is known, naming the micro-batch whose sample it is.
 
-The step tag, the synthetic entry `__step__` (int64 [7]), rides with every micro-batch to the
-token stage and the sampling stage:
+The step tag, the synthetic entry `__step__` (int64 [5 + 3 B] for a bundle of batch B: a
+micro-batch is one decode step of a *static batch* of B sequences, one per row, all at the same
+position), rides with every micro-batch to the token stage and the sampling stage:
 
-    [from_seq, seed, seq_index, token_index, top_k, temperature as float64 bits, feed_next]
+    [from_seq, seed, top_k, temperature as float64 bits, feed_next,
+     then for each row: seq_index, token_index, fed]
 
-- `from_seq` >= 0: the step's token is the one sampled from micro-batch `from_seq` (an earlier
-  micro-batch of the same sequence, fed back); -1: the token input the driver sent.
-- `token_index` >= 0: sample the sequence's `token_index`-th generated token. The generator is
-  keyed by (seed, seq_index, token_index), not carried from draw to draw, so a draw does not depend
-  on which process makes it, on a restart, or on how sequences interleave. -1: the next token is
-  known (a prompt step, or a step replayed to rebuild caches): nothing is drawn and 0 is sent.
-- `feed_next` 1: send the draw on the feedback edge too, because the sequence's next step may be
+- `from_seq` >= 0: the rows marked `fed` take the tokens sampled from micro-batch `from_seq` (the
+  same rows' previous step, fed back) in place of the driver's; -1: every row takes the token input
+  the driver sent (a prompt token, a replayed one, or padding for a row that has finished).
+- `token_index` >= 0: sample the row's sequence's `token_index`-th generated token. The generator
+  is keyed by (seed, seq_index, token_index), not carried from draw to draw, so a draw does not
+  depend on which process makes it, on a restart, on how sequences interleave, or on the row and
+  batch a sequence runs in. -1: the row's next token is known (a prompt step, a step replayed to
+  rebuild caches, a finished or empty row): nothing is drawn and 0 is sent.
+- `feed_next` 1: send the draws on the feedback edge too, because the rows' next step may be
   submitted before this one completes (the driver decides when it submits this one). 0: the next
-  step will be fed by the driver, and the feedback edge stays quiet (with 2K sequences in flight the
-  window holds one step per sequence, and a frame nobody takes would cost both ends a wake-up).
+  step will be fed by the driver, and the feedback edge stays quiet (with 2K micro-batches in flight
+  the window holds one step per batch, and a frame nobody takes would cost both ends a wake-up).
 
-The sampled token travels as the synthetic entry `__token__` (int64 [1]) to the driver and on the
+The sampled tokens travel as the synthetic entry `__token__` (int64 [B]) to the driver and on the
 feedback edge.
 """
 
@@ -38,9 +42,25 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.executor.program import EntrySpec
 
 STEP_NAME = "__step__"
-STEP_SPEC = EntrySpec((7,), "int64")
 TOKEN_NAME = "__token__"
-TOKEN_SPEC = EntrySpec((1,), "int64")
+FROM, SEED, TOP_K, TEMPERATURE, FEED_NEXT = range(5)  # the step tag's head, then ROW ints per row
+HEAD = 5
+ROW = 3  # seq_index, token_index, fed
+
+
+def step_spec(batch: int) -> EntrySpec:
+    """The `__step__` entry of a decode step of `batch` rows."""
+    return EntrySpec((HEAD + ROW * batch,), "int64")
+
+
+def token_spec(batch: int) -> EntrySpec:
+    """The `__token__` entry: one draw per row."""
+    return EntrySpec((batch,), "int64")
+
+
+def fed_rows(tag: list[int]) -> list[int]:
+    """The `fed` flag of each row of a step tag (as plain ints)."""
+    return tag[HEAD + 2::ROW]
 
 
 @dataclass(frozen=True)
@@ -77,20 +97,26 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class RowTag:
+    """One row of a step tag: whose token it draws (-1: none) and whether it takes a fed-back one."""
+
+    seq_index: int = 0
+    token_index: int = -1
+    fed: bool = False
+
+
+@dataclass(frozen=True)
 class StepTag:
     """One micro-batch's `__step__` (see the module docstring)."""
 
     from_seq: int = -1
     sampling: Sampling = Sampling()
-    seq_index: int = 0
-    token_index: int = -1
+    rows: tuple[RowTag, ...] = (RowTag(),)
     feed_next: bool = False
 
     def encode(self) -> np.ndarray:
-        s = self.sampling
-        temp = np.array([s.temperature], dtype=np.float64).view(np.int64)[0]
-        return np.array([self.from_seq, s.seed, self.seq_index, self.token_index, s.top_k, temp,
-                         int(self.feed_next)], dtype=np.int64)
+        return encode_step(self.from_seq, step_head(self.sampling), self.feed_next,
+                           [v for r in self.rows for v in (r.seq_index, r.token_index, int(r.fed))])
 
     @classmethod
     def decode(cls, tag: np.ndarray) -> "StepTag":
@@ -99,21 +125,46 @@ class StepTag:
     @classmethod
     def from_ints(cls, v: list[int]) -> "StepTag":
         """The tag from its plain ints (`encode().tolist()`, what the stages hold while they run)."""
-        temperature = float(np.int64(v[5]).view(np.float64)) if v[5] else 0.0
-        return cls(v[0], Sampling(temperature, v[4], v[1]), v[2], v[3], bool(v[6]))
+        temperature = float(np.int64(v[TEMPERATURE]).view(np.float64)) if v[TEMPERATURE] else 0.0
+        rows = tuple(RowTag(v[i], v[i + 1], bool(v[i + 2])) for i in range(HEAD, len(v), ROW))
+        return cls(v[FROM], Sampling(temperature, v[TOP_K], v[SEED]), rows, bool(v[FEED_NEXT]))
 
 
-NO_STEP = StepTag().encode()  # run() on a decode bundle: the driver's token, nothing drawn
+def step_head(sampling: Sampling) -> tuple[int, int, int]:
+    """The sampling part of a step tag's head: seed, top_k, temperature as its float64 bits."""
+    temp = int(np.array([sampling.temperature], dtype=np.float64).view(np.int64)[0])
+    return sampling.seed, sampling.top_k, temp
 
 
-def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int) -> np.ndarray:
-    """The `__token__` a step sends: its draw from the last row of `logits`, or 0 when nothing is
-    drawn. `tag` is the step tag as plain ints (`StepTag.encode().tolist()`; None: no tag): this
-    runs on every step, inside the sampling stage's compute, so greedy takes no detour."""
-    if tag is None or tag[3] < 0:
-        return np.zeros(1, dtype=np.int64)
-    row = np.asarray(logits).reshape(-1)[-vocab:]
-    if tag[5] == 0:  # temperature 0.0 (its float64 bits): the argmax of the logits as computed
-        return np.array([row.argmax()], dtype=np.int64)
-    t = StepTag.from_ints(tag)
-    return np.array([t.sampling.pick(row, t.seq_index, t.token_index)], dtype=np.int64)
+def encode_step(from_seq: int, head: tuple[int, int, int], feed_next: bool, rows: list[int]) -> np.ndarray:
+    """A step tag's int64 entry from its parts (`rows`: ROW ints per row, flat); the generation
+    loop builds one per step, so it takes the sampling head precomputed (step_head)."""
+    return np.array([from_seq, head[0], head[1], head[2], int(feed_next), *rows], dtype=np.int64)
+
+
+def no_step(batch: int) -> np.ndarray:
+    """run() on a decode bundle: the driver's tokens in every row, nothing drawn."""
+    return StepTag(rows=(RowTag(),) * batch).encode()
+
+
+def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int, batch: int = 1) -> np.ndarray:
+    """The `__token__` a step sends: each row's draw from the last `vocab` logits of its row, or 0
+    where nothing is drawn. `tag` is the step tag as plain ints (`StepTag.encode().tolist()`; None:
+    no tag, nothing drawn): this runs on every step, inside the sampling stage's compute, so greedy
+    takes no detour."""
+    out = np.zeros(batch, dtype=np.int64)
+    if tag is None:
+        return out
+    rows = np.asarray(logits).reshape(batch, -1)
+    picked = None
+    for r in range(batch):
+        index = tag[HEAD + ROW * r + 1]
+        if index < 0:
+            continue
+        row = rows[r, -vocab:]
+        if tag[TEMPERATURE] == 0:  # temperature 0.0 (its float64 bits): the argmax of the logits as computed
+            out[r] = row.argmax()
+        else:
+            picked = picked or StepTag.from_ints(tag)
+            out[r] = picked.sampling.pick(row, picked.rows[r].seq_index, index)
+    return out

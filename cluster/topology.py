@@ -11,12 +11,13 @@ producer of graph inputs, and as the consumer of graph outputs and of errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.state import state_spans as bundle_state_spans
 from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.sampling import STEP_NAME, STEP_SPEC, TOKEN_NAME, TOKEN_SPEC
+from tvmpipe.cluster.sampling import STEP_NAME, TOKEN_NAME, step_spec, token_spec
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
 from tvmpipe.partition import Plan, validate_plan
@@ -70,6 +71,7 @@ class Topology:
     # None when the token input is read in more than one stage: then the driver feeds every token.
     step_entry: int | None = None
     token_entry: int | None = None
+    batch: int = 1  # rows of a decode step (decode_batch): sequences per micro-batch
     sampler: int | None = None
     feedback: tuple[int, int] | None = None
     # Per stage: the driver entries it takes from the stage before it, which passed them on
@@ -126,9 +128,12 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
         inputs = {n: e for n, e in inputs.items() if e not in state_in}
         inputs[SLOT_NAME] = slot
     step = token = sampler = feedback = None
+    batch = 1
     if slot is not None and bundle.generation is not None:
         step, token = step_entries(bundle)
-        specs[step], names[step], specs[token], names[token] = STEP_SPEC, STEP_NAME, TOKEN_SPEC, TOKEN_NAME
+        batch = decode_batch(bundle)
+        specs[step], names[step] = step_spec(batch), STEP_NAME
+        specs[token], names[token] = token_spec(batch), TOKEN_NAME
         inputs[STEP_NAME] = step
         roles = [generation_roles(bundle, s, e) for s, e in plan.stages]
         sampler = next(j for j, (_, head) in enumerate(roles) if head is not None)
@@ -169,7 +174,7 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
         edges.append(Edge(i, DRIVER, sends))
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
                     state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
-                    step_entry=step, token_entry=token, sampler=sampler, feedback=feedback,
+                    step_entry=step, token_entry=token, batch=batch, sampler=sampler, feedback=feedback,
                     relayed=tuple(c if t else () for c, t in zip(carry, through)), dropped_heads=dropped)
 
 
@@ -199,6 +204,11 @@ def step_entries(bundle: Bundle) -> tuple[int, int]:
     """The synthetic entry ids of the step tag and of the sampled token (after the slot's)."""
     n = slot_entry(bundle)
     return n + 1, n + 2
+
+
+def decode_batch(bundle: Bundle) -> int:
+    """Rows of a decode step: the elements of its token input ([B, 1]), one sequence each."""
+    return math.prod(bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape)
 
 
 def generation_roles(bundle: Bundle, start: int, end: int) -> tuple[int | None, int | None]:

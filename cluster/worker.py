@@ -32,11 +32,11 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.sampling import STEP_SPEC, TOKEN_NAME, TOKEN_SPEC, sample_token
+from tvmpipe.cluster.sampling import FEED_NEXT, FROM, TOKEN_NAME, fed_rows, sample_token, step_spec, token_spec
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
-from tvmpipe.cluster.topology import Edge, generation_roles, step_entries
+from tvmpipe.cluster.topology import Edge, decode_batch, generation_roles, step_entries
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
 
@@ -213,13 +213,15 @@ class StageWorker:
         the stage runs."""
         self._step_entry = self._token_entry = None
         self._vocab = 0
+        self._batch = 1
         self._token_in, self._logits = generation_roles(bundle, self.spec.start, self.spec.end)
         if self._token_in is None and self._logits is None:
             return
         self._step_entry, self._token_entry = step_entries(bundle)
         self._vocab = bundle.generation.vocab_size
-        self.specs[self._step_entry] = STEP_SPEC
-        self.specs[self._token_entry] = TOKEN_SPEC
+        self._batch = decode_batch(bundle)
+        self.specs[self._step_entry] = step_spec(self._batch)
+        self.specs[self._token_entry] = token_spec(self._batch)
         self.names[self._token_entry] = TOKEN_NAME
 
     # ---- control plane -----------------------------------------------------------------------------
@@ -475,7 +477,7 @@ class StageWorker:
             return False
         if self._token_in is not None:
             tag = parts[self._step_from].tensors.get(self._step_entry)
-            if tag is not None and tag[0] >= 0 and int(tag[0]) not in self._fed:
+            if tag is not None and tag[FROM] >= 0 and int(tag[FROM]) not in self._fed:
                 return False
         return True
 
@@ -539,14 +541,17 @@ class StageWorker:
 
     def _take_step(self, feed: dict[int, np.ndarray]) -> list[int] | None:
         """Pop the step tag off a micro-batch's inputs (in place: the dict is this micro-batch's
-        own) as plain ints; on the token stage, put the fed-back token in place of the driver's
-        placeholder."""
+        own) as plain ints; on the token stage, put the fed-back tokens in place of the driver's
+        placeholders, in the rows the tag marks `fed` (every row of a batch-1 step that takes one)."""
         raw = feed.pop(self._step_entry, None)
         tag = raw.tolist() if raw is not None else None
-        if self._token_in is not None and tag is not None and tag[0] >= 0:
+        if self._token_in is not None and tag is not None and tag[FROM] >= 0:
             spec = self.specs[self._token_in]
             with self._lock:
-                token = self._fed.pop(tag[0])
+                token = self._fed.pop(tag[FROM])
+            fed = fed_rows(tag)
+            if not all(fed):  # some rows take the driver's token (a prompt's, or a finished row's padding)
+                token = np.where(np.array(fed, dtype=bool), token, feed[self._token_in].reshape(-1))
             feed[self._token_in] = token.astype(spec.dtype).reshape(spec.shape)
         return tag
 
@@ -565,10 +570,10 @@ class StageWorker:
             for e in self._unread:
                 del feed[e]
             tag = self._take_step(feed) if self._step_entry is not None else None
-            feed_next = tag is not None and tag[6]  # the driver asked for this step's draw to be fed back
+            feed_next = tag is not None and tag[FEED_NEXT]  # the driver asked for the draws to be fed back
             outputs = self.stage.run(feed, device=device)
             if self._logits is not None:
-                token = sample_token(outputs[self._logits], tag, self._vocab)
+                token = sample_token(outputs[self._logits], tag, self._vocab, self._batch)
                 outputs[self._token_entry] = token
                 if self._token_in is not None and feed_next:  # it reads the token too: no hop
                     with self._lock:

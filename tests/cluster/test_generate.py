@@ -234,6 +234,7 @@ def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
     doc = json.loads(out)
     assert [s["prompt"] for s in doc["sequences"]] == [[5, 17, 3], [60]]
     assert [s["tokens"] for s in doc["sequences"]] == [oracle[0][0], oracle[1][0]]
+    assert doc["batch"] == 1  # one sequence a micro-batch
     b = load_bundle(decode_bundle)  # each stage's caches: slots 0 and 1, one layer's pairs, one buffer each
     assert [s["state_bytes"] for s in doc["metrics"]["stages"]] == [2 * b.state_bytes_per_slot // 2] * 2
     code = main(["generate", str(decode_bundle), "--stages", "2", "--processes", "--prompt-ids", "5,17,3",
@@ -483,7 +484,7 @@ def test_a_plain_run_of_a_decode_step_draws_nothing(decode_bundle, oracle):
                           b.generation.position: np.full(pipe.topology.specs[pipe.topology.inputs[b.generation.position]].shape, p,
                                                          dtype=pipe.topology.specs[pipe.topology.inputs[b.generation.position]].dtype),
                           "__slot__": np.array([0, int(p == 0)])} for p, t in enumerate(prompt)])
-        assert all(pipe.sampled(s) == 0 for s in range(len(prompt)))
+        assert all(pipe.sampled(s) == [0] for s in range(len(prompt)))
     ref = oracle[0][1]
     for pos, out in enumerate(outs):
         assert np.abs(out[b.generation.logits] - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max()
@@ -494,15 +495,15 @@ def test_a_replayed_step_takes_a_completed_micro_batchs_token_from_the_driver(de
     replayed step whose token was drawn by one that completed before gets it from the driver
     (`Pipeline._settle_fed_back`, run by every re-wiring), and a step fed by an incomplete one
     still waits for it on the feedback edge."""
-    from tvmpipe.cluster.sampling import Sampling, StepTag
+    from tvmpipe.cluster.sampling import RowTag, Sampling, StepTag
 
     b = load_bundle(decode_bundle)
     topo = build_topology(b, plan_keeping_state(b, 2))
     pipe = object.__new__(Pipeline)  # the bookkeeping only: no workers
-    pipe.topology, pipe.bundle, pipe._tokens, pipe._submitted = topo, b, {3: 42}, 7
+    pipe.topology, pipe.bundle, pipe._tokens, pipe._submitted = topo, b, {3: [42]}, 7
     tok, step = topo.inputs[b.generation.token], topo.step_entry
     blank = np.zeros(topo.specs[tok].shape, dtype=topo.specs[tok].dtype)
-    pipe._inputs = {n: {tok: blank, step: StepTag(m, Sampling(), 0, 1, True).encode()}
+    pipe._inputs = {n: {tok: blank, step: StepTag(m, Sampling(), (RowTag(0, 1, True),), True).encode()}
                     for n, m in ((5, 3), (6, 5))}
     pipe._settle_fed_back(5)
     assert pipe._inputs[5][tok].reshape(-1).tolist() == [42] and StepTag.decode(pipe._inputs[5][step]).from_seq == -1

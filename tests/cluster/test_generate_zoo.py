@@ -5,6 +5,11 @@ weights) run as K = 1, 2, 3 stateful stages in processes on the reference backen
 Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2. Every sequence's
 tokens equal transformers' `generate(do_sample=False)` on the same weights, and every step's logits
 are within 1e-4 x max|ref| of transformers' logits for the same prefix.
+
+Static batches (`--batch 2` bundles of GPT-2 and Llama, two sequences per micro-batch): each
+sequence's tokens and logits equal transformers' whatever row and group it runs in, with groups
+admitted as others finish, rows that stop early, and a stage killed mid-generation; seeded sampling
+gives the streams of the batch-1 bundle.
 """
 
 from __future__ import annotations
@@ -28,16 +33,16 @@ NEW = 6
 def decoder(tmp_path_factory):
     cache: dict[str, tuple[Path, object]] = {}
 
-    def get(name: str) -> tuple[Path, object]:
-        if name not in cache:
+    def get(name: str, batch: int = 1) -> tuple[Path, object]:
+        if (name, batch) not in cache:
             from tvmpipe.compiler.decode import build_decoder
             from tvmpipe.compiler.export import export
             from tvmpipe.compiler.progress import Progress
 
-            out = tmp_path_factory.mktemp(f"gen_{name}") / "b"
-            export(name, progress=Progress(stream=None), decode=MAX_CONTEXT, seed=SEED).write(out)
-            cache[name] = (out, build_decoder(name, SEED))
-        return cache[name]
+            out = tmp_path_factory.mktemp(f"gen_{name}_{batch}") / "b"
+            export(name, progress=Progress(stream=None), decode=MAX_CONTEXT, seed=SEED, batch=batch).write(out)
+            cache[name, batch] = (out, build_decoder(name, SEED))
+        return cache[name, batch]
 
     return get
 
@@ -67,3 +72,113 @@ def test_pipelined_generation_equals_transformers(decoder, name, ks):
             for pos, got in logs[i].items():
                 r = ref[pos]
                 assert np.abs(np.asarray(got).reshape(-1)[-r.size:] - r).max() <= 1e-4 * np.abs(r).max(), (name, k, i, pos)
+
+
+BATCH_PROMPTS = [[5, 17, 3, 60, 9], [60], [1, 2, 3], [7, 7], [9, 30, 2]]  # groups of 2: the last has an empty row
+
+
+def _until_stop(tokens: list[int], stop: int) -> list[int]:
+    return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_static_batches_equal_transformers_per_sequence(decoder, name):
+    """Five prompts of different lengths in groups of two rows, two groups in flight (the third
+    waits for a slot), a stop token that ends some rows before their group: every sequence's tokens
+    and every step's logits are transformers', at K = 1 and 2."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+
+    bundle, model = decoder(name, 2)
+    assert load_bundle(bundle).graph.entries[0].shape[0] == 2  # the token input is [2, 1]
+    full = [transformers_generate(model, p, NEW) for p in BATCH_PROMPTS]
+    # a stop token that ends sequence 1 early while its row-mate, sequence 0, goes on
+    stop = next(t for t in full[1][1:] if (full[0] + [t]).index(t) > full[1].index(t))
+    want = [_until_stop(w, stop) for w in full]
+    assert 1 < len(want[1]) < NEW and len(want[0]) > len(want[1]), want
+    for k in (1, 2):
+        with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
+            assert pipe.topology.batch == 2
+            results, logs = {}, {}
+            events = list(pipe.generate(BATCH_PROMPTS, NEW, stop_tokens=[stop], results=results, logits_log=logs))
+        assert [results[i].tokens for i in range(len(BATCH_PROMPTS))] == want, (name, k)
+        assert [results[i].finish for i in range(2)] == ["length" if len(want[0]) == NEW else "stop", "stop"]
+        for i in range(len(BATCH_PROMPTS)):  # each sequence's events in order
+            assert [e.token for e in events if e.seq == i] == want[i]
+        for i, p in enumerate(BATCH_PROMPTS):
+            seq = p + want[i]
+            ref = transformers_logits(model, seq[:-1])
+            assert sorted(logs[i]) == list(range(len(seq) - 1))  # every step of the sequence, and no other
+            for pos, got in logs[i].items():
+                r = ref[pos]
+                err = np.abs(np.asarray(got).reshape(-1)[-r.size:] - r).max()
+                assert err <= 1e-4 * np.abs(r).max(), (name, k, i, pos)
+
+
+def test_cli_generate_runs_a_static_batch_bundle(decoder, capsys):
+    """`tvmpipe generate` on a batch-2 bundle: three prompts (two groups, the second with an empty
+    row), transformers' tokens, the batch in the JSON document and in the summary line."""
+    import json
+
+    from tvmpipe.cli import main
+    from tvmpipe.compiler.decode import transformers_generate
+
+    bundle, model = decoder("gpt2", 2)
+    argv = ["generate", str(bundle), "--stages", "2", "--processes", "--max-new-tokens", "4",
+            "--prompt-ids", "5,17,3", "--prompt-ids", "60", "--prompt-ids", "1,2"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["batch"] == 2
+    want = [transformers_generate(model, p, 4) for p in ([5, 17, 3], [60], [1, 2])]
+    assert [s["tokens"] for s in doc["sequences"]] == want
+    assert main(argv) == 0
+    summary = next(line for line in capsys.readouterr().out.splitlines() if " tokens in " in line)
+    assert summary.startswith("12 tokens in ") and ", 2 sequences a micro-batch, " in summary, summary
+
+
+def test_static_batches_sample_the_batch_1_streams_and_survive_a_killed_stage(decoder):
+    """Seeded sampling keys each draw by (seed, sequence, token index): a batch-2 bundle gives each
+    sequence the stream the batch-1 bundle gives it; with stage 1 SIGKILLed mid-way, every group
+    replays its rows and the streams stay the same."""
+    from tvmpipe.cluster.driver import Pipeline, Timeouts
+
+    kw = dict(temperature=0.8, top_k=10, seed=3)
+    one, _ = decoder("gpt2")
+    two, _ = decoder("gpt2", 2)
+    with Pipeline(one, 2, launcher="process", slots=2) as pipe:
+        clean = [r.tokens for r in pipe.generate_all(BATCH_PROMPTS, NEW, **kw)]
+    assert len({tuple(c) for c in clean}) == len(clean)
+    with Pipeline(two, 2, launcher="process", slots=2, timeouts=Timeouts(progress=20)) as pipe:
+        assert [r.tokens for r in pipe.generate_all(BATCH_PROMPTS, NEW, **kw)] == clean
+        results = {}
+        for n, _ in enumerate(pipe.generate(BATCH_PROMPTS, NEW, results=results, **kw)):
+            if n == 7:
+                pipe.launcher.kill(1)
+        assert pipe.restarts == [0, 1] and pipe.state_losses == 1
+    assert [results[i].tokens for i in range(len(BATCH_PROMPTS))] == clean
+    assert sum(r.replays for r in results.values()) >= 2  # both rows of a group in flight replayed
+
+
+def test_static_batches_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkeypatch):
+    """The batch-2 GPT-2 step on cuda stages (fake driver, stages in this process, CUDA graphs, no
+    logits to the driver, as `tvmpipe generate` runs it): transformers' tokens for every sequence,
+    each slot's caches one device buffer per pair, and no rule of the driver broken."""
+    from tests.support.fake_cuda import activate
+    from tests.support.pipeline_harness import ThreadLauncher
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.decode import transformers_generate
+
+    bundle, model = decoder("gpt2", 2)
+    activate(monkeypatch, tmp_path, [bundle])
+    import pycuda.driver as drv
+
+    launcher = ThreadLauncher()
+    with Pipeline(bundle, 2, backend="cuda", backend_opts={"graphs": True}, launcher=launcher, slots=2,
+                  max_restarts=0, logits=False) as pipe:
+        res = pipe.generate_all(BATCH_PROMPTS, NEW)
+        for st in (w.stage for w in launcher.workers if w is not None):
+            if st.state is not None:
+                assert {len(buf) for bufs in st.state.buffers.values() for buf in bufs} == {1}
+    assert [r.tokens for r in res] == [transformers_generate(model, p, NEW) for p in BATCH_PROMPTS]
+    assert not drv.violations
