@@ -26,6 +26,10 @@ Also, side by side in one run on this CPU (tokens/s):
 - published decoders (GPT-2, Llama; the zoo's tiny configs, seeded weights, `tvmpipe compile NAME
   --decode`): the single-process reference loop against transformers' own `generate(do_sample=False)`
   in torch on the same weights and prompts, with their tokens compared.
+Static batches (`static_batches`): GPT-2's decode step (the zoo's tiny config, `--decode --batch B`)
+compiled at B = 1, 2, 4 and run as K = 2 stage processes on the reference backend, 16 prompts of
+1-3 tokens, 24 new tokens each, every slot in use: tokens/s per B, two alternating rounds, and
+each B's tokens against B = 1's (greedy: the same streams).
 Writes bench/results/generate.json.
 """
 
@@ -335,6 +339,43 @@ def transformers_side_by_side(cache: Path, prompts: int) -> list[dict]:
     return out
 
 
+BATCHES = (1, 2, 4)
+
+
+def static_batches(cache: Path, rounds: int = 2, k: int = 2, new: int = 24) -> dict:
+    """GPT-2's decode step at batch 1, 2 and 4 as K processes on the reference backend: tokens/s
+    (per round, alternating B) and whether every batch gives B = 1's tokens."""
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    prompts = [[(7 * i + j) % 128 for j in range(1 + i % 3)] for i in range(16)]
+    dirs = {}
+    for b in BATCHES:
+        dirs[b] = cache / f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}"
+        if not (dirs[b] / "bundle.json").is_file():
+            export("gpt2", progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED, batch=b).write(dirs[b])
+    runs: dict[int, list[float]] = {b: [] for b in BATCHES}
+    tokens: dict[int, list[list[int]]] = {}
+    for r in range(rounds):
+        for b in (BATCHES if r % 2 == 0 else BATCHES[::-1]):
+            with Pipeline(dirs[b], k, launcher="process", logits=False) as pipe:
+                pipe.generate_all(prompts[:pipe.slots * b], 2)  # warm: every slot allocated, links up
+                t0 = time.perf_counter()
+                res = pipe.generate_all(prompts, new)
+                wall = time.perf_counter() - t0
+            tokens[b] = [x.tokens for x in res]
+            runs[b].append(sum(len(t) for t in tokens[b]) / wall)
+    rows = [{"batch": b, "stages": k, "sequences": len(prompts), "new_tokens": new,
+             "tokens_per_s_runs": [round(x, 1) for x in runs[b]], "tokens_per_s": round(max(runs[b]), 1),
+             "same_tokens_as_batch_1": tokens[b] == tokens[1]} for b in BATCHES]
+    for row in rows:
+        print(f"static batch {row['batch']}: GPT-2 decode, K={k}, reference backend: {row['tokens_per_s_runs']} "
+              f"tok/s ({row['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x batch 1), same tokens as batch 1: "
+              f"{row['same_tokens_as_batch_1']}", flush=True)
+    return {"decoder": "gpt2", "max_context": HF_MAX_CONTEXT, "backend": "reference", "rows": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens per point")
@@ -343,8 +384,9 @@ def main() -> int:
     ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "generate.json")
     ap.add_argument("--no-published", action="store_true",
-                    help="skip the published decoders' side by side (it compiles with TVM and runs transformers: "
-                         "the GPU host of bench/gpu_check.sh has neither; --bundle must then hold the compiled fixture)")
+                    help="skip the published decoders (the side by side with transformers and the static batches: they "
+                         "compile with TVM, and the GPU host of bench/gpu_check.sh has no TVM; --bundle must then "
+                         "hold the compiled fixture)")
     args = ap.parse_args()
     from tests.support.decode_bundle import decode_bundle
 
@@ -360,8 +402,9 @@ def main() -> int:
     sp = single_process(bundle_dir, 60 if args.quick else 300)
     print(f"single process: reference loop {sp['reference_loop_tokens_per_s']} tok/s, torch eager "
           f"{sp['torch_eager_tokens_per_s']} tok/s, same tokens: {sp['same_tokens']}")
-    hf = [] if args.no_published else transformers_side_by_side(args.bundle.parent / (args.bundle.name + "-hf"),
-                                                                 2 if args.quick else 6)
+    hf_cache = args.bundle.parent / (args.bundle.name + "-hf")
+    hf = [] if args.no_published else transformers_side_by_side(hf_cache, 2 if args.quick else 6)
+    batches = None if args.no_published else static_batches(hf_cache, 1 if args.quick else 2)
     checked = [r for r in rows if r["stage_ms"] == 1.0 and r["in_flight"] >= r["stages"]]
     ok_rate = all(r["fraction_of_ideal"] >= TARGET for r in checked)
     ok_bytes = all(r["max_hop_bytes_per_token"] < r["smallest_cache_entry_bytes"] for r in rows)
@@ -385,11 +428,12 @@ def main() -> int:
            "rows": rows, "driver_scaling": {"rows": drv, "growth": round(growth, 3), "target": DRIVER_GROWTH},
            "driver_by_stages": {"rows": by_k, "cpu_growth": round(growth_k, 3),
                                 "frames_per_token_at_most_one": max(frames_k) <= 1.0},
-           "single_process": sp, "transformers": hf}
+           "single_process": sp, "transformers": hf, "static_batches": batches}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
-    return 0 if ok_bytes and all(r["same_tokens"] for r in hf) and sp["same_tokens"] else 1
+    same_batches = batches is None or all(r["same_tokens_as_batch_1"] for r in batches["rows"])
+    return 0 if ok_bytes and all(r["same_tokens"] for r in hf) and sp["same_tokens"] and same_batches else 1
 
 
 if __name__ == "__main__":
