@@ -2,7 +2,7 @@
 device, the reference's tokens, tokens/s against stages and sequences in flight.
 
     python bench/decode_gpu.py [BUNDLE] [--stages 1,2] [--in-flight 1,2,4] [--new 24]
-                               [--out bench/results/decode_gpu.json]
+                               [--batch-bundle BATCHED] [--out bench/results/decode_gpu.json]
 
 BUNDLE is a decode-step bundle (`tvmpipe compile gpt2 --decode --max-context 64`, carried by
 bench/gpu_prep.sh). The oracle is the single-process greedy loop on the reference backend
@@ -11,7 +11,11 @@ stage processes on GPU 0 (hops between them: CUDA IPC) runs every S of --in-flig
 of 4 tokens, --new tokens each, greedy. Per (K, S): whether every sequence's tokens equal the
 oracle's, generated tokens/s and decode steps/s over the whole run, inter-token latency p50, and the
 largest bytes per step on any hop against one slot's cache bytes (state never crosses: it must be
-far below). Exits 1 if any tokens differ. Runs on the fake PyCUDA too (tests put tests/fakecuda
+far below). With --batch-bundle (the same decoder compiled with `--batch B`, B > 1: static batches,
+B sequences a micro-batch), for each K that bundle runs the same 2 x max(--in-flight) prompts with
+every sequence in flight: its tokens against the reference backend's run of it and, for the same
+model, against BUNDLE's oracle (a sequence's tokens must not depend on its batch), and tokens/s
+beside the batch-1 rows (`batch` in each row). Exits 1 if any tokens differ. Runs on the fake PyCUDA too (tests put tests/fakecuda
 first on PYTHONPATH, with the bundle in FAKE_PYCUDA_BUNDLES): numbers then mean nothing.
 """
 
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--in-flight", default="1,2,4")
     ap.add_argument("--new", type=int, default=24, help="tokens generated per sequence")
+    ap.add_argument("--batch-bundle", help="the same decoder compiled with --batch B > 1: run its static batches too")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_gpu.json"))
     add_require_gpu(ap)
     args = ap.parse_args(argv)
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     for dst, n in w1.bytes_out.items():
                         hop = max(hop, (n - w0.bytes_out.get(dst, 0)) / steps)
                 itl = [(y - x) * 1e3 for r in res for x, y in zip(r.token_times, r.token_times[1:])]
-                row = {"stages": k, "in_flight": s, "sequences": len(batch), "tokens": made, "steps": steps,
+                row = {"stages": k, "batch": 1, "in_flight": s, "sequences": len(batch), "tokens": made, "steps": steps,
                        "same_tokens_as_reference": all(same), "tokens_per_s": round(made / wall, 1),
                        "steps_per_s": round(steps / wall, 1), "itl_ms_p50": round(statistics.median(itl), 3) if itl else None,
                        "max_hop_bytes_per_step": round(hop, 1), "cache_bytes_per_slot": b.state_bytes_per_slot,
@@ -89,10 +94,50 @@ def main(argv: list[str] | None = None) -> int:
                        "state_buffers": sorted(set(b.state_buffers.values())), "edge_paths": paths}
                 print(f"[decode] {json.dumps(row)}", flush=True)
                 rows.append(row)
+    if args.batch_bundle:
+        exact = static_batches(args, b, prompts, want, new, rows) and exact
     write_result(args.out, {"bundle": str(args.bundle), "model": b.name, "max_context": gen.max_context,
                             "vocab_size": gen.vocab_size, "new_tokens": new, "all_exact": exact, "rows": rows})
     print(f"[decode] wrote {args.out}; tokens equal the reference's: {exact}")
     return 0 if exact else 1
+
+
+def static_batches(args: argparse.Namespace, b, prompts: list[list[int]], want: list[list[int]], new: int,
+                   rows: list[dict]) -> bool:
+    """The --batch-bundle rows (see the module docstring), appended to `rows`; True when every
+    sequence's tokens are the reference's (and BUNDLE's, for the same model)."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+
+    bb = load_bundle(args.batch_bundle)
+    with Pipeline(bb, 1, backend="reference", launcher="process") as pipe:
+        ref = [r.tokens for r in pipe.generate_all(prompts, new)]
+    same_model = (bb.name, bb.generation.max_context) == (b.name, b.generation.max_context)
+    exact = True
+    for k in [int(x) for x in args.stages.split(",")]:
+        with Pipeline(bb, k, backend="cuda", launcher="process") as pipe:
+            batch = pipe.topology.batch
+            pipe.generate_all(prompts[:batch], 2)  # warm
+            before, seq0 = pipe.record(), pipe.submitted
+            t = time.perf_counter()
+            res = [r.tokens for r in pipe.generate_all(prompts, new)]
+            wall = time.perf_counter() - t
+            steps = pipe.submitted - seq0
+            after = pipe.record()
+        hop = max(((n - w0.bytes_out.get(dst, 0)) / steps for w0, w1 in zip(before.worker_stats, after.worker_stats)
+                   for dst, n in w1.bytes_out.items()), default=0.0)
+        made = sum(len(x) for x in res)
+        ok = res == ref and (not same_model or res == want)
+        exact = exact and ok
+        row = {"stages": k, "batch": batch, "in_flight": len(prompts), "sequences": len(prompts), "tokens": made,
+               "steps": steps, "same_tokens_as_reference": res == ref,
+               "same_tokens_as_batch_1": res == want if same_model else None,
+               "tokens_per_s": round(made / wall, 1), "steps_per_s": round(steps / wall, 1),
+               "max_hop_bytes_per_step": round(hop, 1), "cache_bytes_per_slot": bb.state_bytes_per_slot,
+               "state_bytes_per_stage": [w.state_bytes for w in after.worker_stats]}
+        print(f"[decode] {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return exact
 
 
 if __name__ == "__main__":

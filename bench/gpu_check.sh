@@ -14,7 +14,8 @@
 #   ipc       bench/ipc_gpu.py: one stage-to-stage hop of 4 and 64 MB, CUDA IPC vs the host path, GB/s
 #   upload    bench/upload_gpu.py: a 2 GiB model's stages built at K = 1, 2, 4: device memory per stage
 #             against its weights, staged upload GB/s against the page-locked copy limit
-#   decode    bench/decode_gpu.py: .gpu/bundles/gpt2_decode as K = 1, 2 cuda stages, caches on the
+#   decode    bench/decode_gpu.py: .gpu/bundles/gpt2_decode (and gpt2_decode_b4, its static batches of
+#             4) as K = 1, 2 cuda stages, caches on the
 #             device: the reference's tokens, tokens/s with 1, 2, 4 sequences in flight
 #   generate  bench/generate.py --no-published on .gpu/bundles/decode_fixture: issue 24's sweep of
 #             simulated stages (no GPU) on this host's cores, a core per stage process
@@ -39,6 +40,7 @@ IPC_ARGS=${GPU_CHECK_IPC_ARGS:---mb 4,64 --iters 50}
 EXECUTOR_ARGS=${GPU_CHECK_EXECUTOR_ARGS:---repeat 200}
 UPLOAD_ARGS=${GPU_CHECK_UPLOAD_ARGS:---gib 2 --stages 1,2,4}
 DECODE_BUNDLE=${GPU_CHECK_DECODE_BUNDLE:-.gpu/bundles/gpt2_decode}
+DECODE_BATCH_BUNDLE=${GPU_CHECK_DECODE_BATCH_BUNDLE:-.gpu/bundles/gpt2_decode_b4}
 DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
 GENERATE_BUNDLE=${GPU_CHECK_GENERATE_BUNDLE:-.gpu/bundles/decode_fixture}
 GENERATE_ARGS=${GPU_CHECK_GENERATE_ARGS:---stages 1,2,3,4}
@@ -338,7 +340,9 @@ s_decode() {  # generation with the KV caches on the device, tokens against the 
   [ -f "$DECODE_BUNDLE/bundle.json" ] || { echo "no decode bundle at $DECODE_BUNDLE (run bench/gpu_prep.sh and carry .gpu)"; return 1; }
   rm -f bench/results/decode_gpu.json
   # shellcheck disable=SC2086  # DECODE_ARGS is a list of options
-  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS --require-gpu --out bench/results/decode_gpu.json || rc=$?
+  local batched=()
+  if [ -f "$DECODE_BATCH_BUNDLE/bundle.json" ]; then batched=(--batch-bundle "$DECODE_BATCH_BUNDLE"); else echo "WARNING: no static-batch decode bundle at $DECODE_BATCH_BUNDLE"; fi
+  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS ${batched[@]+"${batched[@]}"} --require-gpu --out bench/results/decode_gpu.json || rc=$?
   [ -s bench/results/decode_gpu.json ] && cp bench/results/decode_gpu.json "$OUT/"
   return "$rc"
 }
@@ -425,8 +429,9 @@ if up:
 de = load("bench/results/decode_gpu.json")
 if de:
     summary["decode"] = {"all_exact": de.get("all_exact"), "model": de.get("model"), "rows": [
-        {k: r.get(k) for k in ("stages", "in_flight", "same_tokens_as_reference", "tokens_per_s", "itl_ms_p50",
-                               "max_hop_bytes_per_step", "cache_bytes_per_slot")} for r in de.get("rows", [])]}
+        {k: r.get(k) for k in ("stages", "batch", "in_flight", "same_tokens_as_reference", "same_tokens_as_batch_1",
+                               "tokens_per_s", "itl_ms_p50", "max_hop_bytes_per_step", "cache_bytes_per_slot")
+         if k in r} for r in de.get("rows", [])]}
 ge = load("bench/results/generate_gpu_host.json")
 if ge:
     summary["generate"] = {"cpus": ge["machine"]["cpus"], "target": ge["target"], "rows": [

@@ -8,7 +8,7 @@
 # 2. .gpu/bundles/{resnet18,transformer}: compiled here (TVM is not on the GPU machine), with
 #    generated weights (--omit-params: params.generated = {"seed": 0}) so they stay small; and
 #    .gpu/bundles/gpt2_decode, GPT-2's decode step (tiny config, seeded weights, max context 64),
-#    for the `decode` step;
+#    and gpt2_decode_b4, the same step for static batches of 4, for the `decode` step;
 # 3. checks the sizes against the device tool's 64 MiB working-tree limit and prints the exact `run`
 #    call that does the whole check (bench/gpu_check.sh) there, also saved as .gpu/run-call.json.
 # Both folders are git-ignored; the run call carries them. Re-run this in every new session: they
@@ -97,6 +97,8 @@ shutil.copytree(decode_bundle(sys.argv[1]), ".gpu/bundles/decode_fixture/bundle"
 # Each bundle must load, use generated weights, and give finite outputs on the reference backend.
 say "compiling gpt2 --decode -> .gpu/bundles/gpt2_decode (max context 64, seeded weights)"
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
+say "compiling gpt2 --decode --batch 4 -> .gpu/bundles/gpt2_decode_b4 (the same weights, 4 sequences a micro-batch)"
+"$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --batch 4 -o .gpu/bundles/gpt2_decode_b4 --force --quiet
 "$PY" - <<'EOF'
 import json, numpy as np
 from tvmpipe.bundle import load_bundle

@@ -67,18 +67,24 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     """The IPC hop, big-model upload, decode and generate steps of the kit, end to end on the fake:
     both hop paths move the bytes, a stage's device memory is its weights, a 2-stage cuda decode
     pipeline (caches on the device, CUDA IPC between the stages) gives the reference backend's
-    tokens, and the generation sweep runs from the carried fixture alone."""
+    tokens, static batches too (GPT-2's step at batch 2, as gpu_prep.sh carries it at batch 4), and
+    the generation sweep runs from the carried fixture alone."""
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    batched = tmp_path / "gpt2_decode_b2"
+    export("gpt2", progress=Progress(stream=None), decode=16, seed=1, batch=2).write(batched)
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))
     python = image_python(tmp_path / "image")
-    env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle])}
+    env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle, batched])}
     env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
                GPU_CHECK_STEPS="tvmpipe,ipc,upload,decode,generate", GPU_CHECK_FORCE_SHIM="1",
                GPU_CHECK_IPC_ARGS="--mb 1 --iters 4",
                GPU_CHECK_UPLOAD_ARGS="--gib 0.02 --width 256 --stages 1,2",
-               GPU_CHECK_DECODE_BUNDLE=str(decode_bundle),
+               GPU_CHECK_DECODE_BUNDLE=str(decode_bundle), GPU_CHECK_DECODE_BATCH_BUNDLE=str(batched),
                GPU_CHECK_DECODE_ARGS="--stages 1,2 --in-flight 1,2 --new 4",
                GPU_CHECK_GENERATE_BUNDLE=str(decode_bundle.parent), GPU_CHECK_GENERATE_ARGS="--quick --stages 1,2")
     r = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh")], cwd=tree, env=env, capture_output=True,
@@ -100,10 +106,14 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
             assert 1.0 <= st["device_over_weights"] < 1.1 and st["upload_gbps"] > 0, st
     assert sum(st["weight_bytes"] for st in up["runs"][1]["per_stage"]) == up["runs"][0]["per_stage"][0]["weight_bytes"]
     de = summary["decode"]
-    assert de["all_exact"] and {(x["stages"], x["in_flight"]) for x in de["rows"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert de["all_exact"] and {(x["stages"], x["batch"], x["in_flight"]) for x in de["rows"]} == \
+        {(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 4)}
+    assert all(x["same_tokens_as_reference"] for x in de["rows"])
     assert all(x["max_hop_bytes_per_step"] < x["cache_bytes_per_slot"] for x in de["rows"])
     full = json.loads((tmp_path / "out" / "decode_gpu.json").read_text())
     # the caches on the device: one buffer a pair and slot (written in place), for the slots used so far
     assert all(x["state_buffers"] == [1] and sum(x["state_bytes_per_stage"]) == x["in_flight"] * x["cache_bytes_per_slot"]
-               for x in full["rows"])
-    assert full["rows"][-1]["edge_paths"]["0->1"] == "cuda-ipc"
+               for x in full["rows"] if x["batch"] == 1)
+    # static batches: two groups of two, one slot each
+    assert all(sum(x["state_bytes_per_stage"]) == 2 * x["cache_bytes_per_slot"] for x in full["rows"] if x["batch"] == 2)
+    assert [x for x in full["rows"] if x["batch"] == 1][-1]["edge_paths"]["0->1"] == "cuda-ipc"
