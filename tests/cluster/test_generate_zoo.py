@@ -48,8 +48,8 @@ def decoder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,ks", [("gpt2", (1, 2, 3)), ("llama", (1, 2, 3)), ("qwen2", (1, 2, 3)),
-                                     ("mistral", (2,)), ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)), ("gpt_neox", (2,)),
-                                     ("opt", (2,)), ("falcon", (2,))])
+                                     ("mistral", (2,)), ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)),
+                                     ("gpt_neox", (2,)), ("opt", (2,)), ("falcon", (2,))])
 def test_pipelined_generation_equals_transformers(decoder, name, ks):
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.compiler.decode import transformers_generate, transformers_logits
