@@ -70,7 +70,9 @@ def process_cpu_s(pid: int) -> float | None:
     From each thread's /proc/PID/task/TID/schedstat (nanoseconds on the CPU), because /proc/PID/stat
     counts clock ticks (10 ms): a calibration of 74 micro-batches at ~60 us of runtime each is under
     one tick, and was read as 0 us per frame. A thread that ends between two readings drops out of the
-    sum; a stage worker's threads live as long as the worker. Falls back to ticks without schedstat."""
+    sum; a stage worker's threads live as long as the worker. A thread on a CPU while it is read
+    counts its time up to its last tick or switch (at most one tick short). Falls back to ticks
+    without schedstat."""
     try:
         total = 0
         for tid in os.listdir(f"/proc/{pid}/task"):

@@ -9,8 +9,16 @@ import time
 from tvmpipe.cluster.experiment import process_cpu_s
 
 
+def _sleeping(tid: int) -> bool:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
 def _spin_in_a_thread_s() -> float:
-    """process_cpu_s across a worker thread's 3 ms of CPU; the thread stays alive while read."""
+    """process_cpu_s across a worker thread's 3 ms of CPU; the thread stays alive while read. It is
+    read once the thread sleeps: the kernel adds a running thread's time to its schedstat at a tick
+    or a switch, so a thread still on a CPU may read up to one tick short (4 ms at HZ=250: 1.1 ms of
+    the 3 ms was read once when the thread was still on its way to waiting)."""
     spun, done = threading.Event(), threading.Event()
 
     def spin() -> None:
@@ -25,6 +33,9 @@ def _spin_in_a_thread_s() -> float:
     th.start()
     try:
         assert spun.wait(10)
+        deadline = time.monotonic() + 5
+        while not _sleeping(th.native_id) and time.monotonic() < deadline:
+            time.sleep(0.001)
         after = process_cpu_s(os.getpid())
     finally:
         done.set()
