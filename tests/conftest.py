@@ -39,6 +39,18 @@ def decode_bundle(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("decode"))
 
 
+@pytest.fixture(scope="session")
+def gpt2_decode_b2(tmp_path_factory) -> Path:
+    """GPT-2's decode step (the zoo's tiny config, seed 1, max context 20) compiled for static
+    batches of 2, once per session: the generation tests and the GPU kit's CPU run share it."""
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    out = tmp_path_factory.mktemp("gpt2_decode_b2") / "b"
+    export("gpt2", progress=Progress(stream=None), decode=20, seed=1, batch=2).write(out)
+    return out
+
+
 @pytest.fixture
 def tiny_bundle(tmp_path: Path) -> Path:
     """A valid tiny bundle with real CUDA kernels (tests/support/tiny_bundle.py), in a fresh directory."""
