@@ -41,7 +41,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, conti
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
-from tvmpipe.cluster.sampling import FROM, HEAD, ROW, STEP_NAME, fed_rows, no_step
+from tvmpipe.cluster.sampling import FED, FROM, STEP_NAME, no_step
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
@@ -685,10 +685,9 @@ class Pipeline:
             m = int(arrays[step][FROM]) if arrays is not None else -1
             if 0 <= m < first:
                 tag = arrays[step].copy()
-                fed = np.array(fed_rows(tag.tolist()), dtype=bool)
-                tokens = np.where(fed, np.array(self._tokens[m]), arrays[token_in].reshape(-1))
+                tokens = np.where(tag[FED] != 0, np.array(self._tokens[m]), arrays[token_in].reshape(-1))
                 tag[FROM] = -1
-                tag[HEAD + 2::ROW] = 0  # no row is fed back any more
+                tag[FED] = 0  # no row is fed back any more
                 self._inputs[n] = {**arrays, step: tag, token_in: tokens.astype(spec.dtype).reshape(spec.shape)}
 
     def _resume_points(self, first: int, restart: list[int], paused: list[Any]) -> list[int]:

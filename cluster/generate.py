@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
-from tvmpipe.cluster.sampling import STEP_NAME, Sampling, encode_step, step_head
+from tvmpipe.cluster.sampling import ROW, STEP_NAME, Sampling, encode_step, step_head
 from tvmpipe.core.errors import TvmpipeError
 
 if TYPE_CHECKING:
@@ -121,7 +121,6 @@ class _Row:
     def __init__(self, result: SequenceResult):
         self.r = result
         self.hist = list(result.prompt)
-        self.done = False
 
 
 class _Group:
@@ -217,15 +216,11 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
         return ds
 
     def feed(g: _Group, pos: int, src: int, ds: list[int], fwd: bool) -> dict:
-        toks, rows = [], []
-        for x, d in zip(g.rows, ds):
-            if x is None or x.done:  # padding; nothing drawn
-                toks.append(0)
-                rows += (x.r.index if x is not None else 0, d, 0)
-            else:
-                n = len(x.hist)
-                toks.append(x.hist[pos] if pos < n else 0)
-                rows += (x.r.index, d, 1 if src >= 0 and pos >= n else 0)
+        toks, rows = [0] * batch, [0, -1, 0] * batch  # finished and empty rows: padding, nothing drawn
+        for i, x in g.running:
+            n = len(x.hist)
+            toks[i] = x.hist[pos] if pos < n else 0
+            rows[ROW * i:ROW * i + ROW] = (x.r.index, ds[i], 1 if src >= 0 and pos >= n else 0)
         return {gen.token: np.array(toks, dtype=tok_spec.dtype).reshape(tok_spec.shape),
                 gen.position: np.full(pos_spec.shape, pos, dtype=pos_spec.dtype),
                 "__slot__": np.array([g.slot, 1 if pos == 0 else 0], dtype=np.int64),
@@ -241,7 +236,6 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
 
     def finish(g: _Group, x: _Row, why: str) -> None:
         x.r.finish = why
-        x.done = True
         results[x.r.index] = x.r
         g.running = [(i, y) for i, y in g.running if y is not x]
         if not g.running:

@@ -46,6 +46,7 @@ TOKEN_NAME = "__token__"
 FROM, SEED, TOP_K, TEMPERATURE, FEED_NEXT = range(5)  # the step tag's head, then ROW ints per row
 HEAD = 5
 ROW = 3  # seq_index, token_index, fed
+FED = slice(HEAD + 2, None, ROW)  # every row's `fed` flag, in a tag (array or list of ints)
 
 
 def step_spec(batch: int) -> EntrySpec:
@@ -56,11 +57,6 @@ def step_spec(batch: int) -> EntrySpec:
 def token_spec(batch: int) -> EntrySpec:
     """The `__token__` entry: one draw per row."""
     return EntrySpec((batch,), "int64")
-
-
-def fed_rows(tag: list[int]) -> list[int]:
-    """The `fed` flag of each row of a step tag (as plain ints)."""
-    return tag[HEAD + 2::ROW]
 
 
 @dataclass(frozen=True)

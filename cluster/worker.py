@@ -32,7 +32,7 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.sampling import FEED_NEXT, FROM, TOKEN_NAME, fed_rows, sample_token, step_spec, token_spec
+from tvmpipe.cluster.sampling import FED, FEED_NEXT, FROM, TOKEN_NAME, sample_token, step_spec, token_spec
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
@@ -549,7 +549,7 @@ class StageWorker:
             spec = self.specs[self._token_in]
             with self._lock:
                 token = self._fed.pop(tag[FROM])
-            fed = fed_rows(tag)
+            fed = tag[FED]
             if not all(fed):  # some rows take the driver's token (a prompt's, or a finished row's padding)
                 token = np.where(np.array(fed, dtype=bool), token, feed[self._token_in].reshape(-1))
             feed[self._token_in] = token.astype(spec.dtype).reshape(spec.shape)
