@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 made = sum(len(r.tokens) for r in res)
                 same = [r.tokens == want[i] for i, r in enumerate(res)]
                 exact = exact and all(same)
-                hop = 0.0
-                for w0, w1 in zip(before.worker_stats, after.worker_stats):
-                    for dst, n in w1.bytes_out.items():
-                        hop = max(hop, (n - w0.bytes_out.get(dst, 0)) / steps)
+                hop = max_hop_bytes(before, after, steps)
                 itl = [(y - x) * 1e3 for r in res for x, y in zip(r.token_times, r.token_times[1:])]
                 row = {"stages": k, "batch": 1, "in_flight": s, "sequences": len(batch), "tokens": made, "steps": steps,
                        "same_tokens_as_reference": all(same), "tokens_per_s": round(made / wall, 1),
@@ -100,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                             "vocab_size": gen.vocab_size, "new_tokens": new, "all_exact": exact, "rows": rows})
     print(f"[decode] wrote {args.out}; tokens equal the reference's: {exact}")
     return 0 if exact else 1
+
+
+def max_hop_bytes(before, after, steps: int) -> float:
+    """The most bytes any stage sent any consumer per step between two run records."""
+    return max(((n - w0.bytes_out.get(dst, 0)) / steps for w0, w1 in zip(before.worker_stats, after.worker_stats)
+                for dst, n in w1.bytes_out.items()), default=0.0)
 
 
 def static_batches(args: argparse.Namespace, b, prompts: list[list[int]], want: list[list[int]], new: int,
@@ -124,8 +127,7 @@ def static_batches(args: argparse.Namespace, b, prompts: list[list[int]], want: 
             wall = time.perf_counter() - t
             steps = pipe.submitted - seq0
             after = pipe.record()
-        hop = max(((n - w0.bytes_out.get(dst, 0)) / steps for w0, w1 in zip(before.worker_stats, after.worker_stats)
-                   for dst, n in w1.bytes_out.items()), default=0.0)
+        hop = max_hop_bytes(before, after, steps)
         made = sum(len(x) for x in res)
         ok = res == ref and (not same_model or res == want)
         exact = exact and ok
