@@ -40,15 +40,25 @@ def decode_bundle(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpt2_decode_b2(tmp_path_factory) -> Path:
-    """GPT-2's decode step (the zoo's tiny config, seed 1, max context 20) compiled for static
-    batches of 2, once per session: the generation tests and the GPU kit's CPU run share it."""
-    from tvmpipe.compiler.export import export
-    from tvmpipe.compiler.progress import Progress
+def zoo_decoder(tmp_path_factory):
+    """`zoo_decoder(name, batch=1)`: the zoo decoder's `tvmpipe compile NAME --decode` bundle (max
+    context 20, seed 1: seed 0's GPT-2 and Llama repeat one token) with the transformers model of
+    the same weights, compiled once per session and batch: the generation tests and the GPU kit's
+    CPU run share them."""
+    cache: dict[tuple[str, int], tuple[Path, object]] = {}
 
-    out = tmp_path_factory.mktemp("gpt2_decode_b2") / "b"
-    export("gpt2", progress=Progress(stream=None), decode=20, seed=1, batch=2).write(out)
-    return out
+    def get(name: str, batch: int = 1) -> tuple[Path, object]:
+        if (name, batch) not in cache:
+            from tvmpipe.compiler.decode import build_decoder
+            from tvmpipe.compiler.export import export
+            from tvmpipe.compiler.progress import Progress
+
+            out = tmp_path_factory.mktemp(f"decoder_{name}_{batch}") / "b"
+            export(name, progress=Progress(stream=None), decode=20, seed=1, batch=batch).write(out)
+            cache[name, batch] = (out, build_decoder(name, 1))
+        return cache[name, batch]
+
+    return get
 
 
 @pytest.fixture

@@ -63,13 +63,13 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
     assert all(x["exact"] for x in runs)
 
 
-def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle, gpt2_decode_b2):
+def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle, zoo_decoder):
     """The IPC hop, big-model upload, decode and generate steps of the kit, end to end on the fake:
     both hop paths move the bytes, a stage's device memory is its weights, a 2-stage cuda decode
     pipeline (caches on the device, CUDA IPC between the stages) gives the reference backend's
     tokens, static batches too (GPT-2's step at batch 2, as gpu_prep.sh carries it at batch 4), and
     the generation sweep runs from the carried fixture alone."""
-    batched = gpt2_decode_b2
+    batched, _ = zoo_decoder("gpt2", 2)
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))

@@ -14,8 +14,6 @@ gives the streams of the batch-1 bundle.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -23,33 +21,14 @@ pytest.importorskip("tvm")
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.tvm, pytest.mark.slow]
 
-MAX_CONTEXT = 20
-SEED = 1  # seed 0's GPT-2 and Llama repeat one token
 PROMPTS = [[5, 17, 3, 60, 9], [60], [1, 2, 3]]
 NEW = 6
 
 
-@pytest.fixture(scope="module")
-def decoder(tmp_path_factory, request):
-    cache: dict[str, tuple[Path, object]] = {}
-
-    def get(name: str, batch: int = 1) -> tuple[Path, object]:
-        if (name, batch) == ("gpt2", 2) and (name, batch) not in cache:  # the session's (conftest.py)
-            from tvmpipe.compiler.decode import build_decoder
-
-            assert (MAX_CONTEXT, SEED) == (20, 1)
-            cache[name, batch] = (request.getfixturevalue("gpt2_decode_b2"), build_decoder(name, SEED))
-        if (name, batch) not in cache:
-            from tvmpipe.compiler.decode import build_decoder
-            from tvmpipe.compiler.export import export
-            from tvmpipe.compiler.progress import Progress
-
-            out = tmp_path_factory.mktemp(f"gen_{name}_{batch}") / "b"
-            export(name, progress=Progress(stream=None), decode=MAX_CONTEXT, seed=SEED, batch=batch).write(out)
-            cache[name, batch] = (out, build_decoder(name, SEED))
-        return cache[name, batch]
-
-    return get
+@pytest.fixture
+def decoder(zoo_decoder):
+    """conftest.py's session cache of compiled zoo decoders (max context 20, seed 1)."""
+    return zoo_decoder
 
 
 @pytest.mark.parametrize("name,ks", [("gpt2", (1, 2, 3)), ("llama", (1, 2, 3)), ("qwen2", (1, 2, 3)),
