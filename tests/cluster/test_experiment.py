@@ -54,3 +54,24 @@ def test_process_cpu_counts_threads_below_a_clock_tick():
     spent = [_spin_in_a_thread_s() for _ in range(3)]
     assert min(spent) >= 0.003, spent
     assert min(spent) < 0.008, spent
+
+
+def test_process_cpu_keeps_the_time_of_a_thread_that_ended():
+    """A thread that spins 3 ms and ends between two readings still counts (the process's CPU
+    clock keeps it; a sum of the live threads' schedstat dropped its whole time)."""
+    go = threading.Event()
+
+    def spin() -> None:
+        t = time.thread_time()
+        while time.thread_time() - t < 0.003:
+            pass
+        go.wait(10)
+
+    th = threading.Thread(target=spin)
+    th.start()
+    time.sleep(0.05)  # it has spun and waits
+    before = process_cpu_s(os.getpid())
+    go.set()
+    th.join()
+    after = process_cpu_s(os.getpid())
+    assert before >= 0.003 and after >= before, (before, after)
