@@ -29,7 +29,9 @@ Also, side by side in one run on this CPU (tokens/s):
 Static batches (`static_batches`): GPT-2's decode step (the zoo's tiny config, `--decode --batch B`)
 compiled at B = 1, 2, 4 and run as K = 2 stage processes on the reference backend, 16 prompts of
 1-3 tokens, 24 new tokens each, every slot in use: tokens/s per B, two alternating rounds, and
-each B's tokens against B = 1's (greedy: the same streams).
+each B's tokens against B = 1's (greedy: the same streams). Row admission (`row_admission`): the
+batch-4 step on prompts of 1-24 tokens, a queued prompt taking each row as its sequence finishes
+against admitting a group's rows together: tokens/s and micro-batches of each, alternating.
 Writes bench/results/generate.json.
 """
 
@@ -342,19 +344,60 @@ def transformers_side_by_side(cache: Path, prompts: int) -> list[dict]:
 BATCHES = (1, 2, 4)
 
 
+def batch_bundle(cache: Path, b: int) -> Path:
+    """GPT-2's decode step at batch `b` (the zoo's tiny config), compiled once under `cache`."""
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    out = cache / f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}"
+    if not (out / "bundle.json").is_file():
+        export("gpt2", progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED, batch=b).write(out)
+    return out
+
+
+def row_admission(cache: Path, rounds: int = 2, k: int = 2, b: int = 4, new: int = 16) -> dict:
+    """Per-row admission against admitting a group's rows together, on 32 prompts of mixed lengths
+    (1-24 tokens, so sequences take 16-39 steps): GPT-2's step at batch `b`, K processes on the
+    reference backend, K slots (a group each: K x b sequences in flight, the rest queued).
+    Tokens/s and micro-batches per mode (alternating, per round), and whether both give the same
+    tokens."""
+    from tvmpipe.cluster.driver import Pipeline
+
+    lengths = [1, 12, 3, 24, 6, 2, 18, 9, 1, 15, 4, 21, 7, 2, 11, 5]
+    prompts = [[(5 * i + j) % 128 for j in range(n)] for i, n in enumerate(lengths + lengths[::-1])]
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    steps: dict[bool, int] = {}
+    tokens: dict[bool, list[list[int]]] = {}
+    for r in range(rounds):
+        for per_row in ((True, False) if r % 2 == 0 else (False, True)):
+            with Pipeline(batch_bundle(cache, b), k, launcher="process", logits=False, slots=k) as pipe:
+                pipe.generate_all(prompts[:pipe.slots * b], 2)  # warm: every slot allocated, links up
+                first = pipe.submitted
+                t0 = time.perf_counter()
+                res = pipe.generate_all(prompts, new, row_admission=per_row)
+                wall = time.perf_counter() - t0
+                steps[per_row] = pipe.submitted - first
+                slots = pipe.slots
+            tokens[per_row] = [x.tokens for x in res]
+            runs[per_row].append(sum(len(t) for t in tokens[per_row]) / wall)
+    out = {"batch": b, "stages": k, "slots": slots, "prompt_lengths": lengths, "new_tokens": new,
+           "per_row_tokens_per_s_runs": [round(x, 1) for x in runs[True]],
+           "per_group_tokens_per_s_runs": [round(x, 1) for x in runs[False]],
+           "per_row_micro_batches": steps[True], "per_group_micro_batches": steps[False],
+           "same_tokens": tokens[True] == tokens[False]}
+    print(f"row admission: GPT-2 decode batch {b}, K={k}, {slots} slots, prompts of 1-24 tokens: per row "
+          f"{out['per_row_tokens_per_s_runs']} tok/s in {steps[True]} micro-batches, per group "
+          f"{out['per_group_tokens_per_s_runs']} tok/s in {steps[False]}; same tokens: {out['same_tokens']}", flush=True)
+    return out
+
+
 def static_batches(cache: Path, rounds: int = 2, k: int = 2, new: int = 24) -> dict:
     """GPT-2's decode step at batch 1, 2 and 4 as K processes on the reference backend: tokens/s
     (per round, alternating B) and whether every batch gives B = 1's tokens."""
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.export import export
-    from tvmpipe.compiler.progress import Progress
 
     prompts = [[(7 * i + j) % 128 for j in range(1 + i % 3)] for i in range(16)]
-    dirs = {}
-    for b in BATCHES:
-        dirs[b] = cache / f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}"
-        if not (dirs[b] / "bundle.json").is_file():
-            export("gpt2", progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED, batch=b).write(dirs[b])
+    dirs = {b: batch_bundle(cache, b) for b in BATCHES}
     runs: dict[int, list[float]] = {b: [] for b in BATCHES}
     tokens: dict[int, list[list[int]]] = {}
     for r in range(rounds):
@@ -405,6 +448,7 @@ def main() -> int:
     hf_cache = args.bundle.parent / (args.bundle.name + "-hf")
     hf = [] if args.no_published else transformers_side_by_side(hf_cache, 2 if args.quick else 6)
     batches = None if args.no_published else static_batches(hf_cache, 1 if args.quick else 2)
+    rows_in = None if args.no_published else row_admission(hf_cache, 1 if args.quick else 2)
     checked = [r for r in rows if r["stage_ms"] == 1.0 and r["in_flight"] >= r["stages"]]
     ok_rate = all(r["fraction_of_ideal"] >= TARGET for r in checked)
     ok_bytes = all(r["max_hop_bytes_per_token"] < r["smallest_cache_entry_bytes"] for r in rows)
@@ -428,11 +472,12 @@ def main() -> int:
            "rows": rows, "driver_scaling": {"rows": drv, "growth": round(growth, 3), "target": DRIVER_GROWTH},
            "driver_by_stages": {"rows": by_k, "cpu_growth": round(growth_k, 3),
                                 "frames_per_token_at_most_one": max(frames_k) <= 1.0},
-           "single_process": sp, "transformers": hf, "static_batches": batches}
+           "single_process": sp, "transformers": hf, "static_batches": batches, "row_admission": rows_in}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     same_batches = batches is None or all(r["same_tokens_as_batch_1"] for r in batches["rows"])
+    same_batches = same_batches and (rows_in is None or rows_in["same_tokens"])
     return 0 if ok_bytes and all(r["same_tokens"] for r in hf) and sp["same_tokens"] and same_batches else 1
 
 

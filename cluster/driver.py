@@ -277,17 +277,20 @@ class Pipeline:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, in_flight: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop_tokens: list[int] = (),
-                 results: dict | None = None, logits_log: dict | None = None) -> Iterator[Any]:
+                 results: dict | None = None, logits_log: dict | None = None,
+                 row_admission: bool = True) -> Iterator[Any]:
         """Autoregressive generation on a decode-step bundle (cluster/generate.py): yields a
         TokenEvent (seq, token, index, done) per token as it is sampled; finished sequences go into
         `results` (prompt index -> SequenceResult). Greedy by default; seeded temperature/top-k.
         `in_flight`: sequences in flight (default: all the slots hold); a bundle compiled with
-        `--batch B` runs B a micro-batch, each a row of a static batch, so it counts whole batches."""
+        `--batch B` runs B a micro-batch, each a row of a static batch, so it counts whole batches;
+        a queued prompt takes a row as soon as its sequence finishes (`row_admission`, where the
+        bundle's state resets a row at a time; False: a batch's rows are admitted together)."""
         from tvmpipe.cluster.generate import generate
         from tvmpipe.cluster.sampling import Sampling
 
         return generate(self, prompts, max_new_tokens, in_flight=in_flight, sampling=Sampling(temperature, top_k, seed),
-                        stop_tokens=stop_tokens, results=results, logits_log=logits_log)
+                        stop_tokens=stop_tokens, results=results, logits_log=logits_log, row_admission=row_admission)
 
     def generate_all(self, prompts: list[list[int]], max_new_tokens: int, **kw: Any) -> list[Any]:
         """`generate`, run to the end: one SequenceResult per prompt, in prompt order."""

@@ -1,9 +1,9 @@
 """The generation loop: autoregressive decoding over a pipeline whose stages keep their KV caches.
 
 Each micro-batch is one decode step of one sequence, or of a static batch of B sequences for a
-bundle compiled with `--batch B` (one per row, all at the same position: a *group*, which takes one
-slot): the driver feeds the step's position (and the group's slot, [slot, fresh], to every stage
-holding state), the stages read and write that slot's caches where they are, and only hidden states
+bundle compiled with `--batch B` (one per row, each at its own position: a *group*, which takes one
+slot): the driver feeds the step's positions (and the group's slot, [slot, fresh per row], to every
+stage holding state), the stages read and write that slot's caches where they are, and only hidden states
 cross stages. The stage that computes the
 logits draws the next token and sends it straight to the stage that reads tokens (sampling.py),
 so the driver is off the token's path: it submits a sequence's next step as soon as the previous
@@ -15,10 +15,12 @@ submitted after a stop token is dropped.
   runs micro-batches in submission order, so step p+1 of a slot always sees step p's cache.
 - Several groups are in flight (`in_flight` sequences, rounded up to whole groups, at most the
   pipeline's slots): while one waits for its tokens to be sampled, the others' steps keep every
-  stage busy. When a group's sequences have all finished, the next queued prompts take its slot
-  (continuous batching at micro-batch granularity). In a group, each row feeds its own prompt
-  token by token and then its own draws; a row whose sequence has finished (or an empty one, when
-  fewer prompts than rows are left) is fed padding and draws nothing until the group ends.
+  stage busy. In a group, each row feeds its own prompt token by token and then its own draws.
+  When a row's sequence finishes, the next queued prompt takes that row at position 0 in the
+  group's next step, which resets that row of the slot's caches only, while the other rows go on
+  (continuous batching at row granularity; Topology.row_reset: every cache has the rows as its
+  leading axis). Otherwise, or with no prompt queued, the row is fed padding and draws nothing;
+  when all of a group's rows are done, the next queued prompts take its slot.
 - Faults: when the pipeline restarts a stage that held state (`Pipeline.state_losses` moves), the
   caches of every sequence in flight are gone there. Results of steps submitted before that are
   dropped, and each sequence replays its history (prompt + tokens generated so far) from position 0
@@ -116,37 +118,40 @@ def check_stop_tokens(tokens: Iterable[int], vocab: int) -> set[int]:
 
 
 class _Row:
-    """One sequence of a group: its result and every token fed or to feed (prompt, then generated)."""
+    """One sequence of a group: its result, every token fed or to feed (prompt, then generated),
+    and the position its next step feeds."""
 
-    def __init__(self, result: SequenceResult):
+    def __init__(self, result: SequenceResult, now: float):
         self.r = result
         self.hist = list(result.prompt)
+        self.pos = 0
+        self.admitted = now
 
 
 class _Group:
     """The sequences of one static batch, one per row (None: an empty row), in one slot; every step
-    of the group is one micro-batch that advances all its rows by one position."""
+    of the group is one micro-batch that advances each running row by one position, its own."""
 
-    def __init__(self, rows: list[_Row | None], slot: int, epoch: int, now: float):
+    def __init__(self, rows: list[_Row | None], slot: int, epoch: int):
         self.rows = rows
         self.key = rows[0].r.index  # its first sequence's index
         self.slot = slot
         self.epoch = epoch  # the pipeline's state_losses when its caches were (re)started
-        self.next_pos = 0  # next position to submit
         self.outstanding = 0
         self.queued = False  # in the loop's ready queue
-        # (micro-batch, position, epoch, its draws are fed back) of its latest step
-        self.last: tuple[int, int, int, bool] | None = None
-        self.admitted = now
+        self.last: tuple[int, int, bool] | None = None  # (micro-batch, epoch, draws fed back) of its latest step
         self.running = [(i, x) for i, x in enumerate(rows) if x is not None]  # (row, sequence) not finished
 
 
 def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int, *, in_flight: int | None = None,
              sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), results: dict | None = None,
-             logits_log: dict | None = None) -> Iterator[TokenEvent]:
+             logits_log: dict | None = None, row_admission: bool = True) -> Iterator[TokenEvent]:
     """Generate for every prompt; yields a TokenEvent per generated token as it is sampled. The
     finished SequenceResults are put into `results` (by prompt index) as they complete; with
-    `logits_log`, the logits of every step are kept there, per sequence, by position."""
+    `logits_log`, the logits of every step are kept there, per sequence, by position.
+    `row_admission`: a queued prompt takes the row of a static batch whose sequence finished while
+    the others run on, where the bundle's state can be reset a row at a time
+    (Topology.row_reset); False, or a state that cannot, admits a group's rows together."""
     import time
 
     gen = generation_of(pipe.bundle)
@@ -183,21 +188,23 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     seen_losses = pipe.state_losses
     fed_back = pipe.topology.feedback is not None
     head = step_head(sampling)
+    per_row = row_admission and pipe.topology.row_reset
 
     def source(g: _Group, epoch: int) -> int | None:
         """Where the tokens of g's next step come from: -1, every live row's is known; m, the draws
         of micro-batch m (g's latest step, still in flight, whose draws are fed back; a stop token
-        it may draw makes the step a wasted one for that row); None: nothing to submit yet."""
-        q = g.next_pos
+        it may draw makes the step a wasted one for that row); None: nothing to submit yet. A
+        running row was in each of g's steps since it was admitted, so a row whose next token is
+        not known yet draws it in g's latest step."""
         fed = False
         for _, x in g.running:
             n = len(x.hist)
-            if q > n:
+            if x.pos > n:
                 return None
-            fed = fed or q == n
+            fed = fed or x.pos == n
         if not fed:
             return -1
-        if g.last is not None and g.last[1:] == (q - 1, epoch, True):
+        if g.last is not None and g.last[1:] == (epoch, True):
             return g.last[0]
         return None
 
@@ -206,38 +213,52 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             g.queued = True
             ready.append(g)
 
-    def draws(g: _Group, pos: int) -> list[int]:
-        """Which generated token each row's step at `pos` draws: -1 where its next token is known
+    def draws(g: _Group) -> list[int]:
+        """Which generated token each row's next step draws: -1 where its next token is known
         (and in a finished or empty row)."""
         ds = [-1] * batch
         for i, x in g.running:
-            if pos + 1 >= len(x.hist):
-                ds[i] = pos + 1 - len(x.r.prompt)
+            if x.pos + 1 >= len(x.hist):
+                ds[i] = x.pos + 1 - len(x.r.prompt)
         return ds
 
-    def feed(g: _Group, pos: int, src: int, ds: list[int], fwd: bool) -> dict:
-        toks, rows = [0] * batch, [0, -1, 0] * batch  # finished and empty rows: padding, nothing drawn
+    def feed(g: _Group, src: int, ds: list[int], fwd: bool) -> dict:
+        """The step's inputs: per row its token (or the fed-back draw), its position, whether it
+        starts a sequence (a row reset, or the whole slot's when every row starts), and its tag.
+        Finished and empty rows get padding at position 0 and draw nothing."""
+        toks, poss, fresh, rows = [0] * batch, [0] * batch, [0] * batch, [0, -1, 0] * batch
         for i, x in g.running:
-            n = len(x.hist)
-            toks[i] = x.hist[pos] if pos < n else 0
-            rows[ROW * i:ROW * i + ROW] = (x.r.index, ds[i], 1 if src >= 0 and pos >= n else 0)
+            n, p = len(x.hist), x.pos
+            toks[i] = x.hist[p] if p < n else 0
+            poss[i] = p
+            fresh[i] = 1 if p == 0 else 0
+            rows[ROW * i:ROW * i + ROW] = (x.r.index, ds[i], 1 if src >= 0 and p >= n else 0)
+        if all(poss[i] == 0 for i, _ in g.running):
+            fresh = [1] * batch  # the group (re)starts: the whole slot
         return {gen.token: np.array(toks, dtype=tok_spec.dtype).reshape(tok_spec.shape),
-                gen.position: np.full(pos_spec.shape, pos, dtype=pos_spec.dtype),
-                "__slot__": np.array([g.slot, 1 if pos == 0 else 0], dtype=np.int64),
+                gen.position: np.array(poss, dtype=pos_spec.dtype).reshape(pos_spec.shape),
+                "__slot__": np.array([g.slot] + fresh, dtype=np.int64),
                 STEP_NAME: encode_step(src, head, fwd, rows)}
 
-    def forward(ds: list[int], pos: int) -> bool:
-        """Whether the step at `pos`, drawing `ds` (per row, -1: none), feeds its draws forward: the
+    def forward(g: _Group, ds: list[int]) -> bool:
+        """Whether g's next step, drawing `ds` (per row, -1: none), feeds its draws forward: the
         pipeline has a token stage to feed (topology.feedback), a row draws a token that cannot end
         its sequence by length or context, and the window holds two steps of every group in flight
         (with fewer, the next step could not be submitted before this one completes anyway)."""
-        return (fed_back and any(0 <= d and d + 1 < max_new_tokens for d in ds) and pos + 1 < gen.max_context
-                and 2 * len(active) <= pipe.window)
+        return (fed_back and 2 * len(active) <= pipe.window
+                and any(0 <= ds[i] and ds[i] + 1 < max_new_tokens and x.pos + 1 < gen.max_context
+                        for i, x in g.running))
 
-    def finish(g: _Group, x: _Row, why: str) -> None:
+    def finish(g: _Group, i: int, x: _Row, why: str, now: float) -> None:
+        """Row i's sequence ended; with per-row admission the next queued prompt takes the row at
+        once (its first step resets that row of the slot), else the row idles until the group ends."""
         x.r.finish = why
         results[x.r.index] = x.r
-        g.running = [(i, y) for i, y in g.running if y is not x]
+        g.running = [(j, y) for j, y in g.running if y is not x]
+        g.rows[i] = None
+        if per_row and queue:
+            g.rows[i] = y = _Row(queue.popleft(), now)
+            g.running.append((i, y))
         if not g.running:
             del active[g.key]
             if g.outstanding == 0:
@@ -246,8 +267,9 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     try:
         while queue or active:
             while queue and free:
-                rows: list[_Row | None] = [_Row(queue.popleft()) for _ in range(min(batch, len(queue)))]
-                g = _Group(rows + [None] * (batch - len(rows)), free.pop(), pipe.state_losses, time.time())
+                now = time.time()
+                rows: list[_Row | None] = [_Row(queue.popleft(), now) for _ in range(min(batch, len(queue)))]
+                g = _Group(rows + [None] * (batch - len(rows)), free.pop(), pipe.state_losses)
                 active[g.key] = g
                 want(g)
             epoch = pipe.state_losses
@@ -268,8 +290,9 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                 if active.get(g.key) is not g:
                     continue  # finished since it was queued
                 if g.epoch != epoch:  # its caches were lost: rebuild them from position 0
-                    g.epoch, g.next_pos, g.last = epoch, 0, None
+                    g.epoch, g.last = epoch, None
                     for _, x in g.running:
+                        x.pos = 0
                         x.r.replays += 1
                 src = source(g, epoch)
                 if src is None:
@@ -277,15 +300,15 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                 if src >= 0 and pipe.submitted - src < spacing:
                     deferred.append(g)
                     continue
-                pos = g.next_pos
-                ds = draws(g, pos)
-                fwd = forward(ds, pos)
-                seq = pipe.submit(feed(g, pos, src, ds, fwd))
+                ds = draws(g)
+                fwd = forward(g, ds)
+                seq = pipe.submit(feed(g, src, ds, fwd))
                 if src >= 0:
                     pipe.fed_from[seq] = src
-                records.append((g, pos, epoch, seq))
-                g.last = (seq, pos, epoch, fwd)
-                g.next_pos += 1
+                records.append((g, [(i, x, x.pos) for i, x in g.running], epoch, seq))
+                g.last = (seq, epoch, fwd)
+                for _, x in g.running:
+                    x.pos += 1
                 g.outstanding += 1
                 if source(g, epoch) is not None:
                     want(g)  # more to feed (prompts, history, or the tokens this step draws): back of the queue
@@ -294,7 +317,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             if not records:
                 raise TvmpipeError("generation loop has nothing in flight")  # cannot happen: a bug
             out = pipe.get()
-            g, pos, ep, seq = records.popleft()
+            g, carried, ep, seq = records.popleft()
             g.outstanding -= 1
             if active.get(g.key) is not g:  # finished while a stale or wasted step was in flight
                 if g.outstanding == 0:
@@ -302,13 +325,14 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                 continue
             if ep != g.epoch or ep != pipe.state_losses:
                 continue  # computed on caches a restart lost: the group rebuilds
+            live = [(i, x, p) for i, x, p in carried if g.rows[i] is x]  # rows whose sequence runs on
             if logits_log is not None:
                 logits = np.asarray(out[gen.logits])
-                per_row = logits.reshape(batch, -1) if batch > 1 else None
-                for i, x in g.running:
-                    logits_log.setdefault(x.r.index, {})[pos] = np.array(logits if per_row is None else per_row[i],
-                                                                         copy=True)
-            drew = [(i, x) for i, x in g.running if pos == len(x.hist) - 1]  # the others' next tokens are known
+                rows_of = logits.reshape(batch, -1) if batch > 1 else None
+                for i, x, p in live:
+                    logits_log.setdefault(x.r.index, {})[p] = np.array(logits if rows_of is None else rows_of[i],
+                                                                       copy=True)
+            drew = [(i, x) for i, x, p in live if p == len(x.hist) - 1]  # the others' next tokens are known
             if not drew:
                 continue  # prompt steps (or replayed ones)
             tokens = pipe.sampled(seq)
@@ -316,7 +340,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             for i, x in drew:
                 t = tokens[i]
                 if x.r.first_token_s is None:
-                    x.r.first_token_s = now - g.admitted
+                    x.r.first_token_s = now - x.admitted
                 x.r.tokens.append(t)
                 x.r.token_times.append(now)
                 x.hist.append(t)
@@ -324,7 +348,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                     else "context" if len(x.hist) > gen.max_context else None
                 yield TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why is not None)
                 if why:
-                    finish(g, x, why)
+                    finish(g, i, x, why, now)
             if active.get(g.key) is g:
                 want(g)  # its next step's tokens are known now, or in flight
     except TvmpipeError as exc:

@@ -24,9 +24,6 @@ from tvmpipe.partition import Plan, validate_plan
 from tvmpipe.partition.errors import PartitionError
 
 SLOT_NAME = "__slot__"
-# [slot, fresh]: the stage's state slot for this micro-batch, and 1 when the slot starts a sequence
-# (its state is reset to the declared fill first)
-SLOT_SPEC = EntrySpec((2,), "int64")
 RELAY_MAX_BYTES = 1024  # driver inputs a stage passes on to the next (relay_inputs): per-step tags, not tensors
 
 
@@ -72,6 +69,7 @@ class Topology:
     step_entry: int | None = None
     token_entry: int | None = None
     batch: int = 1  # rows of a decode step (decode_batch): sequences per micro-batch
+    row_reset: bool = False  # one row's state can be reset alone (rows_resettable): per-row admission
     sampler: int | None = None
     feedback: tuple[int, int] | None = None
     # Per stage: the driver entries it takes from the stage before it, which passed them on
@@ -123,7 +121,7 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
     slot = slot_entry(bundle) if bundle.state else None
     stateful = tuple(j for j, p in enumerate(programs) if state_in & set(p.input_entries.values()))
     if slot is not None:
-        specs[slot] = SLOT_SPEC
+        specs[slot] = slot_spec(bundle)
         names[slot] = SLOT_NAME
         inputs = {n: e for n, e in inputs.items() if e not in state_in}
         inputs[SLOT_NAME] = slot
@@ -175,6 +173,7 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
                     state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
                     step_entry=step, token_entry=token, batch=batch, sampler=sampler, feedback=feedback,
+                    row_reset=step is not None and rows_resettable(bundle),
                     relayed=tuple(c if t else () for c, t in zip(carry, through)), dropped_heads=dropped)
 
 
@@ -209,6 +208,29 @@ def step_entries(bundle: Bundle) -> tuple[int, int]:
 def decode_batch(bundle: Bundle) -> int:
     """Rows of a decode step: the elements of its token input ([B, 1]), one sequence each."""
     return math.prod(bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape)
+
+
+def slot_rows(bundle: Bundle) -> int:
+    """Rows of a stateful step: a decode bundle's batch, else 1 (the state is the slot's as a whole)."""
+    return decode_batch(bundle) if bundle.generation is not None and bundle.state else 1
+
+
+def slot_spec(bundle: Bundle) -> EntrySpec:
+    """The `__slot__` entry: [slot, fresh row 0, ..., fresh row B-1] (B = slot_rows): the stage's
+    state slot for this micro-batch, and per row 1 when that row starts a sequence (its part of
+    every state pair is reset to the declared fill first; every row at once resets the whole slot)."""
+    return EntrySpec((1 + slot_rows(bundle),), "int64")
+
+
+def rows_resettable(bundle: Bundle) -> bool:
+    """Whether one row of a slot's state can be reset alone: every state pair's leading axis is
+    the decode step's rows (a cache [B, H, T, D]), so that a sequence can take a row of a group
+    that is still running (Stage resets that row only). A state shaped otherwise is reset only as
+    a whole, and a group's rows are then admitted together."""
+    b = slot_rows(bundle)
+    inputs = input_entry_ids(bundle)
+    shapes = [bundle.graph.entries[inputs[p.input]].shape for p in bundle.state]
+    return b > 1 and all(len(s) > 0 and s[0] == b for s in shapes)
 
 
 def generation_roles(bundle: Bundle, start: int, end: int) -> tuple[int | None, int | None]:

@@ -36,7 +36,7 @@ from tvmpipe.cluster.sampling import FED, FEED_NEXT, FROM, TOKEN_NAME, sample_to
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
-from tvmpipe.cluster.topology import Edge, decode_batch, generation_roles, step_entries
+from tvmpipe.cluster.topology import Edge, decode_batch, generation_roles, slot_spec, step_entries
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
 
@@ -158,11 +158,9 @@ class StageWorker:
         t1 = time.time()
         feed = random_feed(self.program, spec.seed)
         if self.stage.state is not None:  # warm up on slot 0, which the first sequence there resets
-            from tvmpipe.cluster.topology import SLOT_SPEC
-
             feed = {e: v for e, v in feed.items() if e not in self.stage.state.inputs}
-            feed[self.stage.slot_entry] = np.array([0, 1], dtype=np.int64)
-            self.specs[self.stage.slot_entry] = SLOT_SPEC
+            self.specs[self.stage.slot_entry] = tag = slot_spec(bundle)
+            feed[self.stage.slot_entry] = np.array([0] + [1] * (tag.shape[0] - 1), dtype=np.int64)
         for _ in range(spec.warmup):
             self.stage.run(feed)
         self.warmup_s = time.time() - t1

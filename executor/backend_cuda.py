@@ -181,10 +181,17 @@ class CudaBackend:
             self.host_in.pop(e, None)
             self.host_out.pop(e, None)
 
-    def fill_state(self, ptr: int, fill: float) -> None:
+    def fill_state(self, ptr: int, fill: float, rows: list[int] | None = None, of: int = 1) -> None:
+        """Set a state buffer to `fill`: all of it, or rows `rows` of its `of` along its leading
+        axis (each row a contiguous span: a sequence that takes one row of a static batch)."""
         spec = self.program.entry_specs[self._state_entry[ptr]]
         with self.dev.current(), self.dev.check("resetting a state slot"):
-            self.dev.upload(ptr, np.full(spec.shape, fill, dtype=np_dtype(spec.dtype)))
+            if rows is None:
+                self.dev.upload(ptr, np.full(spec.shape, fill, dtype=np_dtype(spec.dtype)))
+                return
+            row = np.full(tuple(spec.shape)[1:], fill, dtype=np_dtype(spec.dtype))
+            for r in rows:
+                self.dev.upload(ptr + r * (spec.nbytes // of), row)
 
     def bind_state(self, entry: int, ptr: int) -> None:
         """Point `entry` (and every `__nop` view of it) at device buffer `ptr` for the next runs: the

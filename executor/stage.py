@@ -30,7 +30,8 @@ class Stage:
     With `state_slots` > 0 the stage keeps the declared state (bundle.json `state`) of its node
     range resident, one set per sequence slot (see `SlotState`): state inputs are then not fed and
     state outputs not sent, and every run names its slot in the synthetic entry `slot_entry`
-    ([slot, fresh]; fresh = 1 resets the slot to the declared fill first). With 0 (the default) a
+    ([slot, fresh row 0, ...]: a 1 resets that row of the slot's state to the declared fill first,
+    ones in every row the whole slot; SlotState.enter). With 0 (the default) a
     state pair is an ordinary input and output, as in a single-process loop that feeds its caches."""
 
     def __init__(self, bundle: Bundle | str | Path, start: int, end: int, backend: str = "reference",
@@ -93,10 +94,10 @@ class Stage:
         if self.state is not None:
             inputs = dict(inputs)
             tag = inputs.pop(self.slot_entry, None)
-            if tag is None or np.shape(tag) != (2,):
+            if tag is None or np.ndim(tag) != 1 or len(tag) < 2:
                 raise InputError(f"stage [{self.program.start}, {self.program.end}) keeps state: every run needs "
-                                 f"its [slot, fresh] in entry {self.slot_entry}")
-            slot = self.state.enter(int(tag[0]), bool(tag[1]))
+                                 f"its [slot, fresh per row] in entry {self.slot_entry}")
+            slot = self.state.enter(int(tag[0]), [int(f) != 0 for f in tag[1:]])
         feeds = check_feeds(self.program, inputs, self._layout)
         for e, v in feeds.items():
             self.backend.write(e, v)
@@ -242,16 +243,39 @@ class SlotState:
             return self.alloc(e, fill)
         return np.full(spec.shape, fill, dtype=np_dtype(spec.dtype))
 
-    def _fill(self, buf: Any, fill: float) -> None:
+    def _fill(self, buf: Any, fill: float, rows: list[int] | None = None, of: int = 1) -> None:
+        """Set `buf` to `fill`: all of it, or only `rows` of its `of` (along its leading axis)."""
         if isinstance(buf, np.ndarray):
-            buf.fill(fill)
+            if rows is None:
+                buf.fill(fill)
+            else:
+                buf[rows] = fill
         elif buf is not None:
-            self.backend.fill_state(buf, fill)
+            self.backend.fill_state(buf, fill, rows, of)
 
-    def enter(self, slot: int, fresh: bool) -> int:
-        """Make `slot`'s state the stage's input (reset to the fill when `fresh`)."""
+    def _check_rows(self, rows: int) -> None:
+        """A row of every pair can be reset alone: its leading axis is the step's `rows`."""
+        for p, e, _ in self.pairs:
+            shape = tuple(self.program.entry_specs[e].shape)
+            if not shape or shape[0] != rows:
+                raise InputError(f"stage [{self.program.start}, {self.program.end}): state pair '{p.name}' "
+                                 f"{list(shape)} has no leading axis of the {rows} rows the step resets one "
+                                 "of; reset the whole slot (every row fresh)")
+
+    def enter(self, slot: int, fresh: bool | list[bool]) -> int:
+        """Make `slot`'s state the stage's input. `fresh`: reset it to the fill first, as a whole
+        (True, or True in every row), or only the rows marked (one per row of a static batch: a
+        sequence that takes a row of a group still running, docs/generation.md)."""
         if not 0 <= slot < self.max_slots:
             raise InputError(f"slot {slot} is outside this stage's {self.max_slots} state slot(s)")
+        rows, of = None, 1
+        if not isinstance(fresh, bool):
+            of = len(fresh)
+            marked = [i for i, f in enumerate(fresh) if f]
+            if marked and len(marked) < len(fresh):
+                self._check_rows(of)
+                rows = marked
+            fresh = bool(marked)
         bufs = self.buffers.get(slot)
         if bufs is None:
             have = self._free()  # stages sharing the memory may have taken what check_fits saw free
@@ -263,7 +287,7 @@ class SlotState:
                                          for (p, e, _), n in zip(self.pairs, self.copies)]
         elif fresh:
             for (p, _, _), pair in zip(self.pairs, bufs):
-                self._fill(pair[0], p.fill)
+                self._fill(pair[0], p.fill, rows, of)
         if self.hollow:
             return slot
         for (_, e_in, e_out), pair in zip(self.pairs, bufs):

@@ -7,9 +7,9 @@ tokens equal transformers' `generate(do_sample=False)` on the same weights, and 
 are within 1e-4 x max|ref| of transformers' logits for the same prefix.
 
 Static batches (`--batch 2` bundles of GPT-2 and Llama, two sequences per micro-batch): each
-sequence's tokens and logits equal transformers' whatever row and group it runs in, with groups
-admitted as others finish, rows that stop early, and a stage killed mid-generation; seeded sampling
-gives the streams of the batch-1 bundle.
+sequence's tokens and logits equal transformers' whatever row and group it runs in, with queued
+prompts taking rows as they free (and, for comparison, whole groups), rows that stop early, and a
+stage killed mid-generation; seeded sampling gives the streams of the batch-1 bundle.
 """
 
 from __future__ import annotations
@@ -191,3 +191,35 @@ def test_a_replayed_static_batch_step_takes_completed_draws_in_its_fed_rows_only
     assert pipe._inputs[5][tok].reshape(-1).tolist() == [42, 77]
     assert settled.from_seq == -1 and not any(r.fed for r in settled.rows) and settled.feed_next
     assert [(r.seq_index, r.token_index) for r in settled.rows] == [(0, 2), (1, -1)]  # the rest of the tag is kept
+
+
+def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decoder):
+    """One slot of two rows, five prompts: a short sequence finishes first and the next queued
+    prompt takes its row while the long one goes on (its first token comes before the long one's
+    last), in fewer micro-batches than admitting the rows together (18 steps and 24, wasted ones
+    apart); the tokens and every step's
+    logits are transformers' either way, at K = 1 and 2."""
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+
+    bundle, model = decoder("gpt2", 2)
+    prompts = [[5, 17, 3, 60, 9, 1, 2], [60], [1], [7], [8]]  # 12 steps for sequence 0, 6 for each other
+    want = [transformers_generate(model, p, NEW) for p in prompts]
+    for k in (1, 2):
+        steps, order = {}, {}
+        for per_row in (True, False):
+            with Pipeline(bundle, k, launcher="process", slots=1) as pipe:
+                assert pipe.topology.row_reset
+                results, logs = {}, {}
+                events = list(pipe.generate(prompts, NEW, results=results, logits_log=logs, row_admission=per_row))
+                steps[per_row] = pipe.submitted
+            assert [results[i].tokens for i in range(len(prompts))] == want, (k, per_row)
+            for i, p in enumerate(prompts):
+                ref = transformers_logits(model, (p + want[i])[:-1])
+                assert sorted(logs[i]) == list(range(len(ref)))
+                for pos, got in logs[i].items():
+                    assert np.abs(np.asarray(got).reshape(-1) - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max()
+            seqs = [e.seq for e in events]
+            order[per_row] = seqs.index(2) < len(seqs) - 1 - seqs[::-1].index(0)  # seq 2 starts before seq 0 ends
+        assert order == {True: True, False: False}, (k, order)
+        assert steps[True] < steps[False], (k, steps)
