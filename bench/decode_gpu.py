@@ -15,7 +15,10 @@ far below). With --batch-bundle (the same decoder compiled with `--batch B`, B >
 B sequences a micro-batch), for each K that bundle runs the same 2 x max(--in-flight) prompts with
 every sequence in flight: its tokens against the reference backend's run of it and, for the same
 model, against BUNDLE's oracle (a sequence's tokens must not depend on its batch), and tokens/s
-beside the batch-1 rows (`batch` in each row). Exits 1 if any tokens differ. Runs on the fake PyCUDA too (tests put tests/fakecuda
+beside the batch-1 rows (`batch` in each row); then one slot of it on the most stages with prompts
+of 1-6 tokens, a queued prompt taking each row as it frees (one row of the device caches reset
+while the others run on: `row_admission` in its row), against the reference backend's tokens.
+Exits 1 if any tokens differ. Runs on the fake PyCUDA too (tests put tests/fakecuda
 first on PYTHONPATH, with the bundle in FAKE_PYCUDA_BUNDLES): numbers then mean nothing.
 """
 
@@ -139,7 +142,35 @@ def static_batches(args: argparse.Namespace, b, prompts: list[list[int]], want: 
                "state_bytes_per_stage": [w.state_bytes for w in after.worker_stats]}
         print(f"[decode] {json.dumps(row)}", flush=True)
         rows.append(row)
-    return exact
+    return row_admission(args, bb, prompts, new, rows) and exact
+
+
+def row_admission(args: argparse.Namespace, bb, prompts: list[list[int]], new: int, rows: list[dict]) -> bool:
+    """One slot of the batched bundle on the most stages, prompts of 1-6 tokens: rows finish at
+    different steps and a queued prompt takes each row as it frees, so a step resets one row of
+    the device caches (a copy at the row's offset) while its row-mates' stay. Its tokens against
+    the reference backend's run admitting whole groups; the row is appended to `rows`."""
+    from tvmpipe.cluster.driver import Pipeline
+
+    mixed = [p[:1 + i % len(p)] + p[:i % 3] for i, p in enumerate(prompts)]
+    with Pipeline(bb, 1, backend="reference", launcher="process", slots=1) as pipe:
+        ref = [r.tokens for r in pipe.generate_all(mixed, new, row_admission=False)]
+    k = max(int(x) for x in args.stages.split(","))
+    with Pipeline(bb, k, backend="cuda", launcher="process", slots=1) as pipe:
+        batch = pipe.topology.batch
+        before, seq0 = pipe.record(), pipe.submitted
+        res = [r.tokens for r in pipe.generate_all(mixed, new)]
+        steps = pipe.submitted - seq0
+        after = pipe.record()
+        row_reset = pipe.topology.row_reset
+    row = {"stages": k, "batch": batch, "in_flight": batch, "sequences": len(mixed), "row_admission": row_reset,
+           "prompt_tokens": [len(p) for p in mixed], "steps": steps, "tokens": sum(len(x) for x in res),
+           "same_tokens_as_reference": res == ref, "max_hop_bytes_per_step": round(max_hop_bytes(before, after, steps), 1),
+           "cache_bytes_per_slot": bb.state_bytes_per_slot,
+           "state_bytes_per_stage": [w.state_bytes for w in after.worker_stats]}
+    print(f"[decode] {json.dumps(row)}", flush=True)
+    rows.append(row)
+    return res == ref
 
 
 if __name__ == "__main__":

@@ -429,8 +429,9 @@ if up:
 de = load("bench/results/decode_gpu.json")
 if de:
     summary["decode"] = {"all_exact": de.get("all_exact"), "model": de.get("model"), "rows": [
-        {k: r.get(k) for k in ("stages", "batch", "in_flight", "same_tokens_as_reference", "same_tokens_as_batch_1",
-                               "tokens_per_s", "itl_ms_p50", "max_hop_bytes_per_step", "cache_bytes_per_slot")
+        {k: r.get(k) for k in ("stages", "batch", "in_flight", "row_admission", "steps", "same_tokens_as_reference",
+                               "same_tokens_as_batch_1", "tokens_per_s", "itl_ms_p50", "max_hop_bytes_per_step",
+                               "cache_bytes_per_slot")
          if k in r} for r in de.get("rows", [])]}
 ge = load("bench/results/generate_gpu_host.json")
 if ge:

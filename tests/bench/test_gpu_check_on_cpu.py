@@ -103,13 +103,17 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     assert sum(st["weight_bytes"] for st in up["runs"][1]["per_stage"]) == up["runs"][0]["per_stage"][0]["weight_bytes"]
     de = summary["decode"]
     assert de["all_exact"] and {(x["stages"], x["batch"], x["in_flight"]) for x in de["rows"]} == \
-        {(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 4)}
+        {(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 4), (2, 2, 2)}
     assert all(x["same_tokens_as_reference"] for x in de["rows"])
     assert all(x["max_hop_bytes_per_step"] < x["cache_bytes_per_slot"] for x in de["rows"])
     full = json.loads((tmp_path / "out" / "decode_gpu.json").read_text())
     # the caches on the device: one buffer a pair and slot (written in place), for the slots used so far
     assert all(x["state_buffers"] == [1] and sum(x["state_bytes_per_stage"]) == x["in_flight"] * x["cache_bytes_per_slot"]
                for x in full["rows"] if x["batch"] == 1)
-    # static batches: two groups of two, one slot each
-    assert all(sum(x["state_bytes_per_stage"]) == 2 * x["cache_bytes_per_slot"] for x in full["rows"] if x["batch"] == 2)
+    # static batches: two groups of two, one slot each; then one slot, rows taken as they free
+    assert all(sum(x["state_bytes_per_stage"]) == 2 * x["cache_bytes_per_slot"] for x in full["rows"]
+               if x["batch"] == 2 and "row_admission" not in x)
+    (rows_in,) = [x for x in full["rows"] if "row_admission" in x]
+    assert rows_in["row_admission"] and sum(rows_in["state_bytes_per_stage"]) == rows_in["cache_bytes_per_slot"]
+    assert len(set(rows_in["prompt_tokens"])) > 1 and rows_in["sequences"] > rows_in["batch"]
     assert [x for x in full["rows"] if x["batch"] == 1][-1]["edge_paths"]["0->1"] == "cuda-ipc"
