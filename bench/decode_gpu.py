@@ -2,7 +2,8 @@
 device, the reference's tokens, tokens/s against stages and sequences in flight.
 
     python bench/decode_gpu.py [BUNDLE] [--stages 1,2] [--in-flight 1,2,4] [--new 24]
-                               [--batch-bundle BATCHED] [--out bench/results/decode_gpu.json]
+                               [--batch-bundle BATCHED] [--chunk-bundle CHUNKED]
+                               [--out bench/results/decode_gpu.json]
 
 BUNDLE is a decode-step bundle (`tvmpipe compile gpt2 --decode --max-context 64`, carried by
 bench/gpu_prep.sh). The oracle is the single-process greedy loop on the reference backend
@@ -18,6 +19,9 @@ model, against BUNDLE's oracle (a sequence's tokens must not depend on its batch
 beside the batch-1 rows (`batch` in each row); then one slot of it on the most stages with prompts
 of 1-6 tokens, a queued prompt taking each row as it frees (one row of the device caches reset
 while the others run on: `row_admission` in its row), against the reference backend's tokens.
+With --chunk-bundle (the same decoder compiled with `--chunk C`), for each K, 8 prompts of up to
+32 tokens go through BUNDLE and through the chunked step side by side: time to first token and
+inter-token latency p50, tokens/s, micro-batches (`chunk` in each row), tokens against the oracle.
 Exits 1 if any tokens differ. Runs on the fake PyCUDA too (tests put tests/fakecuda
 first on PYTHONPATH, with the bundle in FAKE_PYCUDA_BUNDLES): numbers then mean nothing.
 """
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", default="1,2,4")
     ap.add_argument("--new", type=int, default=24, help="tokens generated per sequence")
     ap.add_argument("--batch-bundle", help="the same decoder compiled with --batch B > 1: run its static batches too")
+    ap.add_argument("--chunk-bundle", help="the same decoder compiled with --chunk C > 1: run long prompts through it "
+                                           "and through BUNDLE (chunked prefill against a token a step)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_gpu.json"))
     add_require_gpu(ap)
     args = ap.parse_args(argv)
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     if args.batch_bundle:
         exact = static_batches(args, b, prompts, want, new, rows) and exact
+    if args.chunk_bundle:
+        exact = chunked_prefill(args, b, rows) and exact
     write_result(args.out, {"bundle": str(args.bundle), "model": b.name, "max_context": gen.max_context,
                             "vocab_size": gen.vocab_size, "new_tokens": new, "all_exact": exact, "rows": rows})
     print(f"[decode] wrote {args.out}; tokens equal the reference's: {exact}")
@@ -143,6 +151,51 @@ def static_batches(args: argparse.Namespace, b, prompts: list[list[int]], want: 
         print(f"[decode] {json.dumps(row)}", flush=True)
         rows.append(row)
     return row_admission(args, bb, prompts, new, rows) and exact
+
+
+def chunked_prefill(args: argparse.Namespace, b, rows: list[dict]) -> bool:
+    """The --chunk-bundle rows: 8 prompts of up to 32 tokens (half the context), four in flight,
+    through BUNDLE (a token a step; when it is the same model) and through the chunked step, side
+    by side on each K: time to first token p50, inter-token latency p50, tokens/s and micro-batches
+    (`chunk` in each row); True when every run gives the tokens of the chunked step's
+    single-process loop on the reference backend (prompts a chunk at a time there too)."""
+    from tests.support.decode_bundle import runner_greedy
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+
+    cb = load_bundle(args.chunk_bundle)
+    gen = cb.generation
+    same_model = (cb.name, gen.max_context) == (b.name, b.generation.max_context)
+    n = min(32, gen.max_context // 2)
+    new = min(args.new, gen.max_context - n)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(gen.vocab_size) for _ in range(n)] for _ in range(8)]
+    want = [runner_greedy(cb, p, new)[0] for p in prompts]
+    exact = True
+    for k in [int(x) for x in args.stages.split(",")]:
+        for bundle in ((b, cb) if same_model else (cb,)):
+            with Pipeline(bundle, k, backend="cuda", launcher="process", slots=4) as pipe:
+                chunk = pipe.topology.specs[pipe.topology.inputs[gen.token]].shape[-1]  # same input names
+                pipe.generate_all(prompts[:4], 2)  # warm
+                before, seq0 = pipe.record(), pipe.submitted
+                t = time.perf_counter()
+                res = pipe.generate_all(prompts, new, in_flight=4)
+                wall = time.perf_counter() - t
+                steps = pipe.submitted - seq0
+                after = pipe.record()
+            same = [r.tokens for r in res] == want
+            exact = exact and same
+            itl = [(y - x) * 1e3 for r in res for x, y in zip(r.token_times, r.token_times[1:])]
+            row = {"stages": k, "batch": 1, "chunk": chunk, "in_flight": 4, "sequences": len(prompts),
+                   "prompt_tokens": n, "steps": steps, "same_tokens_as_reference": same,
+                   "ttft_ms_p50": round(1e3 * statistics.median(r.first_token_s for r in res), 3),
+                   "itl_ms_p50": round(statistics.median(itl), 3) if itl else None,
+                   "tokens_per_s": round(sum(len(r.tokens) for r in res) / wall, 1),
+                   "max_hop_bytes_per_step": round(max_hop_bytes(before, after, steps), 1),
+                   "cache_bytes_per_slot": bundle.state_bytes_per_slot}
+            print(f"[decode] {json.dumps(row)}", flush=True)
+            rows.append(row)
+    return exact
 
 
 def row_admission(args: argparse.Namespace, bb, prompts: list[list[int]], new: int, rows: list[dict]) -> bool:

@@ -32,6 +32,8 @@ compiled at B = 1, 2, 4 and run as K = 2 stage processes on the reference backen
 each B's tokens against B = 1's (greedy: the same streams). Row admission (`row_admission`): the
 batch-4 step on prompts of 1-24 tokens, a queued prompt taking each row as its sequence finishes
 against admitting a group's rows together: tokens/s and micro-batches of each, alternating.
+Chunked prefill (`chunked_prefill`): GPT-2's step compiled with --chunk 8 against --chunk 1, 40-token
+prompts: time to first token, inter-token latency, tokens/s and micro-batches of each, alternating.
 Writes bench/results/generate.json.
 """
 
@@ -344,14 +346,53 @@ def transformers_side_by_side(cache: Path, prompts: int) -> list[dict]:
 BATCHES = (1, 2, 4)
 
 
-def batch_bundle(cache: Path, b: int) -> Path:
-    """GPT-2's decode step at batch `b` (the zoo's tiny config), compiled once under `cache`."""
+def batch_bundle(cache: Path, b: int, chunk: int = 1) -> Path:
+    """GPT-2's decode step at batch `b` (the zoo's tiny config), up to `chunk` tokens a row a step,
+    compiled once under `cache`."""
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
 
-    out = cache / f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}"
+    out = cache / (f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}" + (f"-c{chunk}" if chunk > 1 else ""))
     if not (out / "bundle.json").is_file():
-        export("gpt2", progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED, batch=b).write(out)
+        export("gpt2", progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED, batch=b,
+               chunk=chunk).write(out)
+    return out
+
+
+CHUNK = 8
+
+
+def chunked_prefill(cache: Path, rounds: int = 2, k: int = 2, prompt: int = 40, new: int = 16) -> dict:
+    """Chunked prefill against a token a step: GPT-2's step compiled with --chunk 1 and --chunk 8,
+    K processes on the reference backend, 8 prompts of `prompt` tokens x `new` tokens, four in
+    flight. Per mode (alternating, per round): time to first token p50 (from admission), the
+    inter-token latency p50 after it, tokens/s over the run, and micro-batches; the same tokens."""
+    from tvmpipe.cluster.driver import Pipeline
+
+    prompts = [[(11 * i + 3 * j) % 128 for j in range(prompt)] for i in range(8)]
+    runs: dict[int, list[dict]] = {1: [], CHUNK: []}
+    tokens: dict[int, list[list[int]]] = {}
+    for r in range(rounds):
+        for c in ((1, CHUNK) if r % 2 == 0 else (CHUNK, 1)):
+            with Pipeline(batch_bundle(cache, 1, c), k, launcher="process", logits=False, slots=4) as pipe:
+                pipe.generate_all(prompts[:4], 2)  # warm
+                first = pipe.submitted
+                t0 = time.perf_counter()
+                res = pipe.generate_all(prompts, new, in_flight=4)
+                wall = time.perf_counter() - t0
+                steps = pipe.submitted - first
+            tokens[c] = [x.tokens for x in res]
+            itl = [b - a for x in res for a, b in zip(x.token_times, x.token_times[1:])]
+            runs[c].append({"ttft_ms_p50": round(1e3 * pct([x.first_token_s for x in res], 0.5), 1),
+                            "itl_ms_p50": round(1e3 * pct(itl, 0.5), 2),
+                            "tokens_per_s": round(sum(len(t) for t in tokens[c]) / wall, 1), "micro_batches": steps})
+    out = {"stages": k, "prompt_tokens": prompt, "new_tokens": new, "sequences": len(prompts), "in_flight": 4,
+           "chunk": CHUNK, "runs": {str(c): v for c, v in runs.items()}, "same_tokens": tokens[1] == tokens[CHUNK]}
+    for c in (1, CHUNK):
+        print(f"chunked prefill: GPT-2 decode, K={k}, prompts of {prompt} tokens, chunk {c}: "
+              + "; ".join(f"TTFT p50 {x['ttft_ms_p50']} ms, ITL p50 {x['itl_ms_p50']} ms, {x['tokens_per_s']} tok/s, "
+                          f"{x['micro_batches']} micro-batches" for x in runs[c]), flush=True)
+    print(f"chunked prefill: same tokens: {out['same_tokens']}", flush=True)
     return out
 
 
@@ -449,6 +490,7 @@ def main() -> int:
     hf = [] if args.no_published else transformers_side_by_side(hf_cache, 2 if args.quick else 6)
     batches = None if args.no_published else static_batches(hf_cache, 1 if args.quick else 2)
     rows_in = None if args.no_published else row_admission(hf_cache, 1 if args.quick else 2)
+    chunked = None if args.no_published else chunked_prefill(hf_cache, 1 if args.quick else 2)
     checked = [r for r in rows if r["stage_ms"] == 1.0 and r["in_flight"] >= r["stages"]]
     ok_rate = all(r["fraction_of_ideal"] >= TARGET for r in checked)
     ok_bytes = all(r["max_hop_bytes_per_token"] < r["smallest_cache_entry_bytes"] for r in rows)
@@ -472,12 +514,14 @@ def main() -> int:
            "rows": rows, "driver_scaling": {"rows": drv, "growth": round(growth, 3), "target": DRIVER_GROWTH},
            "driver_by_stages": {"rows": by_k, "cpu_growth": round(growth_k, 3),
                                 "frames_per_token_at_most_one": max(frames_k) <= 1.0},
-           "single_process": sp, "transformers": hf, "static_batches": batches, "row_admission": rows_in}
+           "single_process": sp, "transformers": hf, "static_batches": batches, "row_admission": rows_in,
+           "chunked_prefill": chunked}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     same_batches = batches is None or all(r["same_tokens_as_batch_1"] for r in batches["rows"])
-    same_batches = same_batches and (rows_in is None or rows_in["same_tokens"])
+    same_batches = same_batches and (rows_in is None or rows_in["same_tokens"]) \
+        and (chunked is None or chunked["same_tokens"])
     return 0 if ok_bytes and all(r["same_tokens"] for r in hf) and sp["same_tokens"] and same_batches else 1
 
 

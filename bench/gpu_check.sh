@@ -41,6 +41,7 @@ EXECUTOR_ARGS=${GPU_CHECK_EXECUTOR_ARGS:---repeat 200}
 UPLOAD_ARGS=${GPU_CHECK_UPLOAD_ARGS:---gib 2 --stages 1,2,4}
 DECODE_BUNDLE=${GPU_CHECK_DECODE_BUNDLE:-.gpu/bundles/gpt2_decode}
 DECODE_BATCH_BUNDLE=${GPU_CHECK_DECODE_BATCH_BUNDLE:-.gpu/bundles/gpt2_decode_b4}
+DECODE_CHUNK_BUNDLE=${GPU_CHECK_DECODE_CHUNK_BUNDLE:-.gpu/bundles/gpt2_decode_c8}
 DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
 GENERATE_BUNDLE=${GPU_CHECK_GENERATE_BUNDLE:-.gpu/bundles/decode_fixture}
 GENERATE_ARGS=${GPU_CHECK_GENERATE_ARGS:---stages 1,2,3,4}
@@ -339,10 +340,11 @@ s_decode() {  # generation with the KV caches on the device, tokens against the 
   local rc=0
   [ -f "$DECODE_BUNDLE/bundle.json" ] || { echo "no decode bundle at $DECODE_BUNDLE (run bench/gpu_prep.sh and carry .gpu)"; return 1; }
   rm -f bench/results/decode_gpu.json
+  local extra=()
+  if [ -f "$DECODE_BATCH_BUNDLE/bundle.json" ]; then extra=(--batch-bundle "$DECODE_BATCH_BUNDLE"); else echo "WARNING: no static-batch decode bundle at $DECODE_BATCH_BUNDLE"; fi
+  if [ -f "$DECODE_CHUNK_BUNDLE/bundle.json" ]; then extra+=(--chunk-bundle "$DECODE_CHUNK_BUNDLE"); else echo "WARNING: no chunked decode bundle at $DECODE_CHUNK_BUNDLE"; fi
   # shellcheck disable=SC2086  # DECODE_ARGS is a list of options
-  local batched=()
-  if [ -f "$DECODE_BATCH_BUNDLE/bundle.json" ]; then batched=(--batch-bundle "$DECODE_BATCH_BUNDLE"); else echo "WARNING: no static-batch decode bundle at $DECODE_BATCH_BUNDLE"; fi
-  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS ${batched[@]+"${batched[@]}"} --require-gpu --out bench/results/decode_gpu.json || rc=$?
+  tmo "$PY" bench/decode_gpu.py "$DECODE_BUNDLE" $DECODE_ARGS ${extra[@]+"${extra[@]}"} --require-gpu --out bench/results/decode_gpu.json || rc=$?
   [ -s bench/results/decode_gpu.json ] && cp bench/results/decode_gpu.json "$OUT/"
   return "$rc"
 }
@@ -429,7 +431,8 @@ if up:
 de = load("bench/results/decode_gpu.json")
 if de:
     summary["decode"] = {"all_exact": de.get("all_exact"), "model": de.get("model"), "rows": [
-        {k: r.get(k) for k in ("stages", "batch", "in_flight", "row_admission", "steps", "same_tokens_as_reference",
+        {k: r.get(k) for k in ("stages", "batch", "chunk", "in_flight", "row_admission", "steps", "ttft_ms_p50",
+                               "same_tokens_as_reference",
                                "same_tokens_as_batch_1", "tokens_per_s", "itl_ms_p50", "max_hop_bytes_per_step",
                                "cache_bytes_per_slot")
          if k in r} for r in de.get("rows", [])]}

@@ -8,7 +8,8 @@
 # 2. .gpu/bundles/{resnet18,transformer}: compiled here (TVM is not on the GPU machine), with
 #    generated weights (--omit-params: params.generated = {"seed": 0}) so they stay small; and
 #    .gpu/bundles/gpt2_decode, GPT-2's decode step (tiny config, seeded weights, max context 64),
-#    and gpt2_decode_b4, the same step for static batches of 4, for the `decode` step;
+#    gpt2_decode_b4, the same step for static batches of 4, and gpt2_decode_c8, the same step taking
+#    prompts 8 tokens a step (chunked prefill), for the `decode` step;
 # 3. checks the sizes against the device tool's 64 MiB working-tree limit and prints the exact `run`
 #    call that does the whole check (bench/gpu_check.sh) there, also saved as .gpu/run-call.json.
 # Both folders are git-ignored; the run call carries them. Re-run this in every new session: they
@@ -99,6 +100,8 @@ say "compiling gpt2 --decode -> .gpu/bundles/gpt2_decode (max context 64, seeded
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
 say "compiling gpt2 --decode --batch 4 -> .gpu/bundles/gpt2_decode_b4 (the same weights, 4 sequences a micro-batch)"
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --batch 4 -o .gpu/bundles/gpt2_decode_b4 --force --quiet
+say "compiling gpt2 --decode --chunk 8 -> .gpu/bundles/gpt2_decode_c8 (the same weights, prompts 8 tokens a step)"
+"$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --chunk 8 -o .gpu/bundles/gpt2_decode_c8 --force --quiet
 "$PY" - <<'EOF'
 import json, numpy as np
 from tvmpipe.bundle import load_bundle

@@ -176,6 +176,11 @@ def _stage_table(r: dict[str, Any]) -> list[str]:
     return render_table([Column(t) for t in ("stage", "nodes", "ops", "params", "weights")], rows) + [""]
 
 
+def _token_shape(r: dict, gen: dict) -> list[int]:
+    """The shape of a decode step's token input ([B, C]), from the report's inputs."""
+    return next(i["shape"] for i in r["inputs"] if i["name"] == gen["token"])
+
+
 def _tensor_type(dtype: str, shape: list[int]) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
@@ -228,8 +233,9 @@ def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
                                               for st in r["state"])))
     if r.get("generation"):
         gen = r["generation"]
-        rows.append(("generation", f"token {gen['token']}, position {gen['position']}, logits output {gen['logits']}, "
-                                   f"max context {gen['max_context']}, vocab {gen['vocab_size']}"))
+        chunked = f" (up to {_token_shape(r, gen)[-1]} a row, count {gen['count']})" if gen.get("count") else ""
+        rows.append(("generation", f"token {gen['token']}{chunked}, position {gen['position']}, logits output "
+                                   f"{gen['logits']}, max context {gen['max_context']}, vocab {gen['vocab_size']}"))
     a = r["activation_bytes"]
     rows.append(("activations", f"{format_bytes(a['no_reuse'])} without storage reuse, "
                                 f"{format_bytes(a['with_reuse'])} with TVM's storage plan"))

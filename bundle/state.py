@@ -41,10 +41,12 @@ class GenerationSpec:
     logits: int
     max_context: int
     vocab_size: int
+    count: str | None = None  # a chunked step's input: how many of each row's tokens are real
 
     def to_json(self) -> dict[str, Any]:
-        return {"token": self.token, "position": self.position, "logits": self.logits,
-                "max_context": self.max_context, "vocab_size": self.vocab_size}
+        out = {"token": self.token, "position": self.position, "logits": self.logits,
+               "max_context": self.max_context, "vocab_size": self.vocab_size}
+        return {**out, "count": self.count} if self.count is not None else out
 
 
 def _is_count(v: Any) -> bool:
@@ -79,16 +81,18 @@ def parse_generation(raw: Any, file: str, problems: list[Problem]) -> Generation
     if raw is None:
         return None
     keys = {"token", "position", "logits", "max_context", "vocab_size"}
-    if not isinstance(raw, dict) or set(raw) != keys:
-        problems.append(Problem(file, "", "generation", f"must have exactly the keys {sorted(keys)}"))
+    if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"count"}:
+        problems.append(Problem(file, "", "generation", f"must have exactly the keys {sorted(keys)} (and \"count\" "
+                                                        "for a chunked step)"))
         return None
     if not (isinstance(raw["token"], str) and isinstance(raw["position"], str) and _is_count(raw["logits"])
             and _is_count(raw["max_context"]) and raw["max_context"] > 0 and _is_count(raw["vocab_size"])
-            and raw["vocab_size"] > 0):
-        problems.append(Problem(file, "", "generation", "token and position are input names; logits a head index; "
-                                                        "max_context and vocab_size positive integers"))
+            and raw["vocab_size"] > 0 and isinstance(raw.get("count", ""), str)):
+        problems.append(Problem(file, "", "generation", "token, position and count are input names; logits a head "
+                                                        "index; max_context and vocab_size positive integers"))
         return None
-    return GenerationSpec(raw["token"], raw["position"], raw["logits"], raw["max_context"], raw["vocab_size"])
+    return GenerationSpec(raw["token"], raw["position"], raw["logits"], raw["max_context"], raw["vocab_size"],
+                          raw.get("count"))
 
 
 def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: GenerationSpec | None,
@@ -120,8 +124,10 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
                                                    f"{p.output} is {eout.dtype}{list(eout.shape)}"))
     if gen is None:
         return
-    for key in ("token", "position"):
+    for key in ("token", "position", "count"):
         name = getattr(gen, key)
+        if name is None:
+            continue
         if name not in inputs:
             problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is not one of the bundle's inputs"))
         elif name in seen_in:

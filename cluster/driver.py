@@ -41,7 +41,7 @@ from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, conti
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
-from tvmpipe.cluster.sampling import FED, FROM, STEP_NAME, no_step
+from tvmpipe.cluster.sampling import FED, FROM, STEP_NAME, no_step, take_fed
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
@@ -688,10 +688,10 @@ class Pipeline:
             m = int(arrays[step][FROM]) if arrays is not None else -1
             if 0 <= m < first:
                 tag = arrays[step].copy()
-                tokens = np.where(tag[FED] != 0, np.array(self._tokens[m]), arrays[token_in].reshape(-1))
+                tokens = take_fed(arrays[token_in], tag[FED], np.array(self._tokens[m]), spec)
                 tag[FROM] = -1
                 tag[FED] = 0  # no row is fed back any more
-                self._inputs[n] = {**arrays, step: tag, token_in: tokens.astype(spec.dtype).reshape(spec.shape)}
+                self._inputs[n] = {**arrays, step: tag, token_in: tokens}
 
     def _resume_points(self, first: int, restart: list[int], paused: list[Any]) -> list[int]:
         """Where each stage computes from in the new epoch (see the module docstring).

@@ -11,7 +11,8 @@ one is in flight, naming the micro-batch whose token it takes. The driver gets t
 streaming and stop tokens (and the logits, if the pipeline keeps them: `logits_log`); a step
 submitted after a stop token is dropped.
 
-- The prompt goes in token by token, and a prompt's steps do not wait for each other: every stage
+- The prompt goes in token by token, or up to C tokens a step for a step compiled with `--chunk C`
+  (chunked prefill: `widths`), and a prompt's steps do not wait for each other: every stage
   runs micro-batches in submission order, so step p+1 of a slot always sees step p's cache.
 - Several groups are in flight (`in_flight` sequences, rounded up to whole groups, at most the
   pipeline's slots): while one waits for its tokens to be sampled, the others' steps keep every
@@ -35,6 +36,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import math
 
 import numpy as np
 
@@ -170,7 +173,9 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     specs = pipe.topology.specs
     inputs = pipe.topology.inputs
     tok_spec, pos_spec = specs[inputs[gen.token]], specs[inputs[gen.position]]
-    other = [n for n in inputs if n not in (gen.token, gen.position, "__slot__", STEP_NAME)]
+    chunk = math.prod(tok_spec.shape) // batch  # tokens a row per step (a chunked step: count [B] of them real)
+    count_spec = specs[inputs[gen.count]] if gen.count is not None else None
+    other = [n for n in inputs if n not in (gen.token, gen.position, gen.count, "__slot__", STEP_NAME)]
     if other:
         raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
     if logits_log is not None and pipe.topology.dropped_heads:
@@ -213,40 +218,54 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             g.queued = True
             ready.append(g)
 
-    def draws(g: _Group) -> list[int]:
-        """Which generated token each row's next step draws: -1 where its next token is known
-        (and in a finished or empty row)."""
+    def widths(g: _Group) -> list[int]:
+        """Tokens each row's next step feeds: up to `chunk` of those known (a prompt goes in a
+        chunk at a time, and a replayed history), else one (the draw fed back to it); 1 in a
+        finished or empty row."""
+        ns = [1] * batch
+        if chunk > 1:
+            for i, x in g.running:
+                ns[i] = max(1, min(chunk, len(x.hist) - x.pos))
+        return ns
+
+    def draws(g: _Group, ns: list[int]) -> list[int]:
+        """Which generated token each row's next step draws (from its last token's logits): -1
+        where the token after the step's is known (and in a finished or empty row)."""
         ds = [-1] * batch
         for i, x in g.running:
-            if x.pos + 1 >= len(x.hist):
-                ds[i] = x.pos + 1 - len(x.r.prompt)
+            if x.pos + ns[i] >= len(x.hist):
+                ds[i] = x.pos + ns[i] - len(x.r.prompt)
         return ds
 
-    def feed(g: _Group, src: int, ds: list[int], fwd: bool) -> dict:
-        """The step's inputs: per row its token (or the fed-back draw), its position, whether it
+    def feed(g: _Group, src: int, ns: list[int], ds: list[int], fwd: bool) -> dict:
+        """The step's inputs: per row its tokens (or the fed-back draw), its position, whether it
         starts a sequence (a row reset, or the whole slot's when every row starts), and its tag.
         Finished and empty rows get padding at position 0 and draw nothing."""
-        toks, poss, fresh, rows = [0] * batch, [0] * batch, [0] * batch, [0, -1, 0] * batch
+        toks, poss, fresh, rows = [0] * (batch * chunk), [0] * batch, [0] * batch, [0, -1, 0] * batch
         for i, x in g.running:
             n, p = len(x.hist), x.pos
-            toks[i] = x.hist[p] if p < n else 0
+            if p < n:
+                toks[i * chunk:i * chunk + ns[i]] = x.hist[p:p + ns[i]]
             poss[i] = p
             fresh[i] = 1 if p == 0 else 0
             rows[ROW * i:ROW * i + ROW] = (x.r.index, ds[i], 1 if src >= 0 and p >= n else 0)
         if all(poss[i] == 0 for i, _ in g.running):
             fresh = [1] * batch  # the group (re)starts: the whole slot
-        return {gen.token: np.array(toks, dtype=tok_spec.dtype).reshape(tok_spec.shape),
-                gen.position: np.array(poss, dtype=pos_spec.dtype).reshape(pos_spec.shape),
-                "__slot__": np.array([g.slot] + fresh, dtype=np.int64),
-                STEP_NAME: encode_step(src, head, fwd, rows)}
+        out = {gen.token: np.array(toks, dtype=tok_spec.dtype).reshape(tok_spec.shape),
+               gen.position: np.array(poss, dtype=pos_spec.dtype).reshape(pos_spec.shape),
+               "__slot__": np.array([g.slot] + fresh, dtype=np.int64),
+               STEP_NAME: encode_step(src, head, fwd, rows)}
+        if count_spec is not None:
+            out[gen.count] = np.array(ns, dtype=count_spec.dtype).reshape(count_spec.shape)
+        return out
 
-    def forward(g: _Group, ds: list[int]) -> bool:
+    def forward(g: _Group, ns: list[int], ds: list[int]) -> bool:
         """Whether g's next step, drawing `ds` (per row, -1: none), feeds its draws forward: the
         pipeline has a token stage to feed (topology.feedback), a row draws a token that cannot end
         its sequence by length or context, and the window holds two steps of every group in flight
         (with fewer, the next step could not be submitted before this one completes anyway)."""
         return (fed_back and 2 * len(active) <= pipe.window
-                and any(0 <= ds[i] and ds[i] + 1 < max_new_tokens and x.pos + 1 < gen.max_context
+                and any(0 <= ds[i] and ds[i] + 1 < max_new_tokens and x.pos + ns[i] < gen.max_context
                         for i, x in g.running))
 
     def finish(g: _Group, i: int, x: _Row, why: str, now: float) -> None:
@@ -300,15 +319,17 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
                 if src >= 0 and pipe.submitted - src < spacing:
                     deferred.append(g)
                     continue
-                ds = draws(g)
-                fwd = forward(g, ds)
-                seq = pipe.submit(feed(g, src, ds, fwd))
+                ns = widths(g)
+                ds = draws(g, ns)
+                fwd = forward(g, ns, ds)
+                seq = pipe.submit(feed(g, src, ns, ds, fwd))
                 if src >= 0:
                     pipe.fed_from[seq] = src
-                records.append((g, [(i, x, x.pos) for i, x in g.running], epoch, seq))
+                # per running row: (row, sequence, the position after the step's last token)
+                records.append((g, [(i, x, x.pos + ns[i]) for i, x in g.running], epoch, seq))
                 g.last = (seq, epoch, fwd)
-                for _, x in g.running:
-                    x.pos += 1
+                for i, x in g.running:
+                    x.pos += ns[i]
                 g.outstanding += 1
                 if source(g, epoch) is not None:
                     want(g)  # more to feed (prompts, history, or the tokens this step draws): back of the queue
@@ -329,10 +350,10 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
             if logits_log is not None:
                 logits = np.asarray(out[gen.logits])
                 rows_of = logits.reshape(batch, -1) if batch > 1 else None
-                for i, x, p in live:
-                    logits_log.setdefault(x.r.index, {})[p] = np.array(logits if rows_of is None else rows_of[i],
-                                                                       copy=True)
-            drew = [(i, x) for i, x, p in live if p == len(x.hist) - 1]  # the others' next tokens are known
+                for i, x, p in live:  # the logits of the step's last token, at its position
+                    logits_log.setdefault(x.r.index, {})[p - 1] = np.array(logits if rows_of is None else rows_of[i],
+                                                                           copy=True)
+            drew = [(i, x) for i, x, p in live if p == len(x.hist)]  # the others' next tokens are known
             if not drew:
                 continue  # prompt steps (or replayed ones)
             tokens = pipe.sampled(seq)

@@ -34,6 +34,7 @@ feedback edge.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,18 @@ FROM, SEED, TOP_K, TEMPERATURE, FEED_NEXT = range(5)  # the step tag's head, the
 HEAD = 5
 ROW = 3  # seq_index, token_index, fed
 FED = slice(HEAD + 2, None, ROW)  # every row's `fed` flag, in a tag (array or list of ints)
+
+
+def take_fed(driver_tokens: np.ndarray, fed, draws: np.ndarray, spec: EntrySpec) -> np.ndarray:
+    """The token input of a step that takes fed-back draws (`spec`: [B, 1], or [B, C] for a step
+    of up to C tokens a row): each row marked `fed` takes its draw as its first token (a fed row's
+    only real one), the others keep the driver's. The token stage's merge, and the driver's before
+    a replay."""
+    if len(fed) == math.prod(spec.shape) and all(fed):  # one token a row, every row fed
+        return draws.astype(spec.dtype).reshape(spec.shape)
+    rows = np.array(driver_tokens, dtype=spec.dtype).reshape(len(fed), -1)  # a copy
+    rows[:, 0] = np.where(np.asarray(fed, dtype=bool), draws, rows[:, 0])
+    return rows.reshape(spec.shape)
 
 
 def step_spec(batch: int) -> EntrySpec:

@@ -11,7 +11,6 @@ producer of graph inputs, and as the consumer of graph outputs and of errors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
@@ -206,8 +205,10 @@ def step_entries(bundle: Bundle) -> tuple[int, int]:
 
 
 def decode_batch(bundle: Bundle) -> int:
-    """Rows of a decode step: the elements of its token input ([B, 1]), one sequence each."""
-    return math.prod(bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape)
+    """Rows of a decode step: the leading axis of its token input ([B, 1], or [B, C] for a step of
+    up to C tokens a row), one sequence each."""
+    shape = bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape
+    return shape[0] if shape else 1
 
 
 def slot_rows(bundle: Bundle) -> int:

@@ -32,7 +32,7 @@ from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.sampling import FED, FEED_NEXT, FROM, TOKEN_NAME, sample_token, step_spec, token_spec
+from tvmpipe.cluster.sampling import FED, FEED_NEXT, FROM, TOKEN_NAME, sample_token, step_spec, take_fed, token_spec
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
@@ -161,8 +161,9 @@ class StageWorker:
             feed = {e: v for e, v in feed.items() if e not in self.stage.state.inputs}
             self.specs[self.stage.slot_entry] = tag = slot_spec(bundle)
             feed[self.stage.slot_entry] = np.array([0] + [1] * (tag.shape[0] - 1), dtype=np.int64)
-        for _ in range(spec.warmup):
-            self.stage.run(feed)
+        with np.errstate(all="ignore"):  # random inputs: a cut may hand a norm's variance a negative number
+            for _ in range(spec.warmup):
+                self.stage.run(feed)
         self.warmup_s = time.time() - t1
 
         # One lock for the worker's state; the condition on it is for the few who wait (stop(), the
@@ -547,10 +548,7 @@ class StageWorker:
             spec = self.specs[self._token_in]
             with self._lock:
                 token = self._fed.pop(tag[FROM])
-            fed = tag[FED]
-            if not all(fed):  # some rows take the driver's token (a prompt's, or a finished row's padding)
-                token = np.where(np.array(fed, dtype=bool), token, feed[self._token_in].reshape(-1))
-            feed[self._token_in] = token.astype(spec.dtype).reshape(spec.shape)
+            feed[self._token_in] = take_fed(feed[self._token_in], tag[FED], token, spec)
         return tag
 
     def _run(self, seq: int, parts: dict[int, Frame]) -> None:

@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "per-layer K/V caches, outputs logits [B,1,V] and the updated caches, declared as state")
     p.add_argument("--max-context", type=int, default=None, metavar="T",
                    help="with --decode: the caches' static length, prompt included (default 64)")
+    p.add_argument("--chunk", type=int, default=None, metavar="C",
+                   help="with --decode: up to C tokens a row per step (input_ids [B,C], count [B]): prompts go "
+                        "in C tokens a step (chunked prefill), generated tokens one, in the same graph (default 1)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--quiet", action="store_true", help="no step lines on stderr")
     p.set_defaults(func=run)
@@ -55,11 +58,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_context is not None and not args.decode:
         raise SourceError("--max-context needs --decode")
+    if args.chunk is not None and not args.decode:
+        raise SourceError("--chunk needs --decode")
     decode = (DEFAULT_MAX_CONTEXT if args.max_context is None else args.max_context) if args.decode else None
     progress = Progress(stream=None if args.quiet else sys.stderr)
     with native_stderr_silenced(args.quiet):  # TVM's C++ warnings bypass sys.stderr
         path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
                              seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
-                             name=args.name, decode=decode)
+                             name=args.name, decode=decode, chunk=1 if args.chunk is None else args.chunk)
     print(path)
     return 0

@@ -7,6 +7,13 @@ seeded random weights (the zoo's), a torch module whose forward is one decode st
              k_cache_<l>, v_cache_<l> [B, H_kv, T, D] per layer (T = max context)
     outputs  logits [B, 1, V], then the updated caches in the same order
 
+With `--chunk C` (chunked prefill) a step takes up to C tokens a row: input_ids [B, C] and one more
+input, count [B] int64 (how many of the row's C tokens are real, from `position` on); it writes
+their k and v into the caches at position .. position + count - 1, each attending to the cache up
+to its own position, and the logits [B, 1, V] are the last real token's. A prompt then goes in C
+tokens a step, and a generated token one (count 1) in the same graph: one set of weights, one
+partition, one wiring.
+
 The step is written from the HF model's own modules and functions (embeddings, q/k/v projections,
 its rotary embedding and `apply_rotary_pos_emb`, `repeat_kv` for grouped-query attention, its norms,
 MLPs and LM head), so its tokens are transformers' tokens. Two things differ from HF's own
@@ -27,7 +34,7 @@ from typing import Any, Callable
 from tvmpipe.compiler.errors import SourceError
 
 DEFAULT_MAX_CONTEXT = 64
-TOKEN, POSITION = "input_ids", "position"
+TOKEN, POSITION, COUNT = "input_ids", "position", "count"
 
 _VOCAB = 128
 # tiny configs, like the zoo's: 2 layers, hidden 64, vocabulary 128
@@ -127,55 +134,86 @@ def _layout(model: Any) -> _Layout:
     return _Layout(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size, model.get_output_embeddings().weight.dtype)
 
 
-def _masked_attention(q: Any, k: Any, v: Any, position: Any, scaling: float) -> Any:
-    """softmax(q k^T * scaling) v over the static T, with cache slots after `position` masked out."""
+def _positions(position: Any, c: int) -> Any:
+    """[B, C] positions of a step's C tokens: position, position + 1, ... (C = 1: position[:, None])."""
     import torch
 
-    t = k.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H, 1, T]
-    valid = (torch.arange(t) <= position[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    return position[:, None] if c == 1 else position[:, None] + torch.arange(c)[None, :]
+
+
+def _masked_attention(q: Any, k: Any, v: Any, position: Any, scaling: float) -> Any:
+    """softmax(q k^T * scaling) v over the static T, with cache slots after each query's position
+    masked out (query c of a chunk is at position + c)."""
+    import torch
+
+    t, c = k.shape[-2], q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H, C, T]
+    if c == 1:
+        valid = (torch.arange(t) <= position[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    else:
+        valid = (torch.arange(t)[None, None, :] <= _positions(position, c)[:, :, None])[:, None]  # [B, 1, C, T]
     scores = torch.where(valid, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v)  # [B, H, 1, D]
 
 
 def _attend(q: Any, k: Any, v: Any, caches: list[Any], i: int, position: Any, scaling: float,
-            repeat: Callable[[Any], Any] = lambda kv: kv) -> tuple[Any, Any, Any]:
-    """Layer `i`'s step: this token's k and v ([B, H_kv, 1, D]) written into its caches, q attending
+            repeat: Callable[[Any], Any] = lambda kv: kv, count: Any = None) -> tuple[Any, Any, Any]:
+    """Layer `i`'s step: the step's k and v ([B, H_kv, C, D]) written into its caches, q attending
     over them (`repeat`: the model's own repeat_kv for grouped-query heads; one KV head broadcasts).
-    Returns (context [B, 1, H*D], new k cache, new v cache)."""
-    kc, vc = _write(caches[2 * i], k, position), _write(caches[2 * i + 1], v, position)
+    Returns (context [B, C, H*D], new k cache, new v cache)."""
+    kc, vc = _write(caches[2 * i], k, position, count), _write(caches[2 * i + 1], v, position, count)
     ctx = _masked_attention(q, repeat(kc), repeat(vc), position, scaling)
-    return ctx.transpose(1, 2).reshape(q.shape[0], 1, -1), kc, vc
+    return ctx.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), kc, vc
 
 
-def _write(cache: Any, new: Any, position: Any) -> Any:
-    """cache with slot `position` replaced by `new` [B, H, 1, D], as a mask (TVM compiles it)."""
+def _write(cache: Any, new: Any, position: Any, count: Any = None) -> Any:
+    """cache with slot `position` replaced by `new` [B, H, 1, D], as a mask (TVM compiles it). A
+    chunk of C ([B, H, C, D]) writes its first `count` entries at position, position + 1, ...: a
+    one-hot [B, T, C] places them (a matmul, exact: each slot takes one entry times 1 plus zeros),
+    and the slots it hits take them."""
     import torch
 
-    t = cache.shape[-2]
-    at = (torch.arange(t) == position[:, None])[:, None, :, None]  # [B, 1, T, 1]
-    return torch.where(at, new, cache)
+    t, c = cache.shape[-2], new.shape[-2]
+    if c == 1:
+        at = (torch.arange(t) == position[:, None])[:, None, :, None]  # [B, 1, T, 1]
+        return torch.where(at, new, cache)
+    hit = (torch.arange(t)[None, :, None] == _positions(position, c)[:, None, :]) \
+        & (torch.arange(c)[None, None, :] < count[:, None, None])  # [B, T, C]
+    placed = torch.matmul(hit.to(new.dtype)[:, None], new)  # [B, H, T, D]
+    return torch.where(hit.any(-1)[:, None, :, None], placed, cache)
+
+
+def _last(h: Any, count: Any) -> Any:
+    """[B, 1, E]: each row's hidden state at its last valid token (`count` - 1) of a chunk [B, C, E]
+    (C = 1: h itself). Only that token's logits are sampled, so the head runs once a row."""
+    import torch
+
+    c = h.shape[1]
+    if c == 1:
+        return h
+    pick = (torch.arange(c)[None, :] == (count - 1)[:, None]).to(h.dtype)  # [B, C]
+    return torch.matmul(pick[:, None, :], h)
 
 
 def _gpt2_step(model: Any) -> Callable:
     tr = model.transformer
 
-    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
-        b = input_ids.shape[0]
-        h = tr.wte(input_ids) + tr.wpe(position[:, None])
+    def step(input_ids: Any, position: Any, caches: list[Any], count: Any = None) -> list[Any]:
+        b, c = input_ids.shape
+        h = tr.wte(input_ids) + tr.wpe(_positions(position, c))
         out = []
         for i, block in enumerate(tr.h):
             attn = block.attn
             x = block.ln_1(h)
             q, k, v = attn.c_attn(x).split(attn.split_size, dim=2)
-            shape = (b, 1, attn.num_heads, attn.head_dim)
+            shape = (b, c, attn.num_heads, attn.head_dim)
             q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling)
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
             h = h + attn.c_proj(ctx)
             h = h + block.mlp(block.ln_2(h))
             out += [kc, vc]
-        return [model.lm_head(tr.ln_f(h))] + out
+        return [model.lm_head(tr.ln_f(_last(h, count)))] + out
 
     return step
 
@@ -204,26 +242,26 @@ def _llama_step(model: Any) -> Callable:
     heads = model.config.num_attention_heads
     kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
 
-    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
-        b = input_ids.shape[0]
+    def step(input_ids: Any, position: Any, caches: list[Any], count: Any = None) -> list[Any]:
+        b, c = input_ids.shape
         h = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(h, position[:, None])
+        cos, sin = inner.rotary_emb(h, _positions(position, c))
         out = []
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             d = attn.head_dim
             q, k, v = _qkv(attn, x, heads, kv_heads)
-            q, k, v = q.view(b, 1, -1, d), k.view(b, 1, -1, d), v.view(b, 1, -1, d).transpose(1, 2)
+            q, k, v = q.view(b, c, -1, d), k.view(b, c, -1, d), v.view(b, c, -1, d).transpose(1, 2)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             groups = attn.num_key_value_groups
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, lambda kv: repeat_kv(kv, groups))
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, lambda kv: repeat_kv(kv, groups), count)
             h = h + attn.o_proj(ctx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             out += [kc, vc]
-        return [model.lm_head(inner.norm(h))] + out
+        return [model.lm_head(inner.norm(_last(h, count)))] + out
 
     return step
 
@@ -234,17 +272,17 @@ def _neox_step(model: Any) -> Callable:
     inner = model.gpt_neox
     apply_rotary = _modeling(inner.layers[0].attention).apply_rotary_pos_emb
 
-    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
-        b = input_ids.shape[0]
+    def step(input_ids: Any, position: Any, caches: list[Any], count: Any = None) -> list[Any]:
+        b, c = input_ids.shape
         h = inner.embed_in(input_ids)
-        cos, sin = inner.rotary_emb(h, position[:, None])
+        cos, sin = inner.rotary_emb(h, _positions(position, c))
         out = []
         for i, layer in enumerate(inner.layers):
             attn = layer.attention
-            qkv = attn.query_key_value(layer.input_layernorm(h)).view(b, 1, -1, 3 * attn.head_size).transpose(1, 2)
+            qkv = attn.query_key_value(layer.input_layernorm(h)).view(b, c, -1, 3 * attn.head_size).transpose(1, 2)
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = apply_rotary(q, k, cos, sin)
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling)
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
             a = attn.dense(ctx)
             if layer.use_parallel_residual:
                 h = h + a + layer.mlp(layer.post_attention_layernorm(h))
@@ -252,7 +290,7 @@ def _neox_step(model: Any) -> Callable:
                 h = h + a
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             out += [kc, vc]
-        return [model.get_output_embeddings()(inner.final_layer_norm(h))] + out
+        return [model.get_output_embeddings()(inner.final_layer_norm(_last(h, count)))] + out
 
     return step
 
@@ -262,21 +300,21 @@ def _opt_step(model: Any) -> Callable:
     dec = model.model.decoder
     pos_emb = dec.embed_positions
 
-    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
+    def step(input_ids: Any, position: Any, caches: list[Any], count: Any = None) -> list[Any]:
         import torch
 
-        b = input_ids.shape[0]
+        b, c = input_ids.shape
         h = dec.embed_tokens(input_ids)
         if dec.project_in is not None:
             h = dec.project_in(h)
-        h = h + torch.nn.Embedding.forward(pos_emb, position[:, None] + pos_emb.offset)
+        h = h + torch.nn.Embedding.forward(pos_emb, _positions(position, c) + pos_emb.offset)
         out = []
         for i, layer in enumerate(dec.layers):
             attn = layer.self_attn
             x = layer.self_attn_layer_norm(h) if layer.do_layer_norm_before else h
-            q, k, v = (p(x).view(b, 1, -1, attn.head_dim).transpose(1, 2)
+            q, k, v = (p(x).view(b, c, -1, attn.head_dim).transpose(1, 2)
                        for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling)
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
             h = h + attn.out_proj(ctx)
             if not layer.do_layer_norm_before:
                 h = layer.self_attn_layer_norm(h)
@@ -285,6 +323,7 @@ def _opt_step(model: Any) -> Callable:
             if not layer.do_layer_norm_before:
                 h = layer.final_layer_norm(h)
             out += [kc, vc]
+        h = _last(h, count)
         if dec.final_layer_norm is not None:
             h = dec.final_layer_norm(h)
         if dec.project_out is not None:
@@ -304,22 +343,22 @@ def _falcon_step(model: Any) -> Callable:
                           "Falcon (alibi, new_decoder_architecture and sequential blocks are not supported)")
     apply_rotary = _modeling(tr.h[0].self_attention).apply_rotary_pos_emb
 
-    def step(input_ids: Any, position: Any, caches: list[Any]) -> list[Any]:
-        b = input_ids.shape[0]
+    def step(input_ids: Any, position: Any, caches: list[Any], count: Any = None) -> list[Any]:
+        b, c = input_ids.shape
         h = tr.word_embeddings(input_ids)
-        cos, sin = tr.rotary_emb(h, position[:, None])
+        cos, sin = tr.rotary_emb(h, _positions(position, c))
         out = []
         for i, layer in enumerate(tr.h):
             attn = layer.self_attention
             x = layer.input_layernorm(h)
-            qkv = attn.query_key_value(x).view(b, 1, attn.num_heads + 2, attn.head_dim)
+            qkv = attn.query_key_value(x).view(b, c, attn.num_heads + 2, attn.head_dim)
             q, k, v = (t.transpose(1, 2) for t in (qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]))
             q, k = apply_rotary(q, k, cos, sin)
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.inv_norm_factor)  # one KV head, broadcast
+            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.inv_norm_factor, count=count)  # one KV head
             a = attn.dense(ctx)
             h = h + a + layer.mlp(x)
             out += [kc, vc]
-        return [model.lm_head(tr.ln_f(h))] + out
+        return [model.lm_head(tr.ln_f(_last(h, count)))] + out
 
     return step
 
@@ -331,8 +370,8 @@ def cache_names(layers: int) -> list[str]:
 class DecodeStepSpec:
     """What the compiler needs to declare the state: cache input names, their shape, logits head."""
 
-    def __init__(self, layout: _Layout, batch: int, max_context: int) -> None:
-        self.layout, self.batch, self.max_context = layout, batch, max_context
+    def __init__(self, layout: _Layout, batch: int, max_context: int, chunk: int = 1) -> None:
+        self.layout, self.batch, self.max_context, self.chunk = layout, batch, max_context, chunk
         self.caches = cache_names(layout.layers)
         self.cache_shape = (batch, layout.kv_heads, max_context, layout.head_dim)
 
@@ -344,15 +383,25 @@ class DecodeStepSpec:
     def generation(self) -> Any:
         from tvmpipe.bundle.state import GenerationSpec
 
-        return GenerationSpec(TOKEN, POSITION, 0, self.max_context, self.layout.vocab)
+        return GenerationSpec(TOKEN, POSITION, 0, self.max_context, self.layout.vocab,
+                              COUNT if self.chunk > 1 else None)
+
+    @property
+    def inputs(self) -> list[str]:
+        """The step's input names, in order."""
+        return [TOKEN, POSITION, *([COUNT] if self.chunk > 1 else []), *self.caches]
 
 
-def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[Any, DecodeStepSpec]:
-    """A torch module computing one decode step of `model` (see the module docstring)."""
+def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int = 1) -> tuple[Any, DecodeStepSpec]:
+    """A torch module computing one decode step of `model` (see the module docstring); with
+    `chunk` C > 1 a step takes up to C tokens a row (input_ids [B, C], count [B] of them valid),
+    so that a prompt goes in C tokens a step (chunked prefill), and samples the last valid one."""
     import torch
 
     if max_context < 1:
         raise SourceError(f"--max-context must be a positive integer, got {max_context}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= max_context:
+        raise SourceError(f"--chunk must be an integer from 1 to the max context {max_context}, got {chunk!r}")
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if _is_gpt2(model) and limit is not None and max_context > limit:
         raise SourceError(f"--max-context {max_context} exceeds the model's {limit} learned positions")
@@ -374,12 +423,16 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[An
     else:
         raise SourceError(f"{type(model).__name__}: no decode step for this architecture (GPT-2 and "
                           f"Llama-style decoders: {', '.join(DECODERS)})")
-    spec = DecodeStepSpec(_layout(model), batch, max_context)
+    spec = DecodeStepSpec(_layout(model), batch, max_context, chunk)
     args = ", ".join(spec.caches)
     ns: dict[str, Any] = {}
     # explicit parameter names: torch.export names the graph inputs (and so the bundle's) after them
-    exec(f"def forward(self, {TOKEN}, {POSITION}, {args}):\n"
-         f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]))\n", ns)
+    if chunk > 1:
+        exec(f"def forward(self, {TOKEN}, {POSITION}, {COUNT}, {args}):\n"
+             f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}], {COUNT}))\n", ns)
+    else:
+        exec(f"def forward(self, {TOKEN}, {POSITION}, {args}):\n"
+             f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]))\n", ns)
 
     class DecodeStep(torch.nn.Module):
         def __init__(self) -> None:
@@ -393,24 +446,27 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1) -> tuple[An
 
 
 def example_inputs(spec: DecodeStepSpec) -> dict[str, Any]:
-    """Zero caches, token 0 at position 0: the shapes torch.export fixes."""
+    """Zero caches, token 0 at position 0 (a whole chunk of them): the shapes torch.export fixes."""
     import numpy as np
 
     dt = str(spec.layout.dtype).replace("torch.", "")
-    out: dict[str, Any] = {TOKEN: np.zeros((spec.batch, 1), np.int64), POSITION: np.zeros((spec.batch,), np.int64)}
+    out: dict[str, Any] = {TOKEN: np.zeros((spec.batch, spec.chunk), np.int64), POSITION: np.zeros((spec.batch,), np.int64)}
+    if spec.chunk > 1:
+        out[COUNT] = np.full((spec.batch,), spec.chunk, np.int64)
     for n in spec.caches:
         out[n] = np.zeros(spec.cache_shape, dt)
     return out
 
 
-def export_decode_step(name: str, max_context: int, batch: int = 1, seed: int = 0) -> tuple[Any, Any, DecodeStepSpec]:
+def export_decode_step(name: str, max_context: int, batch: int = 1, seed: int = 0,
+                       chunk: int = 1) -> tuple[Any, Any, DecodeStepSpec]:
     """(torch.export program, step module, spec) of decoder `name`'s decode step."""
     import warnings
 
     import torch
 
     model = build_decoder(name, seed)
-    module, spec = decode_step_module(model, max_context, batch)
+    module, spec = decode_step_module(model, max_context, batch, chunk)
     args = tuple(torch.from_numpy(v) for v in example_inputs(spec).values())
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")

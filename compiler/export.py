@@ -112,9 +112,10 @@ def default_rules() -> list[Any]:
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
            seed: int = 0, progress: Progress | None = None, name: str | None = None,
-           decode: int | None = None) -> Exported:
+           decode: int | None = None, chunk: int = 1) -> Exported:
     """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`. With `decode` (a
-    max context), SOURCE is a decoder (compiler/decode.py) and the bundle is its decode step."""
+    max context), SOURCE is a decoder (compiler/decode.py) and the bundle is its decode step,
+    taking up to `chunk` tokens a row."""
     from tvmpipe.compiler import launches
 
     progress = progress or Progress()
@@ -128,7 +129,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     from tvmpipe.compiler import frontend
 
     with _step(progress, "import", source):
-        imp = frontend.load_source(source, batch, seed, decode=decode)
+        imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk)
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -354,14 +355,15 @@ def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
 
 def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
-                  progress: Progress | None = None, name: str | None = None, decode: int | None = None) -> Path:
+                  progress: Progress | None = None, name: str | None = None, decode: int | None = None,
+                  chunk: int = 1) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CompileError(f"{out} already exists (pass --force to replace it)")
     exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
-                      decode=decode)
+                      decode=decode, chunk=chunk)
     with progress.step("write", str(out)):
         path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
     return path

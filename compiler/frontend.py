@@ -52,13 +52,14 @@ class Imported:
     native_dtype: str | None = None  # bfloat16/float16: the program was imported in float32 (_as_float32)
 
 
-def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None) -> Imported:
+def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None,
+                chunk: int = 1) -> Imported:
     """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins).
     With `decode` (a max context), SOURCE is a decoder and the program is its decode step."""
     if batch is not None and batch < 1:
         raise SourceError(f"--batch must be a positive integer, got {batch}")
     if decode is not None:
-        return _from_decoder(source, batch or 1, seed, decode)
+        return _from_decoder(source, batch or 1, seed, decode, chunk)
     path = Path(source)
     if path.suffix == ".onnx":
         return _from_onnx(path, batch)
@@ -85,14 +86,15 @@ def _from_builtin(name: str, batch: int, seed: int) -> Imported:
     return imp
 
 
-def _from_decoder(name: str, batch: int, seed: int, max_context: int) -> Imported:
+def _from_decoder(name: str, batch: int, seed: int, max_context: int, chunk: int = 1) -> Imported:
     """A decoder's decode step (compiler/decode.py), its caches declared as state."""
     from tvmpipe.compiler.decode import export_decode_step
 
-    ep, module, spec = export_decode_step(name, max_context, batch, seed)
+    ep, module, spec = export_decode_step(name, max_context, batch, seed, chunk)
+    decode = {"max_context": max_context, **({"chunk": chunk} if chunk > 1 else {})}
     imp = _from_exported(ep, f"{name}_decode", {"kind": "decode", "name": name, "sha256": None, "seed": seed,
-                                                 "decode": {"max_context": max_context}})
-    if imp.inputs != ["input_ids", "position", *spec.caches]:
+                                                 "decode": decode})
+    if imp.inputs != spec.inputs:
         raise SourceError(f"internal: the decode step of {name} imported with inputs {imp.inputs}")
     imp.state = spec.state_pairs()
     imp.generation = spec.generation()

@@ -5,8 +5,8 @@
     r.logits[i]                                            # [batch, vocab] logits of step i
 
 The bundle declares its state pairs and a `generation` section (docs/bundle-format.md, version 2).
-The prompt goes in token by token through the decode step (position 0, 1, ...); after the last
-prompt token each step's argmax over the logits is the next token, fed back at the next position.
+The prompt goes in token by token through the decode step (position 0, 1, ...), or up to C tokens a
+step through a step compiled with `--chunk C` (chunked prefill); after the last prompt token each step's argmax over the logits is the next token, fed back at the next position.
 State outputs become the next step's state inputs; each starts filled with its `init.fill`.
 Everything runs in one `GraphRunner` on one backend (the reference NumPy backend by default).
 """
@@ -28,7 +28,8 @@ from tvmpipe.executor.runner import GraphRunner
 @dataclass
 class DecodeResult:
     """`prompts` and `tokens` (generated ids) per sequence of the batch; `logits[i]` is step i's
-    [batch, vocab] logits (one step per prompt token, then one per generated token but the last)."""
+    [batch, vocab] logits (one step per prompt token, or per chunk of them, then one per generated
+    token but the last)."""
 
     prompts: list[list[int]]
     tokens: list[list[int]]
@@ -43,6 +44,9 @@ class DecodeLoop:
     """One GraphRunner and the state of one micro-batch of sequences, stepped by hand:
 
         loop = DecodeLoop(bundle); logits = loop.step(token_ids)   # [batch] ids -> [batch, vocab]
+
+    A step compiled with `--chunk C` also takes [batch, n] ids, n <= C (`chunk`), at positions
+    position .. position + n - 1, and returns the last one's logits.
     """
 
     def __init__(self, bundle: Bundle | str | Path, backend: str = "reference", runner: GraphRunner | None = None,
@@ -57,6 +61,8 @@ class DecodeLoop:
         self.batch = g.entry_of(self.gen.token).shape[0]
         self._token = g.entry_of(self.gen.token)
         self._position = g.entry_of(self.gen.position)
+        self._count = g.entry_of(self.gen.count) if self.gen.count is not None else None
+        self.chunk = int(np.prod(self._token.shape)) // self.batch  # tokens a row a step can take
         self.reset()
 
     def reset(self) -> None:
@@ -66,23 +72,33 @@ class DecodeLoop:
                       for p in self.bundle.state}
         self.position = 0
 
-    def step(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Feed one token per sequence at the current position; the last position's logits [batch, vocab]."""
-        if self.position >= self.gen.max_context:
+    def step(self, tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+        """Feed one token per sequence ([batch] ids), or n of them ([batch, n], n <= chunk), at the
+        current position; the last one's logits [batch, vocab]."""
+        ids = np.asarray(tokens)
+        ids = ids.reshape(-1, 1) if ids.ndim <= 1 else ids
+        if ids.ndim != 2 or ids.shape[0] != self.batch:
+            raise InputError(f"{ids.shape[0] if ids.ndim == 2 else ids.size} row(s) of tokens for a batch of {self.batch}")
+        n = ids.shape[1]
+        if not 1 <= n <= self.chunk:
+            raise InputError(f"{n} token(s) a row in one step; this step takes 1"
+                             + (f" to {self.chunk} (compiled with --chunk {self.chunk})" if self.chunk > 1 else ""))
+        if self.position + n > self.gen.max_context:
             raise InputError(f"the sequence is full: the bundle's max context is {self.gen.max_context} tokens")
-        ids = np.asarray(tokens).reshape(-1)
-        if ids.size != self.batch:
-            raise InputError(f"{ids.size} token(s) for a batch of {self.batch}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.gen.vocab_size):
+        if ids.min() < 0 or ids.max() >= self.gen.vocab_size:
             raise InputError(f"token id {int(ids.max() if ids.max() >= self.gen.vocab_size else ids.min())} is "
                              f"outside the vocabulary (0..{self.gen.vocab_size - 1})")
-        feeds = {self.gen.token: ids.reshape(self._token.shape).astype(np_dtype(self._token.dtype)),
+        padded = np.zeros((self.batch, self.chunk), dtype=np_dtype(self._token.dtype))
+        padded[:, :n] = ids
+        feeds = {self.gen.token: padded.reshape(self._token.shape),
                  self.gen.position: np.full(self._position.shape, self.position, np_dtype(self._position.dtype)),
                  **self.state}
+        if self._count is not None:
+            feeds[self.gen.count] = np.full(self._count.shape, n, np_dtype(self._count.dtype))
         self.runner.run(**feeds)
         for p in self.bundle.state:
             self.state[p.input] = self.runner.get_output(p.output)
-        self.position += 1
+        self.position += n
         logits = self.runner.get_output(self.gen.logits)
         return logits.reshape(self.batch, -1, logits.shape[-1])[:, -1, :]
 
@@ -111,8 +127,8 @@ def greedy_decode(bundle: Bundle | str | Path, prompt: Sequence[int] | Sequence[
     if max_new_tokens == 0:
         return result
     logits = None
-    for i in range(n):
-        logits = loop.step([p[i] for p in prompts])
+    for i in range(0, n, loop.chunk):  # a token a step, or a chunk of them
+        logits = loop.step([p[i:i + loop.chunk] for p in prompts])
         result.logits.append(logits)
     stops, done = set(stop_tokens), [False] * loop.batch
     while True:

@@ -66,21 +66,25 @@ def test_gpu_check_steps_on_fake_cuda(tmp_path):
 def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bundle, zoo_decoder):
     """The IPC hop, big-model upload, decode and generate steps of the kit, end to end on the fake:
     both hop paths move the bytes, a stage's device memory is its weights, a 2-stage cuda decode
-    pipeline (caches on the device, CUDA IPC between the stages) gives the reference backend's
-    tokens, static batches too (GPT-2's step at batch 2, as gpu_prep.sh carries it at batch 4), and
-    the generation sweep runs from the carried fixture alone."""
+    pipeline of GPT-2's step (caches on the device, CUDA IPC between the stages) gives the
+    reference backend's tokens, static batches too (its step at batch 2, as gpu_prep.sh carries it
+    at batch 4; rows admitted one by one), and chunked prefill (--chunk 4; gpu_prep.sh: 8) beside a
+    token a step, and the generation sweep runs from the carried fixture alone."""
+    gpt2, _ = zoo_decoder("gpt2")
     batched, _ = zoo_decoder("gpt2", 2)
+    chunked, _ = zoo_decoder("gpt2", 1, 4)
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))
     python = image_python(tmp_path / "image")
-    env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle, batched])}
+    env = {**os.environ, **fake_env(tmp_path / "cache", [decode_bundle, gpt2, batched, chunked])}
     env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
                GPU_CHECK_STEPS="tvmpipe,ipc,upload,decode,generate", GPU_CHECK_FORCE_SHIM="1",
                GPU_CHECK_IPC_ARGS="--mb 1 --iters 4",
                GPU_CHECK_UPLOAD_ARGS="--gib 0.02 --width 256 --stages 1,2",
-               GPU_CHECK_DECODE_BUNDLE=str(decode_bundle), GPU_CHECK_DECODE_BATCH_BUNDLE=str(batched),
+               GPU_CHECK_DECODE_BUNDLE=str(gpt2), GPU_CHECK_DECODE_BATCH_BUNDLE=str(batched),
+               GPU_CHECK_DECODE_CHUNK_BUNDLE=str(chunked),
                GPU_CHECK_DECODE_ARGS="--stages 1,2 --in-flight 1,2 --new 4",
                GPU_CHECK_GENERATE_BUNDLE=str(decode_bundle.parent), GPU_CHECK_GENERATE_ARGS="--quick --stages 1,2")
     r = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh")], cwd=tree, env=env, capture_output=True,
@@ -103,17 +107,21 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     assert sum(st["weight_bytes"] for st in up["runs"][1]["per_stage"]) == up["runs"][0]["per_stage"][0]["weight_bytes"]
     de = summary["decode"]
     assert de["all_exact"] and {(x["stages"], x["batch"], x["in_flight"]) for x in de["rows"]} == \
-        {(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 4), (2, 2, 2)}
+        {(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 4), (2, 2, 2), (1, 1, 4), (2, 1, 4)}
+    # chunked prefill beside a token a step, on each K: fewer micro-batches for the same tokens
+    chunks = {(x["stages"], x["chunk"]): x for x in de["rows"] if "chunk" in x}
+    assert set(chunks) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert all(chunks[k, 4]["steps"] < chunks[k, 1]["steps"] for k in (1, 2))
     assert all(x["same_tokens_as_reference"] for x in de["rows"])
     assert all(x["max_hop_bytes_per_step"] < x["cache_bytes_per_slot"] for x in de["rows"])
     full = json.loads((tmp_path / "out" / "decode_gpu.json").read_text())
     # the caches on the device: one buffer a pair and slot (written in place), for the slots used so far
     assert all(x["state_buffers"] == [1] and sum(x["state_bytes_per_stage"]) == x["in_flight"] * x["cache_bytes_per_slot"]
-               for x in full["rows"] if x["batch"] == 1)
+               for x in full["rows"] if x["batch"] == 1 and "chunk" not in x)
     # static batches: two groups of two, one slot each; then one slot, rows taken as they free
     assert all(sum(x["state_bytes_per_stage"]) == 2 * x["cache_bytes_per_slot"] for x in full["rows"]
                if x["batch"] == 2 and "row_admission" not in x)
     (rows_in,) = [x for x in full["rows"] if "row_admission" in x]
     assert rows_in["row_admission"] and sum(rows_in["state_bytes_per_stage"]) == rows_in["cache_bytes_per_slot"]
     assert len(set(rows_in["prompt_tokens"])) > 1 and rows_in["sequences"] > rows_in["batch"]
-    assert [x for x in full["rows"] if x["batch"] == 1][-1]["edge_paths"]["0->1"] == "cuda-ipc"
+    assert [x for x in full["rows"] if x["batch"] == 1 and "chunk" not in x][-1]["edge_paths"]["0->1"] == "cuda-ipc"

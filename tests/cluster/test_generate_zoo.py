@@ -10,6 +10,11 @@ Static batches (`--batch 2` bundles of GPT-2 and Llama, two sequences per micro-
 sequence's tokens and logits equal transformers' whatever row and group it runs in, with queued
 prompts taking rows as they free (and, for comparison, whole groups), rows that stop early, and a
 stage killed mid-generation; seeded sampling gives the streams of the batch-1 bundle.
+
+Chunked prefill (`--chunk 4` bundles of GPT-2 and Llama, GPT-2 at batch 2 too): prompts go in up to
+4 tokens a step; tokens and every step's logits (its last token's) are transformers', in fewer
+micro-batches, on the strict fake CUDA driver too; seeded streams are the token-a-step bundle's,
+with a stage killed mid-way as well.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def test_pipelined_generation_equals_transformers(decoder, name, ks):
 
 
 BATCH_PROMPTS = [[5, 17, 3, 60, 9], [60], [1, 2, 3], [7, 7], [9, 30, 2]]  # groups of 2: the last has an empty row
+CHUNK_PROMPTS = [[5, 17, 3, 60, 9, 1, 2], [60], [1, 2, 3, 4], [7, 7, 8, 9, 10], [9, 30, 2]]  # chunks of 4: 2, 1, 1, 2, 1
 
 
 def _until_stop(tokens: list[int], stop: int) -> list[int]:
@@ -121,27 +127,31 @@ def test_cli_generate_runs_a_static_batch_bundle(decoder, capsys):
     assert summary.startswith("12 tokens in ") and ", 2 sequences a micro-batch, " in summary, summary
 
 
-def test_static_batches_sample_the_batch_1_streams_and_survive_a_killed_stage(decoder):
-    """Seeded sampling keys each draw by (seed, sequence, token index): a batch-2 bundle gives each
-    sequence the stream the batch-1 bundle gives it; with stage 1 SIGKILLed mid-way, every group
-    replays its rows and the streams stay the same."""
+@pytest.mark.parametrize("batch,chunk", [(2, 1), (1, 4)])
+def test_static_batches_and_chunked_steps_sample_the_batch_1_streams_and_survive_a_killed_stage(decoder, batch,
+                                                                                                chunk):
+    """Seeded sampling keys each draw by (seed, sequence, token index), not by row or step: a
+    batch-2 bundle, and a --chunk 4 one (prompts 4 tokens a step), give each sequence the stream
+    the batch-1, token-a-step bundle gives it; with stage 1 SIGKILLed mid-way, every group replays
+    its rows (a chunk of its history a step) and the streams stay the same."""
     from tvmpipe.cluster.driver import Pipeline, Timeouts
 
+    prompts = BATCH_PROMPTS if chunk == 1 else CHUNK_PROMPTS
     kw = dict(temperature=0.8, top_k=10, seed=3)
     one, _ = decoder("gpt2")
-    two, _ = decoder("gpt2", 2)
+    other, _ = decoder("gpt2", batch, chunk)
     with Pipeline(one, 2, launcher="process", slots=2) as pipe:
-        clean = [r.tokens for r in pipe.generate_all(BATCH_PROMPTS, NEW, **kw)]
+        clean = [r.tokens for r in pipe.generate_all(prompts, NEW, **kw)]
     assert len({tuple(c) for c in clean}) == len(clean)
-    with Pipeline(two, 2, launcher="process", slots=2, timeouts=Timeouts(progress=20)) as pipe:
-        assert [r.tokens for r in pipe.generate_all(BATCH_PROMPTS, NEW, **kw)] == clean
+    with Pipeline(other, 2, launcher="process", slots=2, timeouts=Timeouts(progress=20)) as pipe:
+        assert [r.tokens for r in pipe.generate_all(prompts, NEW, **kw)] == clean
         results = {}
-        for n, _ in enumerate(pipe.generate(BATCH_PROMPTS, NEW, results=results, **kw)):
+        for n, _ in enumerate(pipe.generate(prompts, NEW, results=results, **kw)):
             if n == 7:
                 pipe.launcher.kill(1)
         assert pipe.restarts == [0, 1] and pipe.state_losses == 1
-    assert [results[i].tokens for i in range(len(BATCH_PROMPTS))] == clean
-    assert sum(r.replays for r in results.values()) >= 2  # both rows of a group in flight replayed
+    assert [results[i].tokens for i in range(len(prompts))] == clean
+    assert sum(r.replays for r in results.values()) >= batch  # every row of a group in flight replayed
 
 
 def test_static_batches_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkeypatch):
@@ -223,3 +233,62 @@ def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decod
             order[per_row] = seqs.index(2) < len(seqs) - 1 - seqs[::-1].index(0)  # seq 2 starts before seq 0 ends
         assert order == {True: True, False: False}, (k, order)
         assert steps[True] < steps[False], (k, steps)
+
+
+# ---- chunked prefill: prompts go in up to C tokens a step (--chunk C) -----------------------------
+
+def _chunk_ends(n: int, chunk: int, new: int) -> list[int]:
+    """Positions whose logits a sequence of an n-token prompt yields: each prompt chunk's last
+    token, then every generated token's but the last."""
+    return sorted({min(i + chunk, n) - 1 for i in range(0, n, chunk)} | set(range(n, n + new - 1)))
+
+
+@pytest.mark.parametrize("name,batch", [("gpt2", 1), ("llama", 1), ("gpt2", 2)])
+def test_chunked_prefill_equals_transformers(decoder, name, batch):
+    """A --chunk 4 decode step: each prompt goes in 4 tokens a step (its last chunk shorter), then
+    one token a step, in the same graph; at K = 1 and 2 every sequence's tokens are transformers',
+    the logits of every step (its last token's) within 1e-4 x max|ref|, and the prompts take fewer
+    micro-batches than a token a step (batch 2: rows of different prompts side by side, taken as
+    they free)."""
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+
+    bundle, model = decoder(name, batch, 4)
+    one, _ = decoder(name, batch)
+    want = [transformers_generate(model, p, NEW) for p in CHUNK_PROMPTS]
+    with Pipeline(one, 2, launcher="process", slots=2) as pipe:
+        pipe.generate_all(CHUNK_PROMPTS, NEW)
+        unchunked = pipe.submitted
+    for k in (1, 2):
+        with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
+            results, logs = {}, {}
+            events = list(pipe.generate(CHUNK_PROMPTS, NEW, results=results, logits_log=logs))
+            steps = pipe.submitted
+        assert [results[i].tokens for i in range(len(CHUNK_PROMPTS))] == want, (name, batch, k)
+        for i in range(len(CHUNK_PROMPTS)):
+            assert [e.token for e in events if e.seq == i] == want[i]
+        for i, p in enumerate(CHUNK_PROMPTS):
+            ref = transformers_logits(model, (p + want[i])[:-1])
+            assert sorted(logs[i]) == _chunk_ends(len(p), 4, NEW), (i, sorted(logs[i]))
+            for pos, got in logs[i].items():
+                assert np.abs(np.asarray(got).reshape(-1) - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max()
+        assert steps < unchunked, (k, steps, unchunked)
+
+
+def test_chunked_prefill_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkeypatch):
+    """The --chunk 4, batch-2 GPT-2 step on cuda stages (fake driver, CUDA graphs, no logits to the
+    driver): transformers' tokens, with fed-back draws merged into the first column of a row."""
+    from tests.support.fake_cuda import activate
+    from tests.support.pipeline_harness import ThreadLauncher
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.decode import transformers_generate
+
+    bundle, model = decoder("gpt2", 2, 4)
+    activate(monkeypatch, tmp_path, [bundle])
+    import pycuda.driver as drv
+
+    with Pipeline(bundle, 2, backend="cuda", backend_opts={"graphs": True}, launcher=ThreadLauncher(), slots=2,
+                  max_restarts=0, logits=False) as pipe:
+        res = pipe.generate_all(CHUNK_PROMPTS, NEW)
+    assert [r.tokens for r in res] == [transformers_generate(model, p, NEW) for p in CHUNK_PROMPTS]
+    assert not drv.violations

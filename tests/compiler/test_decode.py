@@ -293,3 +293,76 @@ def test_a_prompt_holding_the_pad_token_id_is_not_masked_by_the_oracle(decode_bu
     want = _hf_generate(model, prompt, 4)
     assert want[0] == int(np.argmax(_hf_logits(model, prompt)[-1]))  # generate agrees with the plain forward
     assert greedy_decode(decode_bundle("llama"), prompt, 4).tokens[0] == want
+
+
+# ---- chunked prefill: a step of up to C tokens a row (--chunk C) ----------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "gpt_neox", "opt",
+                                  "falcon"])
+def test_chunked_steps_match_transformers_in_torch(name):
+    """Every zoo decoder's step at --chunk 3, batch 2, in torch eager: two prompts of different
+    lengths go in 3 tokens a row a step (the last chunk of each shorter, `count` saying how many),
+    then one token a step; after each step the row's logits are transformers' for the prefix
+    ending at its last real token, and padding rows past a finished prompt change nothing."""
+    import torch
+
+    from tvmpipe.compiler.decode import build_decoder, decode_step_module, example_inputs
+
+    model = build_decoder(name, seed_of(name))
+    step, spec = decode_step_module(model, 16, batch=2, chunk=3)
+    ex = example_inputs(spec)
+    assert ex["input_ids"].shape == (2, 3) and spec.inputs[:3] == ["input_ids", "position", "count"]
+    caches = [torch.from_numpy(ex[n]) for n in spec.caches]
+    seqs = [PROMPT + [8, 1, 44], [60, 2]]  # 8 and 2 tokens: chunks of 3, 3, 2 and of 2
+    ref = [_hf_logits(model, s) for s in seqs]
+    pos, checked = [0, 0], 0
+    with torch.no_grad():
+        while any(p < len(s) for p, s in zip(pos, seqs)):
+            ids, count = np.zeros((2, 3), np.int64), []
+            for r, s in enumerate(seqs):
+                part = s[pos[r]:pos[r] + 3]
+                ids[r, :len(part)] = part
+                count.append(max(len(part), 1))  # a finished row: one padding token at its next position
+            out = step(torch.from_numpy(ids), torch.tensor(pos), torch.tensor(count), *caches)
+            caches = list(out[1:])
+            for r, s in enumerate(seqs):
+                if pos[r] < len(s):
+                    last = pos[r] + count[r] - 1
+                    np.testing.assert_allclose(out[0][r, 0].numpy(), ref[r][last], atol=TOL * np.abs(ref[r][last]).max())
+                    checked += 1
+                    pos[r] += count[r]
+    assert checked == 4  # 3 chunks of the long prompt, 1 of the short
+
+
+def test_chunked_greedy_loop_is_token_exact_with_transformers(zoo_decoder):
+    """The compiled --chunk 4 GPT-2 step in one GraphRunner: a 7-token prompt in two steps (4, 3),
+    then a token a step; transformers' tokens, and each step's logits are its last token's."""
+    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+    from tvmpipe.executor.decode import DecodeLoop, greedy_decode
+    from tvmpipe.executor.errors import InputError
+
+    bundle, model = zoo_decoder("gpt2", 1, 4)
+    prompt = PROMPT + [1, 2]
+    r = greedy_decode(bundle, prompt, 6)
+    assert r.tokens[0] == transformers_generate(model, prompt, 6)
+    ref = transformers_logits(model, prompt + r.tokens[0][:-1])
+    assert len(r.logits) == 2 + 5
+    for got, pos in zip(r.logits, [3, 6, 7, 8, 9, 10, 11]):
+        np.testing.assert_allclose(got[0], ref[pos], atol=TOL * np.abs(ref[pos]).max())
+    loop = DecodeLoop(bundle)
+    assert loop.chunk == 4
+    with pytest.raises(InputError, match="^5 token\\(s\\) a row in one step; this step takes 1 to 4 "):
+        loop.step([[1, 2, 3, 4, 5]])
+
+
+def test_chunk_refusals_are_one_line(capsys):
+    from tvmpipe.cli import main
+    from tvmpipe.compiler.decode import build_decoder, decode_step_module
+    from tvmpipe.compiler.errors import SourceError
+
+    model = build_decoder("gpt2")
+    for bad in (0, 9, True):
+        with pytest.raises(SourceError, match="^--chunk must be an integer from 1 to the max context 8, got"):
+            decode_step_module(model, 8, chunk=bad)
+    assert main(["compile", "gpt2", "-o", "/nonexistent/x", "--chunk", "4"]) != 0
+    assert "--chunk needs --decode" in capsys.readouterr().err
