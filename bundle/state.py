@@ -9,6 +9,8 @@ generation loop feeds (token, position) and the logits output it samples from.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +134,11 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
             problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is not one of the bundle's inputs"))
         elif name in seen_in:
             problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is a state input"))
+    if gen.count is None and gen.token in inputs:
+        shape = graph.entry_of(gen.token).shape
+        if len(shape) > 1 and math.prod(shape[1:]) > 1:
+            problems.append(Problem(file, "", "generation.count", f"token input '{gen.token}' is {list(shape)}: a step "
+                                    "of several tokens a row needs a `count` input saying how many are real"))
     if gen.logits >= len(graph.heads):
         problems.append(Problem(file, "", "generation.logits", f"head {gen.logits} does not exist"))
     elif gen.logits in seen_out:

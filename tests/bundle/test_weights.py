@@ -142,6 +142,9 @@ def test_state_pairs_round_trip_and_bad_pairs_are_named(tmp_path: Path):
         _st_bundle(tmp_path, state=[StatePair("kv", "x", 4)])
     with pytest.raises(BundleError, match=r"generation.vocab_size"):
         _st_bundle(tmp_path, generation=GenerationSpec("x", "x", 0, 8, 5))
+    # x is [1, 4]: four tokens a row, so a generation over it must say how many are real
+    with pytest.raises(BundleError, match=r"generation.count: token input 'x' is \[1, 4\]: a step of several tokens"):
+        _st_bundle(tmp_path, generation=GenerationSpec("x", "x", 0, 8, 3))
 
 
 def test_zero_dim_tensors_round_trip(tmp_path):
