@@ -15,8 +15,9 @@
 #   upload    bench/upload_gpu.py: a 2 GiB model's stages built at K = 1, 2, 4: device memory per stage
 #             against its weights, staged upload GB/s against the page-locked copy limit
 #   decode    bench/decode_gpu.py: .gpu/bundles/gpt2_decode (and gpt2_decode_b4, its static batches of
-#             4) as K = 1, 2 cuda stages, caches on the
-#             device: the reference's tokens, tokens/s with 1, 2, 4 sequences in flight
+#             4, rows admitted one by one too, and gpt2_decode_c8, prompts 8 tokens a step) as K = 1, 2
+#             cuda stages, caches on the device: the reference's tokens, tokens/s with 1, 2, 4
+#             sequences in flight, time to first token chunked and not
 #   generate  bench/generate.py --no-published on .gpu/bundles/decode_fixture: issue 24's sweep of
 #             simulated stages (no GPU) on this host's cores, a core per stage process
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
