@@ -136,7 +136,7 @@ def generate_command(args: argparse.Namespace) -> int:
             wall = time.time() - t1
             restarts = sum(pipe.restarts)
             slots = pipe.slots
-            batch = pipe.topology.batch
+            batch, chunk = pipe.topology.batch, pipe.topology.chunk
             metrics = stage_metrics(pipe)
     tokens = sum(len(r.tokens) for r in results.values())
     seqs = []
@@ -146,7 +146,7 @@ def generate_command(args: argparse.Namespace) -> int:
             d["text"] = tok.decode(results[i].tokens)
         seqs.append(d)
     doc = {"bundle": str(args.bundle), "stages": plan.num_stages, "plan": [list(s) for s in plan.stages],
-           "backend": backend, "slots": slots, "batch": batch, "sequences": seqs, "generated_tokens": tokens,
+           "backend": backend, "slots": slots, "batch": batch, "chunk": chunk, "sequences": seqs, "generated_tokens": tokens,
            "tokens_per_s": tokens / wall if wall > 0 else None, "wall_s": wall, "startup_s": t1 - t0,
            "restarts": restarts, "error": error, "metrics": metrics.to_json() if metrics is not None else None}
     if args.json:
@@ -157,6 +157,7 @@ def generate_command(args: argparse.Namespace) -> int:
                   + (f" {d['text']!r}" if "text" in d else ""))
         print(f"{tokens} tokens in {wall:.3f} s ({doc['tokens_per_s'] or 0:.1f} tokens/s), {plan.num_stages} "
               f"stage(s), " + (f"{batch} sequences a micro-batch, " if batch > 1 else "")
+              + (f"prompts {chunk} tokens a step, " if chunk > 1 else "")
               + f"backend {backend}, restarts {restarts}")
         if metrics is not None:
             print(metrics.table())

@@ -37,8 +37,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-import math
-
 import numpy as np
 
 from tvmpipe.cluster.sampling import ROW, STEP_NAME, Sampling, encode_step, step_head
@@ -173,7 +171,7 @@ def generate(pipe: "Pipeline", prompts: Iterable[list[int]], max_new_tokens: int
     specs = pipe.topology.specs
     inputs = pipe.topology.inputs
     tok_spec, pos_spec = specs[inputs[gen.token]], specs[inputs[gen.position]]
-    chunk = math.prod(tok_spec.shape) // batch  # tokens a row per step (a chunked step: count [B] of them real)
+    chunk = pipe.topology.chunk  # tokens a row per step (a chunked step: count [B] of them real)
     count_spec = specs[inputs[gen.count]] if gen.count is not None else None
     other = [n for n in inputs if n not in (gen.token, gen.position, gen.count, "__slot__", STEP_NAME)]
     if other:

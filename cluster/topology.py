@@ -11,6 +11,7 @@ producer of graph inputs, and as the consumer of graph outputs and of errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
@@ -69,6 +70,7 @@ class Topology:
     token_entry: int | None = None
     batch: int = 1  # rows of a decode step (decode_batch): sequences per micro-batch
     row_reset: bool = False  # one row's state can be reset alone (rows_resettable): per-row admission
+    chunk: int = 1  # tokens a row a step can take (decode_chunk; > 1: chunked prefill)
     sampler: int | None = None
     feedback: tuple[int, int] | None = None
     # Per stage: the driver entries it takes from the stage before it, which passed them on
@@ -173,6 +175,7 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
                     state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
                     step_entry=step, token_entry=token, batch=batch, sampler=sampler, feedback=feedback,
                     row_reset=step is not None and rows_resettable(bundle),
+                    chunk=decode_chunk(bundle) if step is not None else 1,
                     relayed=tuple(c if t else () for c, t in zip(carry, through)), dropped_heads=dropped)
 
 
@@ -209,6 +212,13 @@ def decode_batch(bundle: Bundle) -> int:
     up to C tokens a row), one sequence each."""
     shape = bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape
     return shape[0] if shape else 1
+
+
+def decode_chunk(bundle: Bundle) -> int:
+    """Tokens a row of a decode step can take: C of a step compiled with `--chunk C` (token input
+    [B, C], generation.count saying how many are real), else 1."""
+    shape = bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape
+    return max(1, math.prod(shape) // decode_batch(bundle))
 
 
 def slot_rows(bundle: Bundle) -> int:

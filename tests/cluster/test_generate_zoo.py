@@ -119,7 +119,7 @@ def test_cli_generate_runs_a_static_batch_bundle(decoder, capsys):
             "--prompt-ids", "5,17,3", "--prompt-ids", "60", "--prompt-ids", "1,2"]
     assert main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["batch"] == 2
+    assert doc["batch"] == 2 and doc["chunk"] == 1
     want = [transformers_generate(model, p, 4) for p in ([5, 17, 3], [60], [1, 2])]
     assert [s["tokens"] for s in doc["sequences"]] == want
     assert main(argv) == 0
@@ -273,6 +273,26 @@ def test_chunked_prefill_equals_transformers(decoder, name, batch):
             for pos, got in logs[i].items():
                 assert np.abs(np.asarray(got).reshape(-1) - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max()
         assert steps < unchunked, (k, steps, unchunked)
+
+
+def test_cli_generate_runs_a_chunked_step(decoder, capsys):
+    """`tvmpipe generate` on a --chunk 4 bundle: transformers' tokens, the chunk in the JSON
+    document and in the summary line."""
+    import json
+
+    from tvmpipe.cli import main
+    from tvmpipe.compiler.decode import transformers_generate
+
+    bundle, model = decoder("gpt2", 1, 4)
+    argv = ["generate", str(bundle), "--stages", "2", "--processes", "--max-new-tokens", "4",
+            "--prompt-ids", "5,17,3,60,9,1", "--prompt-ids", "60"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["batch"], doc["chunk"]) == (1, 4)
+    assert [s["tokens"] for s in doc["sequences"]] == [transformers_generate(model, p, 4) for p in ([5, 17, 3, 60, 9, 1], [60])]
+    assert main(argv) == 0
+    summary = next(line for line in capsys.readouterr().out.splitlines() if " tokens in " in line)
+    assert ", prompts 4 tokens a step, " in summary and "sequences a micro-batch" not in summary, summary
 
 
 def test_chunked_prefill_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkeypatch):
