@@ -148,6 +148,12 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
                                 f"{list(graph.entries[graph.head_entries[gen.logits]].shape)}, not [..., {gen.vocab_size}]"))
 
 
+def row_resettable(shape: tuple[int, ...] | list[int], rows: int) -> bool:
+    """Whether a state of `shape` can be reset one row at a time for a step of `rows` rows: its
+    leading axis is the rows (a KV cache [B, H, T, D]), so a row is one contiguous span."""
+    return len(shape) > 0 and shape[0] == rows
+
+
 def state_spans(graph: Graph, state: list[StatePair]) -> dict[str, tuple[int, int]]:
     """Per state pair, the node span from the first reader of its input to the producer of its
     output or the last reader of that output, whichever is later: a pipeline stage holding the

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.state import state_spans as bundle_state_spans
+from tvmpipe.bundle.state import row_resettable, state_spans as bundle_state_spans
 from tvmpipe.cluster.frames import DRIVER
 from tvmpipe.cluster.sampling import STEP_NAME, TOKEN_NAME, step_spec, token_spec
 from tvmpipe.executor.inputs import input_entry_ids
@@ -240,8 +240,7 @@ def rows_resettable(bundle: Bundle) -> bool:
     a whole, and a group's rows are then admitted together."""
     b = slot_rows(bundle)
     inputs = input_entry_ids(bundle)
-    shapes = [bundle.graph.entries[inputs[p.input]].shape for p in bundle.state]
-    return b > 1 and all(len(s) > 0 and s[0] == b for s in shapes)
+    return b > 1 and all(row_resettable(bundle.graph.entries[inputs[p.input]].shape, b) for p in bundle.state)
 
 
 def generation_roles(bundle: Bundle, start: int, end: int) -> tuple[int | None, int | None]:

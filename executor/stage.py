@@ -13,6 +13,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.state import row_resettable
 from tvmpipe.core.units import format_bytes
 from tvmpipe.executor.backend import StepTiming, make_backend
 from tvmpipe.executor.checks import check_array, matches
@@ -257,7 +258,7 @@ class SlotState:
         """A row of every pair can be reset alone: its leading axis is the step's `rows`."""
         for p, e, _ in self.pairs:
             shape = tuple(self.program.entry_specs[e].shape)
-            if not shape or shape[0] != rows:
+            if not row_resettable(shape, rows):
                 raise InputError(f"stage [{self.program.start}, {self.program.end}): state pair '{p.name}' "
                                  f"{list(shape)} has no leading axis of the {rows} rows the step resets one "
                                  "of; reset the whole slot (every row fresh)")
