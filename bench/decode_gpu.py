@@ -175,7 +175,7 @@ def chunked_prefill(args: argparse.Namespace, b, rows: list[dict]) -> bool:
     for k in [int(x) for x in args.stages.split(",")]:
         for bundle in ((b, cb) if same_model else (cb,)):
             with Pipeline(bundle, k, backend="cuda", launcher="process", slots=4) as pipe:
-                chunk = pipe.topology.specs[pipe.topology.inputs[gen.token]].shape[-1]  # same input names
+                chunk = pipe.topology.chunk
                 pipe.generate_all(prompts[:4], 2)  # warm
                 before, seq0 = pipe.record(), pipe.submitted
                 t = time.perf_counter()

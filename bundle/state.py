@@ -51,6 +51,12 @@ class GenerationSpec:
         return {**out, "count": self.count} if self.count is not None else out
 
 
+def token_layout(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
+    """(rows, tokens a row) of a decode step's token input: [B, 1] is B rows of one token a step,
+    [B, C] (a step compiled with `--chunk C`) B rows of up to C."""
+    return (shape[0] if len(shape) else 1), max(1, math.prod(shape[1:]))
+
+
 def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -136,7 +142,7 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
             problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is a state input"))
     if gen.count is None and gen.token in inputs:
         shape = graph.entry_of(gen.token).shape
-        if len(shape) > 1 and math.prod(shape[1:]) > 1:
+        if token_layout(shape)[1] > 1:
             problems.append(Problem(file, "", "generation.count", f"token input '{gen.token}' is {list(shape)}: a step "
                                     "of several tokens a row needs a `count` input saying how many are real"))
     if gen.logits >= len(graph.heads):

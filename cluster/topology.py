@@ -11,11 +11,10 @@ producer of graph inputs, and as the consumer of graph outputs and of errors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.state import row_resettable, state_spans as bundle_state_spans
+from tvmpipe.bundle.state import row_resettable, state_spans as bundle_state_spans, token_layout
 from tvmpipe.cluster.frames import DRIVER
 from tvmpipe.cluster.sampling import STEP_NAME, TOKEN_NAME, step_spec, token_spec
 from tvmpipe.executor.inputs import input_entry_ids
@@ -209,16 +208,14 @@ def step_entries(bundle: Bundle) -> tuple[int, int]:
 
 def decode_batch(bundle: Bundle) -> int:
     """Rows of a decode step: the leading axis of its token input ([B, 1], or [B, C] for a step of
-    up to C tokens a row), one sequence each."""
-    shape = bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape
-    return shape[0] if shape else 1
+    up to C tokens a row), one sequence each (bundle.state.token_layout)."""
+    return token_layout(bundle.graph.entry_of(bundle.generation.token).shape)[0]
 
 
 def decode_chunk(bundle: Bundle) -> int:
     """Tokens a row of a decode step can take: C of a step compiled with `--chunk C` (token input
-    [B, C], generation.count saying how many are real), else 1."""
-    shape = bundle.graph.entries[input_entry_ids(bundle)[bundle.generation.token]].shape
-    return max(1, math.prod(shape) // decode_batch(bundle))
+    [B, C], generation.count saying how many are real), else 1 (bundle.state.token_layout)."""
+    return token_layout(bundle.graph.entry_of(bundle.generation.token).shape)[1]
 
 
 def slot_rows(bundle: Bundle) -> int:

@@ -426,13 +426,10 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int 
     spec = DecodeStepSpec(_layout(model), batch, max_context, chunk)
     args = ", ".join(spec.caches)
     ns: dict[str, Any] = {}
-    # explicit parameter names: torch.export names the graph inputs (and so the bundle's) after them
-    if chunk > 1:
-        exec(f"def forward(self, {TOKEN}, {POSITION}, {COUNT}, {args}):\n"
-             f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}], {COUNT}))\n", ns)
-    else:
-        exec(f"def forward(self, {TOKEN}, {POSITION}, {args}):\n"
-             f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]))\n", ns)
+    # explicit parameter names (spec.inputs): torch.export names the graph inputs (and so the bundle's) after them
+    count = f", {COUNT}" if chunk > 1 else ""
+    exec(f"def forward(self, {', '.join(spec.inputs)}):\n"
+         f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]{count}))\n", ns)
 
     class DecodeStep(torch.nn.Module):
         def __init__(self) -> None:

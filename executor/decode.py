@@ -21,6 +21,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.state import token_layout
 from tvmpipe.executor.errors import InputError
 from tvmpipe.executor.runner import GraphRunner
 
@@ -58,11 +59,10 @@ class DecodeLoop:
                              "(compile one with tvmpipe compile MODEL --decode)")
         self.bundle, self.gen = b, b.generation
         g = b.graph
-        self.batch = g.entry_of(self.gen.token).shape[0]
         self._token = g.entry_of(self.gen.token)
+        self.batch, self.chunk = token_layout(self._token.shape)  # rows, and tokens a row a step can take
         self._position = g.entry_of(self.gen.position)
         self._count = g.entry_of(self.gen.count) if self.gen.count is not None else None
-        self.chunk = int(np.prod(self._token.shape)) // self.batch  # tokens a row a step can take
         self.reset()
 
     def reset(self) -> None:
