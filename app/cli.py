@@ -1,4 +1,4 @@
-"""`tvmpipe run` and `tvmpipe sweep`: parse the command line, call the application layer, print.
+"""`tvmpipe run`, `tvmpipe sweep` and `tvmpipe inspect`: parse the command line, call the application layer, print.
 
 `tvmpipe run --stages 2 --local` with no bundle runs the built-in example (examples/mlp, shipped
 as `tvmpipe.examples`) on an embedded loopback-only Ray cluster, checks every output against a
@@ -14,6 +14,7 @@ import sys
 
 from tvmpipe.app.args import COUNT, POSITIVE, add_cluster_args, cluster_options, number
 from tvmpipe.app.sources import BUILTIN_EXAMPLE
+from tvmpipe.bundle.inspect import SCHEMA
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.core.units import format_bytes
 
@@ -192,3 +193,51 @@ def sweep_command(args: argparse.Namespace) -> int:
         print(f"wrote {p}")
     return 0 if any(c.measured for c in cases) else 1
 
+
+# ---- inspect -------------------------------------------------------------------------------------
+
+def _stages(bundle, args: argparse.Namespace) -> list[tuple[int, int]] | None:
+    """The node ranges `inspect` is asked to show: a plan file's, or K equal-op stages, or None."""
+    if args.plan:
+        from tvmpipe.partition.plan import Plan
+
+        return list(Plan.load(args.plan).stages)
+    if args.stages:
+        from tvmpipe.partition.plan import plan_equal_ops
+
+        return list(plan_equal_ops(bundle.graph, args.stages).stages)
+    return None
+
+
+def register_inspect(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="summarise a bundle or graph.json: nodes, kernels launched, fused ops",
+        description="Show what a tvmpipe bundle (or a bare TVM graph.json) holds: a summary, then one row "
+                    "per graph node with its inputs, outputs, storage id, the kernels it launches "
+                    "(grid x block, shared memory) and the model ops fused into its function.")
+    p.add_argument("path", help="bundle directory, its bundle.json, or a bare graph.json")
+    p.add_argument("--params", metavar="FILE",
+                   help="a bare graph.json's params file (.params as TVM <= 0.19 saved it, or .npz): "
+                        "tells graph inputs from weights and shows the weight bytes of each node")
+    p.add_argument("--json", action="store_true", help=f"print the report as JSON (schema {SCHEMA})")
+    p.add_argument("--wide", action="store_true", help="do not shorten names to fit 100 columns")
+    p.add_argument("--stages", "-k", type=int, metavar="K",
+                   help="also show K stages (equal op counts, as `tvmpipe run --stages K` cuts) with the "
+                        "weight bytes each loads")
+    p.add_argument("--plan", metavar="PLAN.json", help="also show the stages of a plan (`tvmpipe partition -o`) "
+                                                       "with the weight bytes each loads")
+    p.set_defaults(func=inspect_command)
+
+
+def inspect_command(args: argparse.Namespace) -> int:
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.inspect import build_report, render_text, stage_weights
+
+    bundle = load_bundle(args.path, params=args.params)
+    report = build_report(bundle)
+    stages = _stages(bundle, args)
+    if stages is not None:
+        report["stages"] = stage_weights(bundle, stages)
+    text = json.dumps(report, indent=2) + "\n" if args.json else render_text(report, wide=args.wide)
+    sys.stdout.write(text)
+    return 0

@@ -309,7 +309,7 @@ def transformers_side_by_side(cache: Path, prompts: int) -> list[dict]:
     random weights, prompts of 4 tokens, max context - 4 new tokens each; tokens compared."""
     from tests.support.decode_bundle import runner_greedy
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.compiler.decode import build_decoder, transformers_generate
+    from tvmpipe.compiler.decoders import build_decoder, transformers_generate
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tvmpipe.compiler.decode import DECODERS
+from tvmpipe.compiler.decoders import DECODERS
 from tvmpipe.compiler.models import BUILTIN_MODELS
 
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from tvmpipe.compiler.export import compile_model
     from tvmpipe.compiler.progress import Progress, native_stderr_silenced
 
-    from tvmpipe.compiler.decode import DEFAULT_MAX_CONTEXT
+    from tvmpipe.compiler.decoders import DEFAULT_MAX_CONTEXT
     from tvmpipe.compiler.errors import SourceError
 
     if args.max_context is not None and not args.decode:

@@ -114,7 +114,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
            seed: int = 0, progress: Progress | None = None, name: str | None = None,
            decode: int | None = None, chunk: int = 1) -> Exported:
     """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`. With `decode` (a
-    max context), SOURCE is a decoder (compiler/decode.py) and the bundle is its decode step,
+    max context), SOURCE is a decoder (compiler/decoders.py) and the bundle is its decode step,
     taking up to `chunk` tokens a row."""
     from tvmpipe.compiler import launches
 

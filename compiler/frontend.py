@@ -87,8 +87,8 @@ def _from_builtin(name: str, batch: int, seed: int) -> Imported:
 
 
 def _from_decoder(name: str, batch: int, seed: int, max_context: int, chunk: int = 1) -> Imported:
-    """A decoder's decode step (compiler/decode.py), its caches declared as state."""
-    from tvmpipe.compiler.decode import export_decode_step
+    """A decoder's decode step (compiler/decoders.py), its caches declared as state."""
+    from tvmpipe.compiler.decoders import export_decode_step
 
     ep, module, spec = export_decode_step(name, max_context, batch, seed, chunk)
     decode = {"max_context": max_context, **({"chunk": chunk} if chunk > 1 else {})}

@@ -17,6 +17,7 @@ import numpy as np
 from tvmpipe.bundle import dtypes
 from tvmpipe.compiler.errors import CompileError, UnsupportedOpError
 from tvmpipe.compiler.opmap import key, tensor_types
+from tvmpipe.compiler.rewrite import describe
 
 DEVICE_CUDA = 2
 # A free storage block is reused for a request within this size ratio (Relay's match_range).
@@ -132,20 +133,6 @@ def build_graph(main: Any, const_name: Any, op_of_var: Any, value_of: Any = None
         e = entry_of.get(key(h))
         heads.extend(e if isinstance(e, list) else [entry(h, "the output")])
     return BuiltGraph(_to_json(nodes, heads), nodes, params, inputs)
-
-
-def describe(value: Any) -> str:
-    import tvm
-    from tvm import relax
-
-    if isinstance(value, tvm.ir.Call) and isinstance(value.op, relax.ExternFunc):
-        return str(value.op.global_symbol)  # e.g. vm.builtin.tensor_to_shape
-    if isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op):
-        name = value.op.name
-        if value.args and isinstance(value.args[0], relax.ExternFunc):
-            name = f"{name}({value.args[0].global_symbol})"
-        return name
-    return type(value).__name__
 
 
 def _why(value: Any) -> str:

@@ -55,7 +55,6 @@ def rewrite_main(mod: Any, *, map_param: Callable[[Any], Any] = lambda p: p,
                     elif isinstance(v, (relax.Var, relax.Tuple, tvm.ir.GenericConst)):
                         new_value = conv(v)
                     else:
-                        from tvmpipe.compiler.graphjson import describe
 
                         raise CompileError(f"model op '{describe(v)}' at binding '{b.var.name}' is not supported: TVM's "
                                            "importer computes a value at run time there (e.g. a shape from a tensor: "
@@ -78,3 +77,18 @@ def rewrite_main(mod: Any, *, map_param: Callable[[Any], Any] = lambda p: p,
     out = tvm.IRModule(others)
     out["main"] = bb.get()["main"]
     return out
+
+
+def describe(value: Any) -> str:
+    """What a Relax binding calls, as an error message names it: an extern function's symbol or an op's name."""
+    import tvm
+    from tvm import relax
+
+    if isinstance(value, tvm.ir.Call) and isinstance(value.op, relax.ExternFunc):
+        return str(value.op.global_symbol)  # e.g. vm.builtin.tensor_to_shape
+    if isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op):
+        name = value.op.name
+        if value.args and isinstance(value.args[0], relax.ExternFunc):
+            name = f"{name}({value.args[0].global_symbol})"
+        return name
+    return type(value).__name__

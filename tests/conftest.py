@@ -49,7 +49,7 @@ def zoo_decoder(tmp_path_factory):
 
     def get(name: str, batch: int = 1, chunk: int = 1) -> tuple[Path, object]:
         if (name, batch, chunk) not in cache:
-            from tvmpipe.compiler.decode import build_decoder
+            from tvmpipe.compiler.decoders import build_decoder
             from tvmpipe.compiler.export import export
             from tvmpipe.compiler.progress import Progress
 

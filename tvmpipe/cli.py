@@ -14,9 +14,10 @@ import sys
 from tvmpipe.app.args import Parser
 from tvmpipe.core.errors import TvmpipeError
 
-# Modules that define `register(subparsers)`, in the order their commands appear in --help.
+# The functions `register(subparsers)` that add each layer's commands, in the order the commands
+# appear in --help ("module" means its `register`).
 COMMAND_MODULES = [
-    "tvmpipe.bundle.cli",  # inspect
+    "tvmpipe.app.cli:register_inspect",  # inspect (a bundle, and optionally a plan's stages)
     "tvmpipe.compiler.cli",  # compile
     "tvmpipe.executor.cli",  # profile, extract
     "tvmpipe.partition.cli",  # partition
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traceback", action="store_true", help="show Python tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:  # every layer is part of the product: a missing one is an install defect
-        importlib.import_module(name).register(sub)
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function or "register")(sub)
     return parser
 
 

@@ -41,7 +41,7 @@ def decoder(zoo_decoder):
                                      ("gpt_neox", (2,)), ("opt", (2,)), ("falcon", (2,))])
 def test_pipelined_generation_equals_transformers(decoder, name, ks):
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     from tvmpipe.bundle import load_bundle
 
@@ -78,7 +78,7 @@ def test_static_batches_equal_transformers_per_sequence(decoder, name):
     and every step's logits are transformers', at K = 1 and 2."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     bundle, model = decoder(name, 2)
     assert load_bundle(bundle).graph.entries[0].shape[0] == 2  # the token input is [2, 1]
@@ -112,7 +112,7 @@ def test_cli_generate_runs_a_static_batch_bundle(decoder, capsys):
     import json
 
     from tvmpipe.cli import main
-    from tvmpipe.compiler.decode import transformers_generate
+    from tvmpipe.compiler.decoders import transformers_generate
 
     bundle, model = decoder("gpt2", 2)
     argv = ["generate", str(bundle), "--stages", "2", "--processes", "--max-new-tokens", "4",
@@ -161,7 +161,7 @@ def test_static_batches_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkey
     from tests.support.fake_cuda import activate
     from tests.support.pipeline_harness import ThreadLauncher
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.decode import transformers_generate
+    from tvmpipe.compiler.decoders import transformers_generate
 
     bundle, model = decoder("gpt2", 2)
     activate(monkeypatch, tmp_path, [bundle])
@@ -210,7 +210,7 @@ def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decod
     apart); the tokens and every step's
     logits are transformers' either way, at K = 1 and 2."""
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     bundle, model = decoder("gpt2", 2)
     prompts = [[5, 17, 3, 60, 9, 1, 2], [60], [1], [7], [8]]  # 12 steps for sequence 0, 6 for each other
@@ -251,7 +251,7 @@ def test_chunked_prefill_equals_transformers(decoder, name, batch):
     micro-batches than a token a step (batch 2: rows of different prompts side by side, taken as
     they free)."""
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     bundle, model = decoder(name, batch, 4)
     one, _ = decoder(name, batch)
@@ -281,7 +281,7 @@ def test_cli_generate_runs_a_chunked_step(decoder, capsys):
     import json
 
     from tvmpipe.cli import main
-    from tvmpipe.compiler.decode import transformers_generate
+    from tvmpipe.compiler.decoders import transformers_generate
 
     bundle, model = decoder("gpt2", 1, 4)
     argv = ["generate", str(bundle), "--stages", "2", "--processes", "--max-new-tokens", "4",
@@ -301,7 +301,7 @@ def test_chunked_prefill_on_the_strict_fake_cuda_driver(decoder, tmp_path, monke
     from tests.support.fake_cuda import activate
     from tests.support.pipeline_harness import ThreadLauncher
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.compiler.decode import transformers_generate
+    from tvmpipe.compiler.decoders import transformers_generate
 
     bundle, model = decoder("gpt2", 2, 4)
     activate(monkeypatch, tmp_path, [bundle])

@@ -1,5 +1,5 @@
-"""Decode-step bundles (compiler/decode.py), lifted buffer mutations (compiler/lift.py) and the
-single-process greedy loop (executor/decode.py) against transformers' own generate().
+"""Decode-step bundles (compiler/decoders.py), lifted buffer mutations (compiler/lift.py) and the
+single-process greedy loop (executor/decode_loop.py) against transformers' own generate().
 
 Token-exact: for GPT-2, Llama, Qwen2, Qwen3, Gemma, Phi-3, GPT-NeoX, OPT and Falcon (tiny configs,
 seeded random weights) the greedy loop over
@@ -59,26 +59,26 @@ def decode_bundle(tmp_path_factory):
 
 
 def _hf(name: str):
-    from tvmpipe.compiler.decode import build_decoder
+    from tvmpipe.compiler.decoders import build_decoder
 
     return build_decoder(name, seed_of(name))
 
 
 def _hf_generate(model, prompt: list[int], new: int) -> list[int]:
-    from tvmpipe.compiler.decode import transformers_generate
+    from tvmpipe.compiler.decoders import transformers_generate
 
     return transformers_generate(model, prompt, new)
 
 
 def _hf_logits(model, seq: list[int]) -> np.ndarray:
-    from tvmpipe.compiler.decode import transformers_logits
+    from tvmpipe.compiler.decoders import transformers_logits
 
     return transformers_logits(model, seq)
 
 
 @pytest.mark.parametrize("name", DECODERS)
 def test_greedy_loop_is_token_exact_with_transformers(name, decode_bundle):
-    from tvmpipe.executor.decode import greedy_decode
+    from tvmpipe.executor.decode_loop import greedy_decode
 
     r = greedy_decode(decode_bundle(name), PROMPT, NEW)
     model = _hf(name)
@@ -93,7 +93,7 @@ def test_greedy_loop_is_token_exact_with_transformers(name, decode_bundle):
 
 def test_batch_of_two_sequences_matches_each_alone(decode_bundle):
     """A static batch: each row is its own sequence, with its own cache rows and tokens."""
-    from tvmpipe.executor.decode import greedy_decode
+    from tvmpipe.executor.decode_loop import greedy_decode
 
     prompts = [PROMPT, [40, 2, 99, 7, 1]]
     r = greedy_decode(decode_bundle("llama", 2), prompts, 6)
@@ -131,7 +131,7 @@ def test_decode_bundle_declares_its_caches_as_state(decode_bundle):
 
 
 def test_the_loop_refuses_bad_input_in_one_line(decode_bundle):
-    from tvmpipe.executor.decode import DecodeLoop, greedy_decode
+    from tvmpipe.executor.decode_loop import DecodeLoop, greedy_decode
     from tvmpipe.executor.errors import InputError
 
     b = decode_bundle("gpt2")
@@ -150,7 +150,7 @@ def test_mistral_decode_step_matches_transformers_in_torch():
     """Mistral's step (same code path as Llama) in torch eager, no TVM compile: fast coverage."""
     import torch
 
-    from tvmpipe.compiler.decode import build_decoder, decode_step_module
+    from tvmpipe.compiler.decoders import build_decoder, decode_step_module
 
     model = build_decoder("mistral", SEED)
     step, spec = decode_step_module(model, 8)
@@ -164,7 +164,7 @@ def test_mistral_decode_step_matches_transformers_in_torch():
 
 
 def test_decode_refusals_are_one_line():
-    from tvmpipe.compiler.decode import build_decoder, decode_step_module
+    from tvmpipe.compiler.decoders import build_decoder, decode_step_module
     from tvmpipe.compiler.errors import SourceError
 
     with pytest.raises(SourceError, match="'resnet50' is not a decoder"):
@@ -286,7 +286,7 @@ def test_a_prompt_holding_the_pad_token_id_is_not_masked_by_the_oracle(decode_bu
     """transformers' generate takes every pad_token_id in an unmasked prompt for padding: the
     oracle passes an explicit mask, so a prompt with token 0 is generated from whole (found by
     bench/generate.py: seed 1's Llama on [102, 0, 126, 85] gave 98 where its own logits say 68)."""
-    from tvmpipe.executor.decode import greedy_decode
+    from tvmpipe.executor.decode_loop import greedy_decode
 
     prompt = [102, 0, 126, 85]
     model = _hf("llama")
@@ -306,7 +306,7 @@ def test_chunked_steps_match_transformers_in_torch(name):
     ending at its last real token, and padding rows past a finished prompt change nothing."""
     import torch
 
-    from tvmpipe.compiler.decode import build_decoder, decode_step_module, example_inputs
+    from tvmpipe.compiler.decoders import build_decoder, decode_step_module, example_inputs
 
     model = build_decoder(name, seed_of(name))
     step, spec = decode_step_module(model, 16, batch=2, chunk=3)
@@ -337,8 +337,8 @@ def test_chunked_steps_match_transformers_in_torch(name):
 def test_chunked_greedy_loop_is_token_exact_with_transformers(zoo_decoder):
     """The compiled --chunk 4 GPT-2 step in one GraphRunner: a 7-token prompt in two steps (4, 3),
     then a token a step; transformers' tokens, and each step's logits are its last token's."""
-    from tvmpipe.compiler.decode import transformers_generate, transformers_logits
-    from tvmpipe.executor.decode import DecodeLoop, greedy_decode
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
+    from tvmpipe.executor.decode_loop import DecodeLoop, greedy_decode
     from tvmpipe.executor.errors import InputError
 
     bundle, model = zoo_decoder("gpt2", 1, 4)
@@ -357,7 +357,7 @@ def test_chunked_greedy_loop_is_token_exact_with_transformers(zoo_decoder):
 
 def test_chunk_refusals_are_one_line(capsys):
     from tvmpipe.cli import main
-    from tvmpipe.compiler.decode import build_decoder, decode_step_module
+    from tvmpipe.compiler.decoders import build_decoder, decode_step_module
     from tvmpipe.compiler.errors import SourceError
 
     model = build_decoder("gpt2")

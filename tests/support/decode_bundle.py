@@ -140,9 +140,9 @@ def torch_greedy(prompt: list[int], max_new: int, seed: int = 0, layers: int = L
 
 
 def runner_greedy(bundle, prompt: list[int], max_new: int) -> tuple[list[int], dict[int, np.ndarray]]:
-    """The single-process oracle (tvmpipe.executor.decode.greedy_decode: one GraphRunner feeding
+    """The single-process oracle (tvmpipe.executor.decode_loop.greedy_decode: one GraphRunner feeding
     its caches itself) for one prompt: (tokens, logits by position)."""
-    from tvmpipe.executor.decode import greedy_decode
+    from tvmpipe.executor.decode_loop import greedy_decode
 
     r = greedy_decode(bundle, prompt, max_new)
     return r.tokens[0], dict(enumerate(r.logits))

@@ -1,6 +1,6 @@
 """The single-process greedy decode loop over a decode-step bundle: the oracle for generation.
 
-    from tvmpipe.executor.decode import greedy_decode
+    from tvmpipe.executor.decode_loop import greedy_decode
     r = greedy_decode("B", [5, 17, 3], max_new_tokens=8)   # r.tokens: the generated ids
     r.logits[i]                                            # [batch, vocab] logits of step i
 
