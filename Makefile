@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test bench clean multihost-deps bytecode
+.PHONY: run test bench perf-page clean multihost-deps bytecode
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,15 @@ multihost-deps:
 test: $(VENV)/.dev multihost-deps bytecode
 	$(BIN)/python -m pytest
 
+# Every bench script (each writes its bench/results/*.json), then the page made from those files.
 bench: $(VENV)/.dev bytecode
-	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+	for b in bench/*.py; do case $$b in bench/perfpage.py|bench/stamp.py|bench/gpu_gate.py) continue;; esac; \
+	  $(BIN)/python $$b || exit 1; done
+	$(MAKE) perf-page
+
+# docs/performance.md from bench/results/*.json (tests/bench/test_perfpage.py checks it is current).
+perf-page: $(VENV)/.runtime
+	$(BIN)/python bench/perfpage.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

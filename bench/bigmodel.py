@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.support.pipeline_harness import cmdline  # noqa: E402  (the suite's /proc reader)
+from stamp import stamp  # noqa: E402  (when, commit, machine: bench/perfpage.py reads them)
 GIB = 1 << 30
 MODELS = {  # name -> (layers, width)
     "small": (4, 2048),  # 64 MiB
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                                                args.synthetic, args.repeat)
             results["models"][key]["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(results, indent=1) + "\n")
+            out.write_text(json.dumps(stamp(results), indent=1) + "\n")
     finally:
         if not args.keep and not args.work:
             import shutil

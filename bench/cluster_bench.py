@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
 
 RESULTS = Path(__file__).parent / "results" / "cluster_bench.json"
 KB4 = 1024  # float32 elements
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             results = {**kept, **results, "sections_updated": sorted(args.only)}
         except (OSError, ValueError):
             pass
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    args.out.write_text(json.dumps(stamp(results), indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

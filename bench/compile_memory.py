@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     results["runs"] = [e for e in results["runs"] if (e["model"], e["compile_dtype"], e["label"])
                        != (entry["model"], entry["compile_dtype"], entry["label"])] + [entry]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from stamp import stamp
+
+    args.out.write_text(json.dumps(stamp(results), indent=1) + "\n")
     return 0
 
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
+
 STEPS = ("import", "fold", "fuse", "schedule", "codegen")
 RESULTS = Path(__file__).parent / "results" / "compile_time.json"
 TARGET_S = {"resnet18": 15.0}
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(stamp(result), indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

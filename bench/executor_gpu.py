@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_cpu import RESULTS, benchmark_bundles, time_runs  # noqa: E402
+from stamp import stamp  # noqa: E402  (when, commit, machine: bench/perfpage.py reads them)
 
 from tvmpipe.executor import GraphRunner, random_inputs  # noqa: E402
 
@@ -157,7 +158,7 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "executor_gpu", "device": device, "platform": platform.platform(), "repeat": args.repeat,
            "target_graph_ratio": TARGET, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "models": rows}
-    (RESULTS / "executor_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / "executor_gpu.json").write_text(json.dumps(stamp(out), indent=1) + "\n")
     print(f"wrote {RESULTS / 'executor_gpu.json'}")
     return 0
 

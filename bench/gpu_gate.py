@@ -32,7 +32,8 @@ def write_result(out: str | Path, doc: dict) -> None:
     """A GPU bench's result file: `doc`, first marked with whether the fake PyCUDA made it (a file
     from the test suite's fake must never pass for a GPU measurement)."""
     import pycuda
+    from stamp import stamp
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"fake": bool(getattr(pycuda, "FAKE", False)), **doc}, indent=1) + "\n")
+    out.write_text(json.dumps(stamp({"fake": bool(getattr(pycuda, "FAKE", False)), **doc}), indent=1) + "\n")

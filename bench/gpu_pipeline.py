@@ -48,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_gate import no_gpu_exit  # noqa: E402
+from stamp import stamp  # noqa: E402  (when, commit, machine: bench/perfpage.py reads them)
 
 import numpy as np
 
@@ -315,7 +316,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        out.write_text(json.dumps(stamp(result), indent=1, default=str) + "\n")
 
     ok = True
     if not paths:

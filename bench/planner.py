@@ -7,7 +7,6 @@ Run: python bench/planner.py   (writes bench/results/planner.json)
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 from tvmpipe.bundle import Bundle, load_bundle, parse_graph
 from tvmpipe.partition.model import PipelineModel
 from tvmpipe.partition.planners import make_plan, plan_optimal
+
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "data" / "graphs"
@@ -137,9 +138,7 @@ def main() -> None:
         print(f"{r['graph']:>22} {r['cost_model']:>9} {r['op_nodes']:>4} {r['k']:>2} {r['equal_bottleneck_us']:>10.1f} "
               f"{r['optimal_bottleneck_us']:>11.1f} {r['speedup']:>6.2f} {r['equal_bytes']:>10} {r['optimal_bytes']:>10}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                   "python": platform.python_version(), "speed": speed, "quality": quality},
-                                  indent=1) + "\n")
+    RESULTS.write_text(json.dumps(stamp({"speed": speed, "quality": quality}), indent=1) + "\n")
     print(f"\nwrote {RESULTS.relative_to(REPO)}")
 
 

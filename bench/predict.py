@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "predict.json"
@@ -109,9 +109,8 @@ def main() -> None:
                   f"({r['bubble_error_points']:+.1f} pts); CPU {_us(r['meas_cpu_us'])} us per micro-batch "
                   f"(predicted {_us(r['pred_cpu_us'])}); load {r['load_max']:.1f}; {verdict}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                                   "targets": {"throughput_pct": THROUGHPUT_PCT, "bubble_points": BUBBLE_POINTS},
-                                   "reports": str(out), "sweeps": results}, indent=1) + "\n")
+    RESULTS.write_text(json.dumps(stamp({"targets": {"throughput_pct": THROUGHPUT_PCT, "bubble_points": BUBBLE_POINTS},
+                                   "reports": str(out), "sweeps": results}), indent=1) + "\n")
     print(f"reports under {out}; results in {RESULTS}")
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.executor import GraphRunner, random_inputs
 
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 BUILTINS = ("mlp", "cnn", "resnet18", "transformer")
@@ -81,7 +83,7 @@ def main() -> int:
                                                      "python": platform.python_version(),
                                                      "load_average_1min": os.getloadavg()[0]},
            "repeat": args.repeat, "models": rows}
-    (RESULTS / "reference_cpu.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / "reference_cpu.json").write_text(json.dumps(stamp(out), indent=1) + "\n")
     print(f"wrote {RESULTS / 'reference_cpu.json'}")
     return 0
 

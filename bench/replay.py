@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "replay.json"
@@ -84,9 +85,8 @@ def main() -> int:
               f"recomputed {med[m]['recomputed']:.0f}")
     print("driver / upstream: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items() if v is not None))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average": load,
-                                   "config": vars(args), "runs": runs, "median": med, "driver_over_upstream": ratio},
-                                  indent=1) + "\n")
+    RESULTS.write_text(json.dumps(stamp({"load_average": load, "config": vars(args), "runs": runs, "median": med,
+                                         "driver_over_upstream": ratio}), indent=1) + "\n")
     return 0
 
 

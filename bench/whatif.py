@@ -9,7 +9,6 @@ default a temporary directory)
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner import synthetic_transformer  # noqa: E402
+from stamp import stamp  # noqa: E402  (when, commit, machine: bench/perfpage.py reads them)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "whatif.json"
@@ -56,8 +56,7 @@ def main() -> None:
         print(f"{name:>10}: K 1..{k:<2} in {wall:5.1f} s; best K = {best['stages']} at "
               f"{float(best['pred_throughput']):.0f}/s; simulated vs predicted within {100 * worst:.2f} %")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "target_s": TARGET_S,
-                                   "reports": str(out), "rows": rows}, indent=1) + "\n")
+    RESULTS.write_text(json.dumps(stamp({"target_s": TARGET_S, "reports": str(out), "rows": rows}), indent=1) + "\n")
     print(f"reports under {out}; results in {RESULTS}")
 
 

@@ -17,12 +17,13 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
 
 RESULTS = Path(__file__).parent / "results" / "zoo.json"
 # Rows that fail in TVM itself, documented in the README ("Model zoo"): listed in the table, not
@@ -113,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  {r.error}" if r.error else ""), flush=True)
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+    args.out.write_text(json.dumps(stamp({
         "load_average": [load_before, os.getloadavg()[0]], "total_s": time.perf_counter() - t0,
         "results": rows,
-    }, indent=1) + "\n")
+    }), indent=1) + "\n")
     return exit_status(rows)
 
 
