@@ -50,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from stamp import stamp  # noqa: E402  (when, commit, machine: bench/perfpage.py reads them)
 
 TARGET = 0.85
 
@@ -517,7 +518,7 @@ def main() -> int:
            "single_process": sp, "transformers": hf, "static_batches": batches, "row_admission": rows_in,
            "chunked_prefill": chunked}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    args.out.write_text(json.dumps(stamp(doc), indent=1) + "\n")
     print(f"wrote {args.out}")
     same_batches = batches is None or all(r["same_tokens_as_batch_1"] for r in batches["rows"])
     same_batches = same_batches and (rows_in is None or rows_in["same_tokens"]) \

@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from stamp import stamp  # noqa: E402  (when, commit, machine: bench/perfpage.py reads them)
 
 MAX_CONTEXT = 1024
 SLACK, SLACK_BYTES, DRIVER_MAX = 0.10, 4 << 20, 16 << 20
@@ -126,7 +127,7 @@ def main() -> int:
            "target": {"growth_matches": ok_growth, "split_not_copied": ok_split, "driver_holds_no_cache": ok_driver},
            "rows": rows, "per_slot": per_slot}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    args.out.write_text(json.dumps(stamp(doc), indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0 if ok_growth and ok_split and ok_driver else 1
 
