@@ -99,22 +99,21 @@ def generate_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.sources import choose_plan
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.generate import GenerationError, check_prompts, check_stop_tokens, generation_of
-    from tvmpipe.cluster.sampling import Sampling
+    from tvmpipe.executor.sampler import Sampling
+    from tvmpipe.generation import GenerationError, Generator, layout_of, make_requests
 
     options = cluster_options(args)
     check_where(options)
     bundle = load_bundle(args.bundle)
-    gen = generation_of(bundle)
+    layout = layout_of(bundle)
     if args.prompt and not args.tokenizer:
         raise TvmpipeError("--prompt TEXT needs --tokenizer DIR (or give token ids with --prompt-ids)")
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
     prompts = list(args.prompt_ids) + [list(tok.encode(t)) for t in args.prompt]
     if not prompts:
         raise TvmpipeError("no prompt: give --prompt-ids 5,17,3 (repeatable) or --prompt TEXT with --tokenizer")
-    prompts = check_prompts(prompts, gen.vocab_size, gen.max_context)
-    check_stop_tokens(args.stop_token, gen.vocab_size)
-    Sampling(args.temperature, args.top_k, args.seed).check(gen.vocab_size)
+    requests = make_requests(prompts, args.max_new_tokens, layout, stop_tokens=args.stop_token,
+                             sampling=Sampling(args.temperature, args.top_k, args.seed))
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
     results: dict = {}
     t0 = time.time()
@@ -126,9 +125,7 @@ def generate_command(args: argparse.Namespace) -> int:
         with Pipeline(bundle, plan, slots=args.slots, logits=False, **kw) as pipe:  # it streams tokens only
             t1 = time.time()
             try:
-                for ev in pipe.generate(prompts, args.max_new_tokens, in_flight=args.in_flight,
-                                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                                        stop_tokens=args.stop_token, results=results):
+                for ev in Generator(pipe).generate(requests, in_flight=args.in_flight, results=results):
                     if not args.json:
                         print(f"seq {ev.seq}: {ev.token}", flush=True)
             except GenerationError as exc:

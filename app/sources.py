@@ -46,23 +46,18 @@ def check_forward_pass(bundle: Bundle, command: str) -> None:
 
 
 def choose_plan(bundle: Bundle, plan_path: str | None, stages: int, strategy: str) -> Plan:
-    """The plan file (checked against this bundle's graph and its state pairs, before any cluster
-    starts), or K stages cut by `strategy`."""
-    from tvmpipe.cluster.topology import check_state_split
-    from tvmpipe.partition import make_plan, validate_plan
+    """The plan a run uses, checked here once (against this bundle's graph and its state pairs,
+    before any cluster starts; partition.checked_plan): the plan file, or K stages cut by `strategy`
+    (equal op counts keeping every state pair whole, or the cost model's optimum)."""
+    from tvmpipe.partition import checked_plan, make_plan
 
     if plan_path:
-        plan = Plan.load(plan_path)
-        validate_plan(bundle.graph, plan)
-        check_state_split(bundle, plan)
-        return plan
+        return checked_plan(bundle, Plan.load(plan_path))
     if strategy == "equal":
-        from tvmpipe.partition.plan import plan_equal_keeping_state
-
-        return plan_equal_keeping_state(bundle, stages)
+        return checked_plan(bundle, stages)
     from tvmpipe.partition.model import PipelineModel
 
-    return make_plan(PipelineModel.build(bundle), stages, strategy)
+    return checked_plan(bundle, make_plan(PipelineModel.build(bundle), stages, strategy))
 
 
 def micro_batches(bundle: Bundle, inputs: str | None, count: int | None, seed: int, *,

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.decode_bundle import runner_greedy
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     b = load_bundle(args.bundle)
     gen = b.generation
@@ -75,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, exact = [], True
     for k in [int(x) for x in args.stages.split(",")]:
         with Pipeline(b, k, backend="cuda", launcher="process", slots=max(flights)) as pipe:
-            pipe.generate_all(prompts[:1], 2)  # warm: links up, kernels loaded, slot state allocated
+            Generator(pipe).generate_all(prompts[:1], 2)  # warm: links up, kernels loaded, slot state allocated
             paths = {f"{s}->{d}": p for (s, d), p in sorted(pipe.edge_paths().items())}
             for s in flights:
                 batch = prompts[:2 * s]
                 before, seq0 = pipe.record(), pipe.submitted
                 t = time.perf_counter()
-                res = pipe.generate_all(batch, new, in_flight=s)
+                res = Generator(pipe).generate_all(batch, new, in_flight=s)
                 wall = time.perf_counter() - t
                 after = pipe.record()
                 steps = pipe.submitted - seq0
@@ -122,19 +123,20 @@ def static_batches(args: argparse.Namespace, b, prompts: list[list[int]], want: 
     sequence's tokens are the reference's (and BUNDLE's, for the same model)."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     bb = load_bundle(args.batch_bundle)
     with Pipeline(bb, 1, backend="reference", launcher="process") as pipe:
-        ref = [r.tokens for r in pipe.generate_all(prompts, new)]
+        ref = [r.tokens for r in Generator(pipe).generate_all(prompts, new)]
     same_model = (bb.name, bb.generation.max_context) == (b.name, b.generation.max_context)
     exact = True
     for k in [int(x) for x in args.stages.split(",")]:
         with Pipeline(bb, k, backend="cuda", launcher="process") as pipe:
             batch = pipe.topology.batch
-            pipe.generate_all(prompts[:batch], 2)  # warm
+            Generator(pipe).generate_all(prompts[:batch], 2)  # warm
             before, seq0 = pipe.record(), pipe.submitted
             t = time.perf_counter()
-            res = [r.tokens for r in pipe.generate_all(prompts, new)]
+            res = [r.tokens for r in Generator(pipe).generate_all(prompts, new)]
             wall = time.perf_counter() - t
             steps = pipe.submitted - seq0
             after = pipe.record()
@@ -162,6 +164,7 @@ def chunked_prefill(args: argparse.Namespace, b, rows: list[dict]) -> bool:
     from tests.support.decode_bundle import runner_greedy
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     cb = load_bundle(args.chunk_bundle)
     gen = cb.generation
@@ -176,10 +179,10 @@ def chunked_prefill(args: argparse.Namespace, b, rows: list[dict]) -> bool:
         for bundle in ((b, cb) if same_model else (cb,)):
             with Pipeline(bundle, k, backend="cuda", launcher="process", slots=4) as pipe:
                 chunk = pipe.topology.chunk
-                pipe.generate_all(prompts[:4], 2)  # warm
+                Generator(pipe).generate_all(prompts[:4], 2)  # warm
                 before, seq0 = pipe.record(), pipe.submitted
                 t = time.perf_counter()
-                res = pipe.generate_all(prompts, new, in_flight=4)
+                res = Generator(pipe).generate_all(prompts, new, in_flight=4)
                 wall = time.perf_counter() - t
                 steps = pipe.submitted - seq0
                 after = pipe.record()
@@ -204,15 +207,16 @@ def row_admission(args: argparse.Namespace, bb, prompts: list[list[int]], new: i
     the device caches (a copy at the row's offset) while its row-mates' stay. Its tokens against
     the reference backend's run admitting whole groups; the row is appended to `rows`."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     mixed = [p[:1 + i % len(p)] + p[:i % 3] for i, p in enumerate(prompts)]
     with Pipeline(bb, 1, backend="reference", launcher="process", slots=1) as pipe:
-        ref = [r.tokens for r in pipe.generate_all(mixed, new, row_admission=False)]
+        ref = [r.tokens for r in Generator(pipe).generate_all(mixed, new, row_admission=False)]
     k = max(int(x) for x in args.stages.split(","))
     with Pipeline(bb, k, backend="cuda", launcher="process", slots=1) as pipe:
         batch = pipe.topology.batch
         before, seq0 = pipe.record(), pipe.submitted
-        res = [r.tokens for r in pipe.generate_all(mixed, new)]
+        res = [r.tokens for r in Generator(pipe).generate_all(mixed, new)]
         steps = pipe.submitted - seq0
         after = pipe.record()
         row_reset = pipe.topology.row_reset

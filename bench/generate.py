@@ -79,7 +79,7 @@ def trip(first_seq: int, record, submit_times: dict, done_times: dict, fed_from:
     another step included), `last->driver` (the last stage ends -> its outputs are complete at the
     driver), and for the two ways a step gets its token:
     - fed back by the sampling stage (`fed_from`: step -> the micro-batch whose draw it takes;
-      cluster/sampling.py): `feedback` (the last stage ends that micro-batch -> stage 0 starts
+      generation/scheduler.py): `feedback` (the last stage ends that micro-batch -> stage 0 starts
       this step). Its cycle is the stages, the hops and the feedback hop: the driver is off it.
     - fed by the driver: `driver->0` (submitted -> stage 0 starts) and `driver turnaround` (an output
       in -> the driver submits the next step). Its cycle also has last->driver.
@@ -118,26 +118,28 @@ def trip(first_seq: int, record, submit_times: dict, done_times: dict, fed_from:
 def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict]:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.topology import plan_keeping_state
+    from tvmpipe.generation import Generator
+    from tvmpipe.partition import checked_plan
 
     b = load_bundle(bundle_dir)
-    plan = plan_keeping_state(b, k)
+    plan = checked_plan(b, k)
     gen = b.generation
     per_seq = gen.max_context - 1
     rows = []
     with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, stage_ms)},
                   launcher="process", slots=2 * k, window=2 * k, logits=False) as pipe:  # as `tvmpipe generate`
-        pipe.generate_all([[1]] * k, 2)  # warm: every slot's state allocated, links up
+        Generator(pipe).generate_all([[1]] * k, 2)  # warm: every slot's state allocated, links up
         for s in sorted({1, k, 2 * k}):
             n_seq = max(s, -(-tokens // per_seq))
             prompts = [[i % gen.vocab_size] for i in range(n_seq)]
             before = pipe.record()
             before_seq = pipe.submitted
             t0 = time.perf_counter()
-            res = pipe.generate_all(prompts, per_seq, in_flight=s)
+            gen = Generator(pipe)
+            res = gen.generate_all(prompts, per_seq, in_flight=s)
             wall = time.perf_counter() - t0
             after = pipe.record()
-            path = trip(before_seq, after, pipe.submit_times, pipe.done_times, pipe.fed_from)
+            path = trip(before_seq, after, pipe.submit_times, pipe.done_times, gen.scheduler.fed_from)
             made = sum(len(r.tokens) for r in res)
             steps = made  # one-token prompts: every step yields a token
             ttft = [r.first_token_s * 1e3 for r in res]
@@ -212,17 +214,18 @@ def _driver_run(b, k: int, s: int, window: int, tokens: int) -> tuple[float, flo
     per token (us; the generation loop, sampling, frames, all its threads), tokens/s, tokens made,
     and the frames the driver sent during it."""
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.topology import plan_keeping_state
+    from tvmpipe.generation import Generator
+    from tvmpipe.partition import checked_plan
 
-    plan = plan_keeping_state(b, k)
+    plan = checked_plan(b, k)
     per = b.generation.max_context - 1
     with Pipeline(b, plan, backend="simulated", backend_opts={"cost_profile": stage_profile(b, plan, 0.0)},
                   launcher="process", slots=s, window=window, logits=False) as pipe:
-        pipe.generate_all([[1]] * 4, 2)  # warm
+        Generator(pipe).generate_all([[1]] * 4, 2)  # warm
         frames0 = sum(pipe.record().driver_frames_out.values())
         n = max(s, -(-tokens // per))
         t0, c0 = time.perf_counter(), time.process_time()
-        res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
+        res = Generator(pipe).generate_all([[i % b.generation.vocab_size] for i in range(n)], per, in_flight=s)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         frames = sum(pipe.record().driver_frames_out.values()) - frames0
     made = sum(len(x.tokens) for x in res)
@@ -369,6 +372,7 @@ def chunked_prefill(cache: Path, rounds: int = 2, k: int = 2, prompt: int = 40, 
     flight. Per mode (alternating, per round): time to first token p50 (from admission), the
     inter-token latency p50 after it, tokens/s over the run, and micro-batches; the same tokens."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     prompts = [[(11 * i + 3 * j) % 128 for j in range(prompt)] for i in range(8)]
     runs: dict[int, list[dict]] = {1: [], CHUNK: []}
@@ -376,10 +380,10 @@ def chunked_prefill(cache: Path, rounds: int = 2, k: int = 2, prompt: int = 40, 
     for r in range(rounds):
         for c in ((1, CHUNK) if r % 2 == 0 else (CHUNK, 1)):
             with Pipeline(batch_bundle(cache, 1, c), k, launcher="process", logits=False, slots=4) as pipe:
-                pipe.generate_all(prompts[:4], 2)  # warm
+                Generator(pipe).generate_all(prompts[:4], 2)  # warm
                 first = pipe.submitted
                 t0 = time.perf_counter()
-                res = pipe.generate_all(prompts, new, in_flight=4)
+                res = Generator(pipe).generate_all(prompts, new, in_flight=4)
                 wall = time.perf_counter() - t0
                 steps = pipe.submitted - first
             tokens[c] = [x.tokens for x in res]
@@ -404,6 +408,7 @@ def row_admission(cache: Path, rounds: int = 2, k: int = 2, b: int = 4, new: int
     Tokens/s and micro-batches per mode (alternating, per round), and whether both give the same
     tokens."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     lengths = [1, 12, 3, 24, 6, 2, 18, 9, 1, 15, 4, 21, 7, 2, 11, 5]
     prompts = [[(5 * i + j) % 128 for j in range(n)] for i, n in enumerate(lengths + lengths[::-1])]
@@ -413,10 +418,10 @@ def row_admission(cache: Path, rounds: int = 2, k: int = 2, b: int = 4, new: int
     for r in range(rounds):
         for per_row in ((True, False) if r % 2 == 0 else (False, True)):
             with Pipeline(batch_bundle(cache, b), k, launcher="process", logits=False, slots=k) as pipe:
-                pipe.generate_all(prompts[:pipe.slots * b], 2)  # warm: every slot allocated, links up
+                Generator(pipe).generate_all(prompts[:pipe.slots * b], 2)  # warm: every slot allocated, links up
                 first = pipe.submitted
                 t0 = time.perf_counter()
-                res = pipe.generate_all(prompts, new, row_admission=per_row)
+                res = Generator(pipe).generate_all(prompts, new, row_admission=per_row)
                 wall = time.perf_counter() - t0
                 steps[per_row] = pipe.submitted - first
                 slots = pipe.slots
@@ -437,6 +442,7 @@ def static_batches(cache: Path, rounds: int = 2, k: int = 2, new: int = 24) -> d
     """GPT-2's decode step at batch 1, 2 and 4 as K processes on the reference backend: tokens/s
     (per round, alternating B) and whether every batch gives B = 1's tokens."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
 
     prompts = [[(7 * i + j) % 128 for j in range(1 + i % 3)] for i in range(16)]
     dirs = {b: batch_bundle(cache, b) for b in BATCHES}
@@ -445,9 +451,9 @@ def static_batches(cache: Path, rounds: int = 2, k: int = 2, new: int = 24) -> d
     for r in range(rounds):
         for b in (BATCHES if r % 2 == 0 else BATCHES[::-1]):
             with Pipeline(dirs[b], k, launcher="process", logits=False) as pipe:
-                pipe.generate_all(prompts[:pipe.slots * b], 2)  # warm: every slot allocated, links up
+                Generator(pipe).generate_all(prompts[:pipe.slots * b], 2)  # warm: every slot allocated, links up
                 t0 = time.perf_counter()
-                res = pipe.generate_all(prompts, new)
+                res = Generator(pipe).generate_all(prompts, new)
                 wall = time.perf_counter() - t0
             tokens[b] = [x.tokens for x in res]
             runs[b].append(sum(len(t) for t in tokens[b]) / wall)

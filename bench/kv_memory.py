@@ -59,15 +59,16 @@ def bundle_at(path: Path) -> Path:
 def measure(bundle_dir: Path, k: int, slots: int) -> dict:
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.topology import plan_keeping_state
+    from tvmpipe.generation import Generator
+    from tvmpipe.partition import checked_plan
 
     b = load_bundle(bundle_dir)
-    plan = plan_keeping_state(b, k)
+    plan = checked_plan(b, k)
     with Pipeline(b, plan, backend="reference", launcher="process", slots=slots, window=max(2 * k, slots)) as pipe:
         before = pipe.record().worker_stats
         driver0 = rss(os.getpid())
         rss0 = [rss(s.pid) for s in before]
-        res = pipe.generate_all([[i % b.generation.vocab_size] for i in range(slots)], 2, in_flight=slots)
+        res = Generator(pipe).generate_all([[i % b.generation.vocab_size] for i in range(slots)], 2, in_flight=slots)
         after = pipe.record().worker_stats
         rss1 = [rss(s.pid) for s in after]
         driver1 = rss(os.getpid())

@@ -9,11 +9,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from tvmpipe.bundle import dtypes
 
 DEVICE_TYPES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 13: "cuda_managed"}
+
+
+class EntrySpec(NamedTuple):
+    """Shape and dtype of one entry; a tuple so `shape, dtype = spec` works as CONTRACTS says."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * dtypes.itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
 
 
 @dataclass(frozen=True)

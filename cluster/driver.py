@@ -35,19 +35,19 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
+from tvmpipe.bundle.decode_layout import FED, FROM, STEP_NAME, no_step, take_fed
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
 from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
 from tvmpipe.cluster.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
-from tvmpipe.cluster.sampling import FED, FROM, STEP_NAME, no_step, take_fed
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
-from tvmpipe.cluster.topology import Edge, Topology, build_topology, plan_keeping_state
+from tvmpipe.cluster.topology import Edge, Topology, build_topology
 from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
 from tvmpipe.executor.checks import check_inputs
-from tvmpipe.partition import Plan
+from tvmpipe.partition import Plan, checked_plan
 
 Outputs = list[np.ndarray]
 REPLAY_MODES = ("upstream", "driver")
@@ -77,6 +77,17 @@ class PipelineError(TvmpipeError):
         self.completed = list(completed or [])
         self.completed_from = completed_from
         super().__init__(message)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A completed micro-batch, as receive() returns it: `seq`, its `outputs` (the graph's heads;
+    None for state and dropped heads), and on a decode pipeline `drawn`, the token each row drew on
+    the sampling stage (0 where a row drew nothing; bundle.decode_layout), else None."""
+
+    seq: int
+    outputs: Outputs
+    drawn: list[int] | None = None
 
 
 @dataclass
@@ -115,17 +126,17 @@ class Pipeline:
                  ship_bundle: bool = False, replay: str = "upstream", transport: str = "auto",
                  slots: int | None = None, logits: bool = True):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-        self.plan = plan_keeping_state(self.bundle, plan) if isinstance(plan, int) else plan
+        self.plan = checked_plan(self.bundle, plan)  # K: equal cuts keeping state pairs whole
         self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits)
         self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
         # Declared state (bundle.json `state`): every stage keeps its pairs resident, `slots` sequence
-        # slots each (default: one per micro-batch the window admits); see generate.py
+        # slots each (default: one per micro-batch the window admits)
         self.slots = (self.window if slots is None else slots) if self.bundle.state else 0
         if self.bundle.state and self.slots < 1:
             raise TvmpipeError(f"slots must be >= 1, got {self.slots}")
-        self.state_losses = 0  # restarts of a stage that held state: its sequences' caches are gone
+        self._state_losses = 0  # restarts of a stage that held state (state_losses)
         if replay not in REPLAY_MODES:
             raise TvmpipeError(f"replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
         self.replay = replay
@@ -166,10 +177,11 @@ class Pipeline:
         self._admitted: set[int] = set()  # stages connected in this epoch (one connection each)
         self._next_from: dict[int, int] = {}  # stage -> next micro-batch it must send in this epoch
         self._results: dict[int, Outputs] = {}
-        self._tokens: dict[int, list[int]] = {}  # decode pipelines: each completed micro-batch's draws, per row
+        # a decode pipeline's draws per completed micro-batch (one per row): delivered with its outputs
+        # (receive()), and kept a while for the replays of steps that take them (_settle_fed_back)
+        self._drawn: dict[int, list[int]] = {}
         self.submit_times: dict[int, float] = {}
         self.done_times: dict[int, float] = {}
-        self.fed_from: dict[int, int] = {}  # generation: step -> the micro-batch whose draw it took (timeline)
         self._last_progress = time.time()
         self._fatal: PipelineError | None = None
         self._stall_seen: int | None = None  # a stall nobody was blamed for, at this many completed
@@ -211,7 +223,7 @@ class Pipeline:
     def check_inputs(self, inputs: Mapping[str, Any]) -> dict[int, np.ndarray]:
         """Graph inputs by name -> by entry id, each of exactly the graph's shape and dtype; else
         InputError listing what the graph takes. Nothing is sent before this passes."""
-        if self.topology.step_entry is not None and STEP_NAME not in inputs:
+        if self.topology.layout is not None and STEP_NAME not in inputs:
             # a plain run of a decode step: the driver's tokens, nothing fed back or drawn
             inputs = {**inputs, STEP_NAME: no_step(self.topology.batch)}
         checked = check_inputs(inputs, self._input_specs)
@@ -223,13 +235,18 @@ class Pipeline:
 
     def get(self, timeout: float | None = None) -> Outputs:
         """The outputs of the next micro-batch in submission order (blocking)."""
+        return self.receive(timeout).outputs
+
+    def receive(self, timeout: float | None = None) -> StepResult:
+        """The next micro-batch in submission order, once complete (blocking): its sequence number,
+        its outputs and, on a decode pipeline, the token each row drew on the sampling stage."""
         deadline = None if timeout is None else time.time() + timeout
         while True:
             with self._cond:
                 if self._delivered < self._completed:
-                    out = self._results.pop(self._delivered)
+                    seq = self._delivered
                     self._delivered += 1
-                    return out
+                    return StepResult(seq, self._results.pop(seq), self._drawn.get(seq))
                 if self._fatal is not None:
                     raise self._fatal_with_results()
                 if self._delivered >= self._submitted:
@@ -275,41 +292,23 @@ class Pipeline:
             raise
         return outputs
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, in_flight: int | None = None,
-                 temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop_tokens: list[int] = (),
-                 results: dict | None = None, logits_log: dict | None = None,
-                 row_admission: bool = True) -> Iterator[Any]:
-        """Autoregressive generation on a decode-step bundle (cluster/generate.py): yields a
-        TokenEvent (seq, token, index, done) per token as it is sampled; finished sequences go into
-        `results` (prompt index -> SequenceResult). Greedy by default; seeded temperature/top-k.
-        `in_flight`: sequences in flight (default: all the slots hold); a bundle compiled with
-        `--batch B` runs B a micro-batch, each a row of a static batch, so it counts whole batches;
-        a queued prompt takes a row as soon as its sequence finishes (`row_admission`, where the
-        bundle's state resets a row at a time; False: a batch's rows are admitted together)."""
-        from tvmpipe.cluster.generate import generate
-        from tvmpipe.cluster.sampling import Sampling
-
-        return generate(self, prompts, max_new_tokens, in_flight=in_flight, sampling=Sampling(temperature, top_k, seed),
-                        stop_tokens=stop_tokens, results=results, logits_log=logits_log, row_admission=row_admission)
-
-    def generate_all(self, prompts: list[list[int]], max_new_tokens: int, **kw: Any) -> list[Any]:
-        """`generate`, run to the end: one SequenceResult per prompt, in prompt order."""
-        results: dict = {}
-        for _ in self.generate(prompts, max_new_tokens, results=results, **kw):
-            pass
-        return [results[i] for i in sorted(results)]
-
-    def sampled(self, seq: int) -> list[int]:
-        """The tokens micro-batch `seq` drew on the sampling stage, one per row (a decode pipeline's;
-        sampling.py; 0 where a row drew nothing), once it completed; kept for the last few `window`s
-        of micro-batches."""
-        with self._cond:
-            return self._tokens[seq]
-
     @property
     def submitted(self) -> int:
         """Micro-batches submitted so far (the next one gets this sequence number)."""
         return self._submitted
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches submitted and not yet returned by get() / receive(); submit() blocks while
+        `window` of them have not completed."""
+        return self._submitted - self._delivered
+
+    @property
+    def state_losses(self) -> int:
+        """How many times a stage that keeps state was restarted: every slot's state there is gone
+        (a generation loop rebuilds its sequences' caches). It moves before the restarted stage
+        computes anything, so a micro-batch submitted after it moved sees fresh state."""
+        return self._state_losses
 
     @property
     def ready(self) -> int:
@@ -457,17 +456,16 @@ class Pipeline:
                 self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
                                       else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
                 if self.topology.sampler is not None:
-                    self._tokens[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
-                    # kept while a reader may still ask: sampled() for a result not yet taken (at most
+                    self._drawn[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
+                    # kept while a reader may still ask: receive() for a result not yet taken (at most
                     # a window behind), a replay's _settle_fed_back for a step's token (drawn at most a
                     # window before the replay's first micro-batch); twice that, and a few, as margin
-                    self._tokens.pop(seq - 4 * self.window - 8, None)
+                    self._drawn.pop(seq - 4 * self.window - 8, None)
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
                 if len(self.done_times) > TIMELINE_KEPT:
                     old = next(iter(self.done_times))
                     del self.done_times[old], self.submit_times[old]
-                    self.fed_from.pop(old, None)
             self._cond.notify_all()  # a submit() waiting for the window
 
     def _notify(self) -> None:
@@ -661,8 +659,8 @@ class Pipeline:
             self._close_links()
             self._listener.drop_connections()
             if any(i in self.topology.stateful for i in restart):
-                with self._cond:  # before anything is computed on the fresh stage (generate.py)
-                    self.state_losses += 1
+                with self._cond:  # before anything is computed on the fresh stage (state_losses)
+                    self._state_losses += 1
             for i in restart:
                 self._addresses[i] = self.launcher.restart(i)
             # after the restarts: a stuck stage is gone, so no pause waits for its micro-batch to end
@@ -681,14 +679,14 @@ class Pipeline:
         if self.topology.feedback is None:
             return
         step = self.topology.step_entry
-        token_in = self.topology.inputs[self.bundle.generation.token]
+        token_in = self.topology.layout.token
         spec = self.topology.specs[token_in]
         for n in range(first, self._submitted):
             arrays = self._inputs.get(n)
             m = int(arrays[step][FROM]) if arrays is not None else -1
             if 0 <= m < first:
                 tag = arrays[step].copy()
-                tokens = take_fed(arrays[token_in], tag[FED], np.array(self._tokens[m]), spec)
+                tokens = take_fed(arrays[token_in], tag[FED], np.array(self._drawn[m]), spec)
                 tag[FROM] = -1
                 tag[FED] = 0  # no row is fed back any more
                 self._inputs[n] = {**arrays, step: tag, token_in: tokens}

@@ -14,15 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.state import row_resettable, state_spans as bundle_state_spans, token_layout
+from tvmpipe.bundle.decode_layout import SLOT_NAME, STEP_NAME, TOKEN_NAME, DecodeLayout, SlotLayout, decode_layout, slot_layout
 from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.sampling import STEP_NAME, TOKEN_NAME, step_spec, token_spec
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
-from tvmpipe.partition import Plan, validate_plan
-from tvmpipe.partition.errors import PartitionError
+from tvmpipe.partition import Plan, checked_plan
 
-SLOT_NAME = "__slot__"
 RELAY_MAX_BYTES = 1024  # driver inputs a stage passes on to the next (relay_inputs): per-step tags, not tensors
 
 
@@ -48,28 +45,23 @@ class Edge:
 class Topology:
     programs: list[StageProgram]
     edges: list[Edge]
-    inputs: dict[str, int]  # graph input name -> entry id of its null node
+    inputs: dict[str, int]  # graph input name -> entry id of its null node (and the synthetic entries)
     heads: list[int]  # graph output entry ids, in `heads` order
     specs: dict[int, EntrySpec]  # every entry that crosses an edge
     names: dict[int, str]
     # Declared state (bundle.json `state`): inputs a stage keeps resident and the heads that replace
-    # them; neither crosses an edge. `slot_entry` is the synthetic entry (one past the graph's last)
-    # by which the driver tells each stateful stage the micro-batch's sequence slot; `stateful` lists
-    # those stages.
+    # them; neither crosses an edge. `slot` (bundle.decode_layout) is the synthetic entry by which the
+    # driver tells each stateful stage the micro-batch's sequence slot; `stateful` lists those stages.
     state_inputs: frozenset[int] = frozenset()
     state_heads: frozenset[int] = frozenset()
-    slot_entry: int | None = None
+    slot: SlotLayout | None = None
     stateful: tuple[int, ...] = ()
-    # Generation (a bundle with a `generation` section; sampling.py): the driver tags each micro-batch
-    # with `step_entry` for the sampling stage (`sampler`) and the token stage; the sampling stage
-    # sends the token it drew (`token_entry`) to the driver and, over the feedback edge (none when it
-    # is the token stage itself), to the token stage. `feedback` is (sampling stage, token stage), or
-    # None when the token input is read in more than one stage: then the driver feeds every token.
-    step_entry: int | None = None
-    token_entry: int | None = None
-    batch: int = 1  # rows of a decode step (decode_batch): sequences per micro-batch
-    row_reset: bool = False  # one row's state can be reset alone (rows_resettable): per-row admission
-    chunk: int = 1  # tokens a row a step can take (decode_chunk; > 1: chunked prefill)
+    # Generation (a decode-step bundle; bundle.decode_layout): the driver tags each micro-batch with
+    # the step entry for the sampling stage (`sampler`) and the token stage; the sampling stage sends
+    # the token it drew to the driver and, over the feedback edge (none when it is the token stage
+    # itself), to the token stage. `feedback` is (sampling stage, token stage), or None when the token
+    # input is read in more than one stage: then the driver feeds every token.
+    layout: DecodeLayout | None = None
     sampler: int | None = None
     feedback: tuple[int, int] | None = None
     # Per stage: the driver entries it takes from the stage before it, which passed them on
@@ -82,6 +74,34 @@ class Topology:
     def num_stages(self) -> int:
         return len(self.programs)
 
+    @property
+    def slot_entry(self) -> int | None:
+        return self.slot.entry if self.slot is not None else None
+
+    @property
+    def step_entry(self) -> int | None:
+        return self.layout.step if self.layout is not None else None
+
+    @property
+    def token_entry(self) -> int | None:
+        """The synthetic entry of the tokens the sampling stage draws (`__token__`)."""
+        return self.layout.drawn if self.layout is not None else None
+
+    @property
+    def batch(self) -> int:
+        """Rows of a decode step: sequences per micro-batch (1 for anything else)."""
+        return self.layout.batch if self.layout is not None else 1
+
+    @property
+    def chunk(self) -> int:
+        """Tokens a row a decode step can take (> 1: chunked prefill)."""
+        return self.layout.chunk if self.layout is not None else 1
+
+    @property
+    def row_reset(self) -> bool:
+        """One row of a slot's state can be reset alone: per-row admission."""
+        return self.layout is not None and self.slot.row_reset
+
     def inbound(self, stage: int) -> list[Edge]:
         return [e for e in self.edges if e.dst == stage]
 
@@ -92,16 +112,15 @@ class Topology:
         return sum(self.specs[e].nbytes for e in edge.entries)
 
 
-def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool = True) -> Topology:
-    """Validate `plan` against the graph and derive every stage's program and every edge.
+def build_topology(bundle: Bundle, plan: Plan | int, relay: bool = True, logits: bool = True) -> Topology:
+    """Every stage's program and every edge of `plan` (checked once where it enters: checked_plan).
     `relay`: a decode step's per-step inputs go along the chain of stages (relay_inputs); off for
     the cuda backend, whose edges between stages of one node carry device tensors only (CUDA IPC).
     `logits`: a decode step's sampling stage sends the driver its logits with the token it drew;
     False sends the token alone (the logits are a vocabulary of floats a token, which a generation
     loop that only streams tokens never reads)."""
     g = bundle.graph
-    validate_plan(g, plan)
-    check_state_split(bundle, plan)
+    plan = checked_plan(bundle, plan)
     programs = [build_stage_program(bundle, s, e) for s, e in plan.stages]
     stage_of_node = {n: i for i, (s, e) in enumerate(plan.stages) for n in range(s, e)}
     inputs = input_entry_ids(bundle)
@@ -118,22 +137,20 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
 
     state_in = frozenset(inputs[p.input] for p in bundle.state)
     state_heads = frozenset(heads[p.output] for p in bundle.state)
-    slot = slot_entry(bundle) if bundle.state else None
+    slot = slot_layout(bundle)
     stateful = tuple(j for j, p in enumerate(programs) if state_in & set(p.input_entries.values()))
     if slot is not None:
-        specs[slot] = slot_spec(bundle)
-        names[slot] = SLOT_NAME
+        specs[slot.entry], names[slot.entry] = slot.spec, SLOT_NAME
         inputs = {n: e for n, e in inputs.items() if e not in state_in}
-        inputs[SLOT_NAME] = slot
-    step = token = sampler = feedback = None
-    batch = 1
-    if slot is not None and bundle.generation is not None:
-        step, token = step_entries(bundle)
-        batch = decode_batch(bundle)
-        specs[step], names[step] = step_spec(batch), STEP_NAME
-        specs[token], names[token] = token_spec(batch), TOKEN_NAME
+        inputs[SLOT_NAME] = slot.entry
+    layout = decode_layout(bundle)
+    step = sampler = feedback = None
+    if layout is not None:
+        step = layout.step
+        specs[step], names[step] = layout.step_spec, STEP_NAME
+        specs[layout.drawn], names[layout.drawn] = layout.drawn_spec, TOKEN_NAME
         inputs[STEP_NAME] = step
-        roles = [generation_roles(bundle, s, e) for s, e in plan.stages]
+        roles = [layout.roles(g, s, e) for s, e in plan.stages]
         sampler = next(j for j, (_, head) in enumerate(roles) if head is not None)
         reader = next((j for j, (token_in, _) in enumerate(roles) if token_in is not None), None)
         feedback = (sampler, reader) if reader is not None else None
@@ -145,7 +162,8 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
         for eid in p.recv_entries:
             from_stage.setdefault(stage_of_node[g.entries[eid].node], []).append(eid)
         recv.append(from_stage)
-        need = tuple(e for e in p.input_entries.values() if e not in state_in) + ((slot,) if j in stateful else ())
+        need = tuple(e for e in p.input_entries.values() if e not in state_in)
+        need += (slot.entry,) if j in stateful else ()
         if step is not None and (j == sampler or (feedback is not None and j == feedback[1])):
             need += (step,)
         fed.append(need)
@@ -160,21 +178,19 @@ def build_topology(bundle: Bundle, plan: Plan, relay: bool = True, logits: bool 
         edges += [Edge(i, j, tuple(es) + (carry[j] if through[j] and i == j - 1 else ()))
                   for i, es in sorted(recv[j].items())]
         if feedback is not None and j == feedback[1] != feedback[0]:
-            edges.append(Edge(feedback[0], j, (token,)))
+            edges.append(Edge(feedback[0], j, (layout.drawn,)))
     dropped = frozenset()  # heads no stage sends: the logits, when the driver does not want them
     if sampler is not None and not logits:
-        dropped = frozenset({heads[bundle.generation.logits]})
+        dropped = frozenset({layout.logits})
     head_set = set(heads) - state_heads - dropped
     for i, p in enumerate(programs):
         sends = tuple(e for e in p.send_entries if e in head_set)
         if i == sampler:
-            sends += (token,)
+            sends += (layout.drawn,)
         edges.append(Edge(i, DRIVER, sends))
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
-                    state_inputs=state_in, state_heads=state_heads, slot_entry=slot, stateful=stateful,
-                    step_entry=step, token_entry=token, batch=batch, sampler=sampler, feedback=feedback,
-                    row_reset=step is not None and rows_resettable(bundle),
-                    chunk=decode_chunk(bundle) if step is not None else 1,
+                    state_inputs=state_in, state_heads=state_heads, slot=slot, stateful=stateful,
+                    layout=layout, sampler=sampler, feedback=feedback,
                     relayed=tuple(c if t else () for c, t in zip(carry, through)), dropped_heads=dropped)
 
 
@@ -198,94 +214,3 @@ def relay_inputs(fed: list[tuple[int, ...]], recv: list[dict[int, list[int]]],
         through[j] = (j > 0 and j - 1 in recv[j] and bool(carry[j])
                       and sum(specs[e].nbytes for e in carry[j]) <= RELAY_MAX_BYTES)
     return carry, through
-
-
-def step_entries(bundle: Bundle) -> tuple[int, int]:
-    """The synthetic entry ids of the step tag and of the sampled token (after the slot's)."""
-    n = slot_entry(bundle)
-    return n + 1, n + 2
-
-
-def decode_batch(bundle: Bundle) -> int:
-    """Rows of a decode step: the leading axis of its token input ([B, 1], or [B, C] for a step of
-    up to C tokens a row), one sequence each (bundle.state.token_layout)."""
-    return token_layout(bundle.graph.entry_of(bundle.generation.token).shape)[0]
-
-
-def decode_chunk(bundle: Bundle) -> int:
-    """Tokens a row of a decode step can take: C of a step compiled with `--chunk C` (token input
-    [B, C], generation.count saying how many are real), else 1 (bundle.state.token_layout)."""
-    return token_layout(bundle.graph.entry_of(bundle.generation.token).shape)[1]
-
-
-def slot_rows(bundle: Bundle) -> int:
-    """Rows of a stateful step: a decode bundle's batch, else 1 (the state is the slot's as a whole)."""
-    return decode_batch(bundle) if bundle.generation is not None and bundle.state else 1
-
-
-def slot_spec(bundle: Bundle) -> EntrySpec:
-    """The `__slot__` entry: [slot, fresh row 0, ..., fresh row B-1] (B = slot_rows): the stage's
-    state slot for this micro-batch, and per row 1 when that row starts a sequence (its part of
-    every state pair is reset to the declared fill first; every row at once resets the whole slot)."""
-    return EntrySpec((1 + slot_rows(bundle),), "int64")
-
-
-def rows_resettable(bundle: Bundle) -> bool:
-    """Whether one row of a slot's state can be reset alone: every state pair's leading axis is
-    the decode step's rows (a cache [B, H, T, D]), so that a sequence can take a row of a group
-    that is still running (Stage resets that row only). A state shaped otherwise is reset only as
-    a whole, and a group's rows are then admitted together."""
-    b = slot_rows(bundle)
-    inputs = input_entry_ids(bundle)
-    return b > 1 and all(row_resettable(bundle.graph.entries[inputs[p.input]].shape, b) for p in bundle.state)
-
-
-def generation_roles(bundle: Bundle, start: int, end: int) -> tuple[int | None, int | None]:
-    """What the node range [start, end) of a decode bundle does in generation (sampling.py): the
-    token input's entry if the range holds every node that reads it (the token stage, which takes
-    fed-back tokens in place of the driver's), and the logits head's entry if the range computes it
-    (the sampling stage). The one place both the topology and each stage worker decide roles."""
-    gen = bundle.generation
-    if gen is None or not bundle.state:
-        return None, None
-    g = bundle.graph
-    token_in = input_entry_ids(bundle)[gen.token]
-    token_node = g.entries[token_in].node
-    readers = [node.index for node in g.nodes if any(r.node == token_node for r in node.inputs)]
-    logits = g.head_entries[gen.logits]
-    return (token_in if readers and all(start <= n < end for n in readers) else None,
-            logits if start <= g.entries[logits].node < end else None)
-
-
-def check_state_split(bundle: Bundle, plan: Plan) -> None:
-    """Refuse, in one line, a plan that puts a state pair's input and output (or a reader of the
-    output) in different stages."""
-    where = state_stages(bundle, plan)
-    for name, (a, b) in where.items():
-        if a != b:
-            raise PartitionError(f"the plan splits state pair '{name}': its input is read in stage {a} "
-                                 f"{list(plan.stages[a])} but its output is produced in stage {b} "
-                                 f"{list(plan.stages[b])}; cut outside nodes {list(state_spans(bundle)[name])}")
-
-
-def state_spans(bundle: Bundle) -> dict[str, tuple[int, int]]:
-    """Per state pair, its node span (bundle.state.state_spans): cuts go outside spans."""
-    return bundle_state_spans(bundle.graph, bundle.state)
-
-
-def state_stages(bundle: Bundle, plan: Plan) -> dict[str, tuple[int, int]]:
-    """Per state pair, (stage reading its input first, stage producing its output)."""
-    stage_of = {n: i for i, (s, e) in enumerate(plan.stages) for n in range(s, e)}
-    return {name: (stage_of[lo], stage_of[hi]) for name, (lo, hi) in state_spans(bundle).items()}
-
-
-def slot_entry(bundle: Bundle) -> int:
-    """The synthetic entry id carrying a micro-batch's sequence slot: one past the graph's entries."""
-    return len(bundle.graph.entries)
-
-
-def plan_keeping_state(bundle: Bundle, k: int) -> Plan:
-    """K nearly equal stages that split no state pair (partition.plan.plan_equal_keeping_state)."""
-    from tvmpipe.partition.plan import plan_equal_keeping_state
-
-    return plan_equal_keeping_state(bundle, k)

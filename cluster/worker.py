@@ -28,17 +28,18 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.bundle import load_bundle
+from tvmpipe.bundle.decode_layout import FED, FEED_NEXT, FROM, TOKEN_NAME, decode_layout, slot_layout, take_fed
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster import cudaipc, shm
 from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.sampling import FED, FEED_NEXT, FROM, TOKEN_NAME, sample_token, step_spec, take_fed, token_spec
 from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
-from tvmpipe.cluster.topology import Edge, decode_batch, generation_roles, slot_spec, step_entries
+from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
+from tvmpipe.executor.sampler import sample_token
 
 
 @dataclass
@@ -159,7 +160,7 @@ class StageWorker:
         feed = random_feed(self.program, spec.seed)
         if self.stage.state is not None:  # warm up on slot 0, which the first sequence there resets
             feed = {e: v for e, v in feed.items() if e not in self.stage.state.inputs}
-            self.specs[self.stage.slot_entry] = tag = slot_spec(bundle)
+            self.specs[self.stage.slot_entry] = tag = slot_layout(bundle).spec
             feed[self.stage.slot_entry] = np.array([0] + [1] * (tag.shape[0] - 1), dtype=np.int64)
         with np.errstate(all="ignore"):  # random inputs: a cut may hand a norm's variance a negative number
             for _ in range(spec.warmup):
@@ -206,21 +207,25 @@ class StageWorker:
             self._listener.device_inbox = self._device_inbox
 
     def _init_generation(self, bundle: Any) -> None:
-        """The stage's part in decoding (sampling.py): as the token stage it takes fed-back tokens
-        (`_token_in`: the token input entry it overwrites), as the sampling stage it draws the next
-        token from the logits (`_logits`). Either role reads the step tag, which is popped before
-        the stage runs."""
+        """The stage's part in decoding (bundle.decode_layout): as the token stage it takes fed-back
+        tokens (`_token_in`: the token input entry it overwrites), as the sampling stage it draws the
+        next token from the logits (`_logits`). Either role reads the step tag, which is popped
+        before the stage runs."""
         self._step_entry = self._token_entry = None
         self._vocab = 0
         self._batch = 1
-        self._token_in, self._logits = generation_roles(bundle, self.spec.start, self.spec.end)
+        self._token_in = self._logits = None
+        layout = decode_layout(bundle)
+        if layout is None:
+            return
+        self._token_in, self._logits = layout.roles(bundle.graph, self.spec.start, self.spec.end)
         if self._token_in is None and self._logits is None:
             return
-        self._step_entry, self._token_entry = step_entries(bundle)
-        self._vocab = bundle.generation.vocab_size
-        self._batch = decode_batch(bundle)
-        self.specs[self._step_entry] = step_spec(self._batch)
-        self.specs[self._token_entry] = token_spec(self._batch)
+        self._step_entry, self._token_entry = layout.step, layout.drawn
+        self._vocab = layout.vocab_size
+        self._batch = layout.batch
+        self.specs[self._step_entry] = layout.step_spec
+        self.specs[self._token_entry] = layout.drawn_spec
         self.names[self._token_entry] = TOKEN_NAME
 
     # ---- control plane -----------------------------------------------------------------------------

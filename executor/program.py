@@ -9,31 +9,13 @@ which params to upload, the steps in order, and every kernel operand bound to a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from tvmpipe.bundle import Bundle, Graph
-from tvmpipe.bundle.dtypes import itemsize
+from tvmpipe.bundle.graph import EntrySpec
 from tvmpipe.executor.errors import ExecutorError
 from tvmpipe.executor.storage import StepUse, StoragePlan, plan_storage
 
 KERNELS, NOP, COPY = "kernels", "nop", "copy"
-
-
-class EntrySpec(NamedTuple):
-    """Shape and dtype of one entry; a tuple so `shape, dtype = spec` works as CONTRACTS says."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * itemsize(self.dtype)
-
-    def __str__(self) -> str:
-        return f"{self.dtype}{list(self.shape)}"
 
 
 @dataclass(frozen=True)

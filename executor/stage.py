@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
+from tvmpipe.bundle.decode_layout import slot_layout
 from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.bundle.state import row_resettable
 from tvmpipe.core.units import format_bytes
@@ -47,7 +48,7 @@ class Stage:
         skip = self.state.inputs if self.state else set()
         self._layout = tuple(x for x in feed_layout(self.program) if x[0] not in skip)
         self._send = [e for e in self.program.send_entries if not self.state or e not in self.state.private]
-        self.slot_entry = len(self.bundle.graph.entries) if self.state else None
+        self.slot_entry = slot_layout(self.bundle).entry if self.state else None  # bundle.decode_layout
 
     def run(self, inputs: Mapping[int, np.ndarray], device: list[Any] | None = None) -> dict[int, np.ndarray]:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries

@@ -37,10 +37,16 @@ class Plan:
     stages: list[tuple[int, int]]
     strategy: str = "manual"
     predicted: dict[str, Any] = field(default_factory=dict)
+    # the graph this plan was checked against by `checked_plan` (not saved): layers below the one
+    # where a plan enters take it as checked instead of checking it again
+    checked_for: Graph | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "checked_for": None}  # a copy elsewhere is checked again where it enters
 
     @classmethod
     def from_cuts(cls, graph: Graph, cuts: list[int], strategy: str = "manual") -> Plan:
@@ -210,6 +216,37 @@ def plan_equal_keeping_state(bundle: Any, k: int) -> Plan:
                                  "stages keep every pair whole")
         cuts.append(min(free, key=lambda c: (abs(c - want), c)))
     return Plan.from_cuts(g, cuts, strategy="equal")
+
+
+def checked_plan(bundle: Any, plan: Plan | int) -> Plan:
+    """The one way a plan enters a run: K (an int) becomes K nearly equal stages that keep every
+    state pair whole (plan_equal_keeping_state); a Plan is checked against the bundle's graph
+    (validate_plan) and its state pairs (check_state_split), once: the plan is marked as checked for
+    this graph, and a plan so marked is returned as it is."""
+    if isinstance(plan, int) and not isinstance(plan, bool):
+        plan = plan_equal_keeping_state(bundle, plan)
+    elif plan.checked_for is bundle.graph:
+        return plan
+    else:
+        validate_plan(bundle.graph, plan)
+        check_state_split(bundle, plan)
+    plan.checked_for = bundle.graph
+    return plan
+
+
+def check_state_split(bundle: Any, plan: Plan) -> None:
+    """Refuse, in one line, a plan that puts a state pair's input and output (or a reader of the
+    output) in different stages."""
+    from tvmpipe.bundle.state import state_spans
+
+    spans = state_spans(bundle.graph, bundle.state)
+    stage_of = {n: i for i, (s, e) in enumerate(plan.stages) for n in range(s, e)}
+    for name, (lo, hi) in spans.items():
+        a, b = stage_of[lo], stage_of[hi]
+        if a != b:
+            raise PartitionError(f"the plan splits state pair '{name}': its input is read in stage {a} "
+                                 f"{list(plan.stages[a])} but its output is produced in stage {b} "
+                                 f"{list(plan.stages[b])}; cut outside nodes {list(spans[name])}")
 
 
 def crossing_bytes(g: Graph, start: int, largest: bool = False) -> int:

@@ -11,6 +11,7 @@ import pytest
 
 from tvmpipe.cluster.control import ProcessLauncher
 from tvmpipe.cluster.driver import Pipeline
+from tvmpipe.generation import Generator
 from tvmpipe.cluster.frames import DRIVER
 from tvmpipe.executor import random_inputs
 from tvmpipe.bundle import load_bundle
@@ -139,7 +140,7 @@ def test_generation_over_cuda_ipc_keeps_caches_resident(decode_bundle, tmp_path)
     with spawn_path():
         pipe = Pipeline(decode_bundle, 2, backend="cuda", launcher=ProcessLauncher(env=env), slots=2)
     with pipe:
-        res = pipe.generate_all(prompts, 5)
+        res = Generator(pipe).generate_all(prompts, 5)
         paths = pipe.edge_paths()
     assert [r.tokens for r in res] == want
     assert {e: p for e, p in paths.items() if DRIVER not in e} == {(0, 1): "cuda-ipc", (1, 0): "tcp"}, paths

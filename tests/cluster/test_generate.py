@@ -13,12 +13,14 @@ from tests.support.decode_bundle import runner_greedy, torch_greedy
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.control import Timeouts
 from tvmpipe.cluster.driver import Pipeline
-from tvmpipe.cluster.generate import GenerationError
+from tvmpipe.generation import GenerationError, Generator
 from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.topology import build_topology, plan_keeping_state, relay_inputs, state_spans, state_stages
+from tvmpipe.bundle.decode_layout import FEED_NEXT, FROM, NO_SAMPLING, decode_layout, encode_step, row_ints
+from tvmpipe.bundle.state import state_spans
+from tvmpipe.cluster.topology import build_topology, relay_inputs
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.core.units import format_bytes
-from tvmpipe.partition import Plan
+from tvmpipe.partition import Plan, checked_plan
 
 PROMPTS = [[5, 17, 3], [60], [1, 2, 3, 4, 5, 6], [9, 9], [33, 0, 12]]
 NEW = 6
@@ -47,7 +49,7 @@ def test_token_streams_equal_the_single_process_loop(decode_bundle, oracle, k):
     with Pipeline(decode_bundle, k, launcher="process", slots=3) as pipe:
         assert pipe.plan.num_stages == k and len(pipe.topology.stateful) == min(k, 2)  # 2 layers
         results, logs = {}, {}
-        events = list(pipe.generate(PROMPTS, NEW, results=results, logits_log=logs))
+        events = list(Generator(pipe).generate(PROMPTS, NEW, results=results, logits_log=logs))
         rec = pipe.record()
     for i, p in enumerate(PROMPTS):
         assert results[i].prompt == p and results[i].tokens == oracle[i][0], i
@@ -78,9 +80,10 @@ def test_each_stage_reports_the_caches_it_holds(decode_bundle, k):
     assert set(b.state_buffers.values()) == {1}
     pair = b.state_bytes_per_slot // len(b.state)
     with Pipeline(decode_bundle, k, launcher="process", slots=5) as pipe:
-        held = [sum(1 for a, _ in state_stages(b, pipe.plan).values() if a == i) for i in range(k)]
+        stage_of = {n: i for i, (s, e) in enumerate(pipe.plan.stages) for n in range(s, e)}
+        held = [sum(1 for lo, _ in state_spans(b.graph, b.state).values() if stage_of[lo] == i) for i in range(k)]
         before = [s.state_bytes for s in pipe.record().worker_stats]
-        pipe.generate_all(PROMPTS[:3], 2, in_flight=3)
+        Generator(pipe).generate_all(PROMPTS[:3], 2, in_flight=3)
         metrics = pipe.metrics()
     assert before == [1 * pair * n for n in held]
     assert [s.state_bytes for s in metrics.stages] == [3 * pair * n for n in held]
@@ -98,7 +101,7 @@ def test_pairs_kept_in_two_buffers_give_the_same_tokens(decode_bundle, oracle, m
     b = load_bundle(decode_bundle)
     assert b.state_resident_bytes_per_slot == 2 * b.state_bytes_per_slot
     with Pipeline(b, 2, launcher=ThreadLauncher(), slots=3) as pipe:
-        res = pipe.generate_all(PROMPTS, NEW)
+        res = Generator(pipe).generate_all(PROMPTS, NEW)
         assert sum(s.state_bytes for s in pipe.metrics().stages) == 3 * 2 * b.state_bytes_per_slot
     assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
 
@@ -142,14 +145,14 @@ def test_a_slot_the_memory_no_longer_holds_is_a_one_line_error(decode_bundle, mo
     monkeypatch.setattr(ReferenceBackend, "free_memory", free_memory)
     with Pipeline(decode_bundle, 2, launcher=ThreadLauncher(), slots=3, max_restarts=0) as pipe:
         with pytest.raises(GenerationError) as err:
-            pipe.generate_all(PROMPTS[:3], NEW, in_flight=3)
+            Generator(pipe).generate_all(PROMPTS[:3], NEW, in_flight=3)
     msg = str(err.value)
     assert "no memory for slot 2's caches" in msg and "1.0 MiB free" in msg and "\n" not in msg, msg
 
 
 def test_more_sequences_than_slots_are_queued(decode_bundle, oracle):
     with Pipeline(decode_bundle, 2, launcher="process", slots=1) as pipe:
-        res = pipe.generate_all(PROMPTS[:3], NEW, in_flight=8)
+        res = Generator(pipe).generate_all(PROMPTS[:3], NEW, in_flight=8)
     assert [r.tokens for r in res] == [oracle[i][0] for i in range(3)]
 
 
@@ -160,9 +163,9 @@ def test_stop_tokens_context_and_sampling(decode_bundle, oracle):
     b = load_bundle(decode_bundle)
     long = [1] * (b.generation.max_context - 2)
     with Pipeline(decode_bundle, 2, launcher="process", slots=3) as pipe:
-        r = pipe.generate_all([PROMPTS[0], long], 10, stop_tokens=[stop])
-        a = pipe.generate_all(PROMPTS, NEW, temperature=0.8, top_k=10, seed=7, in_flight=3)
-        c = pipe.generate_all(PROMPTS, NEW, temperature=0.8, top_k=10, seed=7, in_flight=1)
+        r = Generator(pipe).generate_all([PROMPTS[0], long], 10, stop_tokens=[stop])
+        a = Generator(pipe).generate_all(PROMPTS, NEW, temperature=0.8, top_k=10, seed=7, in_flight=3)
+        c = Generator(pipe).generate_all(PROMPTS, NEW, temperature=0.8, top_k=10, seed=7, in_flight=1)
     assert r[0].tokens == oracle[0][0][:3] and r[0].finish == "stop"
     assert len(r[1].tokens) == 3 and r[1].finish == "context"
     assert [x.tokens for x in a] == [x.tokens for x in c]
@@ -175,7 +178,7 @@ def test_a_killed_stage_mid_generation_leaves_the_streams_unchanged(decode_bundl
     sequence in flight replays its prompt and tokens so far, and every stream equals the oracle's."""
     with Pipeline(decode_bundle, 3, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
         results = {}
-        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results)):
+        for n, _ in enumerate(Generator(pipe).generate(PROMPTS, NEW, results=results)):
             if n == 8:
                 pipe.launcher.kill(victim)
         assert pipe.restarts[victim] == 1 and pipe.state_losses == 1
@@ -188,7 +191,7 @@ def test_completed_sequences_are_kept_when_the_run_fails(decode_bundle, oracle):
                   timeouts=Timeouts(progress=20)) as pipe:
         results = {}
         with pytest.raises(GenerationError) as exc:
-            for _ in pipe.generate(PROMPTS[:3], NEW, results=results):
+            for _ in Generator(pipe).generate(PROMPTS[:3], NEW, results=results):
                 if len(results) == 1 and 1 not in results:
                     pipe.launcher.kill(1)
     assert "\n" not in str(exc.value) and "stage 1" in str(exc.value)
@@ -197,14 +200,14 @@ def test_completed_sequences_are_kept_when_the_run_fails(decode_bundle, oracle):
 
 def test_a_plan_splitting_a_state_pair_is_refused_in_one_line(decode_bundle):
     b = load_bundle(decode_bundle)
-    (lo, hi) = state_spans(b)["k0"]
+    (lo, hi) = state_spans(b.graph, b.state)["k0"]
     ops = b.graph.op_nodes
     cut = next(c for c in range(1, len(ops)) if lo < ops[c - 1] + 1 <= hi)
     with pytest.raises(TvmpipeError) as exc:
         build_topology(b, Plan.from_cuts(b.graph, [cut]))
     assert "\n" not in str(exc.value) and "splits state pair 'k0'" in str(exc.value)
     for k in (2, 3, 4):  # the default plans move their cuts off the pairs
-        build_topology(b, plan_keeping_state(b, k))
+        build_topology(b, checked_plan(b, k))
 
 
 def test_bad_prompts_and_options_are_one_line_errors(decode_bundle):
@@ -217,11 +220,11 @@ def test_bad_prompts_and_options_are_one_line_errors(decode_bundle):
                  ([[1]], {"stop_tokens": [-1]}, "--stop-token"), ([[1]], {"seed": -1}, "--seed")]
         for prompts, kw, words in cases:
             with pytest.raises(TvmpipeError) as exc:
-                pipe.generate_all(prompts, 2, **kw)
+                Generator(pipe).generate_all(prompts, 2, **kw)
             assert words in str(exc.value) and "\n" not in str(exc.value), (kw, str(exc.value))
         with pytest.raises(TvmpipeError, match="--max-new-tokens"):
-            pipe.generate_all([[1]], 0)
-        assert pipe.generate_all([[1]], 1)[0].tokens  # the pipeline is still fine
+            Generator(pipe).generate_all([[1]], 0)
+        assert Generator(pipe).generate_all([[1]], 1)[0].tokens  # the pipeline is still fine
 
 
 def test_cli_generate_prints_one_json_document(decode_bundle, oracle, capsys):
@@ -273,7 +276,7 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
         with Pipeline(b, k, backend="cuda", backend_opts={"graphs": graphs}, launcher=launcher, slots=2,
                       max_restarts=0, logits=logits) as pipe:
             assert not any(pipe.topology.relayed)  # same-node cuda edges carry device tensors only
-            res = pipe.generate_all(PROMPTS[:3], NEW)
+            res = Generator(pipe).generate_all(PROMPTS[:3], NEW)
             stages = [w.stage for w in launcher.workers if w is not None]
             for st in stages:
                 if st.state is None:
@@ -289,10 +292,10 @@ def test_fake_cuda_state_stays_on_the_device(decode_bundle, oracle, tmp_path, mo
 
 def test_an_abandoned_generation_does_not_leak_into_the_next(decode_bundle, oracle):
     with Pipeline(decode_bundle, 2, launcher="process", slots=2) as pipe:
-        it = pipe.generate(PROMPTS[:2], NEW)
+        it = Generator(pipe).generate(PROMPTS[:2], NEW)
         next(it)
         it.close()  # steps of it are still in flight
-        res = pipe.generate_all(PROMPTS[:2], NEW)
+        res = Generator(pipe).generate_all(PROMPTS[:2], NEW)
     assert [r.tokens for r in res] == [oracle[0][0], oracle[1][0]]
 
 
@@ -351,7 +354,7 @@ def test_cli_text_prompts_through_a_local_tokenizer_and_split_plans(decode_bundl
     assert doc["sequences"][0]["text"].split() == [(["w%d" % i for i in range(60)] + ["hello", "world", "[UNK]", "the"])[t]
                                                    for t in want]
     b = load_bundle(decode_bundle)
-    lo, hi = state_spans(b)["v1"]
+    lo, hi = state_spans(b.graph, b.state)["v1"]
     ops = b.graph.op_nodes
     cut = next(c for c in range(1, len(ops)) if lo < ops[c - 1] + 1 <= hi)
     Plan.from_cuts(b.graph, [cut]).save(tmp_path / "plan.json")
@@ -369,9 +372,9 @@ def test_sampled_streams_survive_a_killed_stage(decode_bundle):
     the same run without the fault (tokens generated before the fault are not drawn again)."""
     kw = dict(temperature=0.8, top_k=10, seed=3)
     with Pipeline(decode_bundle, 2, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
-        clean = [r.tokens for r in pipe.generate_all(PROMPTS, NEW, **kw)]
+        clean = [r.tokens for r in Generator(pipe).generate_all(PROMPTS, NEW, **kw)]
         results = {}
-        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results, **kw)):
+        for n, _ in enumerate(Generator(pipe).generate(PROMPTS, NEW, results=results, **kw)):
             if n == 5:
                 pipe.launcher.kill(1)
         assert pipe.restarts == [0, 1]
@@ -389,9 +392,9 @@ def test_the_token_goes_from_the_sampling_stage_to_the_token_stage(decode_bundle
         edges = {(e.src, e.dst): e.entries for e in pipe.topology.edges}
         assert edges[(1, 0)] == (pipe.topology.token_entry,)
         frames = lambda: pipe.record().worker_stats[1].frames_out.get(0, 0)  # noqa: E731
-        res = pipe.generate_all(PROMPTS[:2], NEW, in_flight=2)
+        res = Generator(pipe).generate_all(PROMPTS[:2], NEW, in_flight=2)
         fed = frames()
-        res4 = pipe.generate_all(PROMPTS[:4], NEW, in_flight=4)
+        res4 = Generator(pipe).generate_all(PROMPTS[:4], NEW, in_flight=4)
         assert frames() == fed
     assert fed == 2 * (NEW - 1)
     assert [r.tokens for r in res] == [oracle[i][0] for i in range(2)]
@@ -405,7 +408,7 @@ def test_the_driver_sends_one_frame_a_step_and_the_stages_pass_it_on(decode_bund
     its same-node edges carry device tensors only) the driver feeds each stage that reads them.
     Tokens equal the oracle's."""
     b = load_bundle(decode_bundle)
-    plan = plan_keeping_state(b, 3)
+    plan = checked_plan(b, 3)
     topo, plain = build_topology(b, plan), build_topology(b, plan, relay=False)
     direct = {e.dst: e.entries for e in plain.outbound(DRIVER)}
     assert len(direct) >= 2 and topo.slot_entry in direct[2] and topo.step_entry in direct[2]
@@ -415,7 +418,7 @@ def test_the_driver_sends_one_frame_a_step_and_the_stages_pass_it_on(decode_bund
         assert set(direct.get(j, ())) <= set(edges[(j - 1, j)]) and set(topo.relayed[j]) <= set(edges[(j - 1, j)])
     assert set(direct[0]) | set(direct.get(1, ())) | set(direct[2]) == set(edges[(DRIVER, 0)])
     with Pipeline(decode_bundle, 3, launcher="process", slots=3) as pipe:
-        res = pipe.generate_all(PROMPTS, NEW, in_flight=3)
+        res = Generator(pipe).generate_all(PROMPTS, NEW, in_flight=3)
         rec, steps = pipe.record(), pipe.submitted
     assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
     assert {dst for dst, n in rec.driver_frames_out.items() if n} == {0} and rec.driver_frames_out[0] >= steps
@@ -432,12 +435,12 @@ def test_a_pipeline_without_logits_sends_the_driver_tokens_only(decode_bundle, o
         with Pipeline(decode_bundle, 2, launcher="process", slots=3, logits=logits) as pipe:
             edges = {(e.src, e.dst): e.entries for e in pipe.topology.edges}
             assert (edges[(1, DRIVER)] == (pipe.topology.token_entry,)) is not logits
-            res = pipe.generate_all(PROMPTS, NEW, in_flight=3)
+            res = Generator(pipe).generate_all(PROMPTS, NEW, in_flight=3)
             w = pipe.record().worker_stats[1]
             per_frame[logits] = w.bytes_out[DRIVER] / w.frames_out[DRIVER]
             if not logits:
                 with pytest.raises(TvmpipeError, match="built with logits=False"):
-                    list(pipe.generate(PROMPTS[:1], 2, logits_log={}))
+                    list(Generator(pipe).generate(PROMPTS[:1], 2, logits_log={}))
         assert [r.tokens for r in res] == [oracle[i][0] for i in range(len(PROMPTS))]
     assert per_frame[True] - per_frame[False] >= logits_bytes, per_frame
 
@@ -465,7 +468,7 @@ def test_a_killed_stage_without_state_keeps_every_cache(decode_bundle, oracle):
     with Pipeline(decode_bundle, 3, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
         assert 1 not in pipe.topology.stateful
         results = {}
-        for n, _ in enumerate(pipe.generate(PROMPTS, NEW, results=results, in_flight=3)):
+        for n, _ in enumerate(Generator(pipe).generate(PROMPTS, NEW, results=results, in_flight=3)):
             if n == 8:
                 pipe.launcher.kill(1)
         assert pipe.restarts[1] == 1 and pipe.state_losses == 0
@@ -480,11 +483,14 @@ def test_a_plain_run_of_a_decode_step_draws_nothing(decode_bundle, oracle):
     with Pipeline(decode_bundle, 2, launcher="process", slots=1) as pipe:
         b = pipe.bundle
         spec = pipe.topology.specs[pipe.topology.inputs[b.generation.token]]
-        outs = pipe.run([{b.generation.token: np.full(spec.shape, t, dtype=spec.dtype),
-                          b.generation.position: np.full(pipe.topology.specs[pipe.topology.inputs[b.generation.position]].shape, p,
-                                                         dtype=pipe.topology.specs[pipe.topology.inputs[b.generation.position]].dtype),
-                          "__slot__": np.array([0, int(p == 0)])} for p, t in enumerate(prompt)])
-        assert all(pipe.sampled(s) == [0] for s in range(len(prompt)))
+        for p, t in enumerate(prompt):
+            pipe.submit({b.generation.token: np.full(spec.shape, t, dtype=spec.dtype),
+                         b.generation.position: np.full(pipe.topology.specs[pipe.topology.inputs[b.generation.position]].shape, p,
+                                                        dtype=pipe.topology.specs[pipe.topology.inputs[b.generation.position]].dtype),
+                         "__slot__": np.array([0, int(p == 0)])})
+        got = [pipe.receive() for _ in prompt]
+        assert [r.seq for r in got] == list(range(len(prompt))) and all(r.drawn == [0] for r in got)
+        outs = [r.outputs for r in got]
     ref = oracle[0][1]
     for pos, out in enumerate(outs):
         assert np.abs(out[b.generation.logits] - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max()
@@ -495,20 +501,18 @@ def test_a_replayed_step_takes_a_completed_micro_batchs_token_from_the_driver(de
     replayed step whose token was drawn by one that completed before gets it from the driver
     (`Pipeline._settle_fed_back`, run by every re-wiring), and a step fed by an incomplete one
     still waits for it on the feedback edge."""
-    from tvmpipe.cluster.sampling import RowTag, Sampling, StepTag
-
     b = load_bundle(decode_bundle)
-    topo = build_topology(b, plan_keeping_state(b, 2))
+    topo = build_topology(b, checked_plan(b, 2))
     pipe = object.__new__(Pipeline)  # the bookkeeping only: no workers
-    pipe.topology, pipe.bundle, pipe._tokens, pipe._submitted = topo, b, {3: [42]}, 7
+    pipe.topology, pipe.bundle, pipe._drawn, pipe._submitted = topo, b, {3: [42]}, 7
     tok, step = topo.inputs[b.generation.token], topo.step_entry
     blank = np.zeros(topo.specs[tok].shape, dtype=topo.specs[tok].dtype)
-    pipe._inputs = {n: {tok: blank, step: StepTag(m, Sampling(), (RowTag(0, 1, True),), True).encode()}
+    pipe._inputs = {n: {tok: blank, step: encode_step(m, True, row_ints(0, 1, True, NO_SAMPLING))}
                     for n, m in ((5, 3), (6, 5))}
     pipe._settle_fed_back(5)
-    assert pipe._inputs[5][tok].reshape(-1).tolist() == [42] and StepTag.decode(pipe._inputs[5][step]).from_seq == -1
-    assert StepTag.decode(pipe._inputs[5][step]).feed_next  # the rest of the tag is kept
-    assert StepTag.decode(pipe._inputs[6][step]).from_seq == 5 and not pipe._inputs[6][tok].any()
+    assert pipe._inputs[5][tok].reshape(-1).tolist() == [42] and pipe._inputs[5][step][FROM] == -1
+    assert pipe._inputs[5][step][FEED_NEXT]  # the rest of the tag is kept
+    assert pipe._inputs[6][step][FROM] == 5 and not pipe._inputs[6][tok].any()
 
 
 def test_the_token_stage_keeps_only_the_fed_back_tokens_a_step_can_take():
@@ -558,10 +562,12 @@ def test_a_token_read_in_two_stages_is_fed_by_the_driver(decode_bundle):
     then submits no step before its token is known), while the last stage still draws and sends its
     token to the driver; stage and topology derive these roles from one function."""
     from tvmpipe.bundle.graph import EntryRef
-    from tvmpipe.cluster.topology import generation_roles
+
+    def generation_roles(b, s, e):
+        return decode_layout(b).roles(b.graph, s, e)
 
     b = load_bundle(decode_bundle)
-    plan = plan_keeping_state(b, 2)
+    plan = checked_plan(b, 2)
     token_in = build_topology(b, plan).inputs[b.generation.token]
     assert [generation_roles(b, s, e)[0] for s, e in plan.stages] == [token_in, None]
     late = next(n for n in range(*plan.stages[1]) if b.graph.nodes[n].is_op)

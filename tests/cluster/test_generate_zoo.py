@@ -41,6 +41,7 @@ def decoder(zoo_decoder):
                                      ("gpt_neox", (2,)), ("opt", (2,)), ("falcon", (2,))])
 def test_pipelined_generation_equals_transformers(decoder, name, ks):
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     from tvmpipe.bundle import load_bundle
@@ -53,7 +54,7 @@ def test_pipelined_generation_equals_transformers(decoder, name, ks):
         with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
             assert pipe.plan.num_stages == k
             results, logs = {}, {}
-            list(pipe.generate(PROMPTS, NEW, results=results, logits_log=logs))
+            list(Generator(pipe).generate(PROMPTS, NEW, results=results, logits_log=logs))
         for i, p in enumerate(PROMPTS):
             assert results[i].tokens == want[i], (name, k, i)
             seq = p + want[i]
@@ -78,6 +79,7 @@ def test_static_batches_equal_transformers_per_sequence(decoder, name):
     and every step's logits are transformers', at K = 1 and 2."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     bundle, model = decoder(name, 2)
@@ -91,7 +93,7 @@ def test_static_batches_equal_transformers_per_sequence(decoder, name):
         with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
             assert pipe.topology.batch == 2
             results, logs = {}, {}
-            events = list(pipe.generate(BATCH_PROMPTS, NEW, stop_tokens=[stop], results=results, logits_log=logs))
+            events = list(Generator(pipe).generate(BATCH_PROMPTS, NEW, stop_tokens=[stop], results=results, logits_log=logs))
         assert [results[i].tokens for i in range(len(BATCH_PROMPTS))] == want, (name, k)
         assert [results[i].finish for i in range(2)] == ["length" if len(want[0]) == NEW else "stop", "stop"]
         for i in range(len(BATCH_PROMPTS)):  # each sequence's events in order
@@ -135,18 +137,19 @@ def test_static_batches_and_chunked_steps_sample_the_batch_1_streams_and_survive
     the batch-1, token-a-step bundle gives it; with stage 1 SIGKILLed mid-way, every group replays
     its rows (a chunk of its history a step) and the streams stay the same."""
     from tvmpipe.cluster.driver import Pipeline, Timeouts
+    from tvmpipe.generation import Generator
 
     prompts = BATCH_PROMPTS if chunk == 1 else CHUNK_PROMPTS
     kw = dict(temperature=0.8, top_k=10, seed=3)
     one, _ = decoder("gpt2")
     other, _ = decoder("gpt2", batch, chunk)
     with Pipeline(one, 2, launcher="process", slots=2) as pipe:
-        clean = [r.tokens for r in pipe.generate_all(prompts, NEW, **kw)]
+        clean = [r.tokens for r in Generator(pipe).generate_all(prompts, NEW, **kw)]
     assert len({tuple(c) for c in clean}) == len(clean)
     with Pipeline(other, 2, launcher="process", slots=2, timeouts=Timeouts(progress=20)) as pipe:
-        assert [r.tokens for r in pipe.generate_all(prompts, NEW, **kw)] == clean
+        assert [r.tokens for r in Generator(pipe).generate_all(prompts, NEW, **kw)] == clean
         results = {}
-        for n, _ in enumerate(pipe.generate(prompts, NEW, results=results, **kw)):
+        for n, _ in enumerate(Generator(pipe).generate(prompts, NEW, results=results, **kw)):
             if n == 7:
                 pipe.launcher.kill(1)
         assert pipe.restarts == [0, 1] and pipe.state_losses == 1
@@ -161,6 +164,7 @@ def test_static_batches_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkey
     from tests.support.fake_cuda import activate
     from tests.support.pipeline_harness import ThreadLauncher
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate
 
     bundle, model = decoder("gpt2", 2)
@@ -170,7 +174,7 @@ def test_static_batches_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkey
     launcher = ThreadLauncher()
     with Pipeline(bundle, 2, backend="cuda", backend_opts={"graphs": True}, launcher=launcher, slots=2,
                   max_restarts=0, logits=False) as pipe:
-        res = pipe.generate_all(BATCH_PROMPTS, NEW)
+        res = Generator(pipe).generate_all(BATCH_PROMPTS, NEW)
         for st in (w.stage for w in launcher.workers if w is not None):
             if st.state is not None:
                 assert {len(buf) for bufs in st.state.buffers.values() for buf in bufs} == {1}
@@ -183,24 +187,24 @@ def test_a_replayed_static_batch_step_takes_completed_draws_in_its_fed_rows_only
     from the driver (Pipeline._settle_fed_back) in the rows that take them; a row fed by the driver
     (a prompt token) keeps its token."""
     from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.decode_layout import RowTag, StepTag
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.sampling import RowTag, Sampling, StepTag
-    from tvmpipe.cluster.topology import build_topology, plan_keeping_state
+    from tvmpipe.cluster.topology import build_topology
 
     bundle, _ = decoder("gpt2", 2)
     b = load_bundle(bundle)
-    topo = build_topology(b, plan_keeping_state(b, 2))
+    topo = build_topology(b, 2)
     assert topo.batch == 2
     pipe = object.__new__(Pipeline)  # the bookkeeping only: no workers
-    pipe.topology, pipe.bundle, pipe._tokens, pipe._submitted = topo, b, {3: [42, 43]}, 6
+    pipe.topology, pipe.bundle, pipe._drawn, pipe._submitted = topo, b, {3: [42, 43]}, 6
     tok, step = topo.inputs[b.generation.token], topo.step_entry
     rows = (RowTag(0, 2, True), RowTag(1, -1, False))  # row 0 takes micro-batch 3's draw, row 1 its prompt token
-    pipe._inputs = {5: {tok: np.array([[0], [77]], dtype=np.int64), step: StepTag(3, Sampling(), rows, True).encode()}}
+    pipe._inputs = {5: {tok: np.array([[0], [77]], dtype=np.int64), step: StepTag(3, rows, True).encode()}}
     pipe._settle_fed_back(4)
     settled = StepTag.decode(pipe._inputs[5][step])
     assert pipe._inputs[5][tok].reshape(-1).tolist() == [42, 77]
     assert settled.from_seq == -1 and not any(r.fed for r in settled.rows) and settled.feed_next
-    assert [(r.seq_index, r.token_index) for r in settled.rows] == [(0, 2), (1, -1)]  # the rest of the tag is kept
+    assert [(r.key, r.token_index) for r in settled.rows] == [(0, 2), (1, -1)]  # the rest of the tag is kept
 
 
 def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decoder):
@@ -210,6 +214,7 @@ def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decod
     apart); the tokens and every step's
     logits are transformers' either way, at K = 1 and 2."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     bundle, model = decoder("gpt2", 2)
@@ -221,7 +226,7 @@ def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decod
             with Pipeline(bundle, k, launcher="process", slots=1) as pipe:
                 assert pipe.topology.row_reset
                 results, logs = {}, {}
-                events = list(pipe.generate(prompts, NEW, results=results, logits_log=logs, row_admission=per_row))
+                events = list(Generator(pipe).generate(prompts, NEW, results=results, logits_log=logs, row_admission=per_row))
                 steps[per_row] = pipe.submitted
             assert [results[i].tokens for i in range(len(prompts))] == want, (k, per_row)
             for i, p in enumerate(prompts):
@@ -251,18 +256,19 @@ def test_chunked_prefill_equals_transformers(decoder, name, batch):
     micro-batches than a token a step (batch 2: rows of different prompts side by side, taken as
     they free)."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     bundle, model = decoder(name, batch, 4)
     one, _ = decoder(name, batch)
     want = [transformers_generate(model, p, NEW) for p in CHUNK_PROMPTS]
     with Pipeline(one, 2, launcher="process", slots=2) as pipe:
-        pipe.generate_all(CHUNK_PROMPTS, NEW)
+        Generator(pipe).generate_all(CHUNK_PROMPTS, NEW)
         unchunked = pipe.submitted
     for k in (1, 2):
         with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
             results, logs = {}, {}
-            events = list(pipe.generate(CHUNK_PROMPTS, NEW, results=results, logits_log=logs))
+            events = list(Generator(pipe).generate(CHUNK_PROMPTS, NEW, results=results, logits_log=logs))
             steps = pipe.submitted
         assert [results[i].tokens for i in range(len(CHUNK_PROMPTS))] == want, (name, batch, k)
         for i in range(len(CHUNK_PROMPTS)):
@@ -301,6 +307,7 @@ def test_chunked_prefill_on_the_strict_fake_cuda_driver(decoder, tmp_path, monke
     from tests.support.fake_cuda import activate
     from tests.support.pipeline_harness import ThreadLauncher
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate
 
     bundle, model = decoder("gpt2", 2, 4)
@@ -309,6 +316,6 @@ def test_chunked_prefill_on_the_strict_fake_cuda_driver(decoder, tmp_path, monke
 
     with Pipeline(bundle, 2, backend="cuda", backend_opts={"graphs": True}, launcher=ThreadLauncher(), slots=2,
                   max_restarts=0, logits=False) as pipe:
-        res = pipe.generate_all(CHUNK_PROMPTS, NEW)
+        res = Generator(pipe).generate_all(CHUNK_PROMPTS, NEW)
     assert [r.tokens for r in res] == [transformers_generate(model, p, NEW) for p in CHUNK_PROMPTS]
     assert not drv.violations

@@ -91,13 +91,13 @@ def test_a_fresh_row_resets_that_row_only_on_the_strict_fake_cuda_driver(zoo_dec
 
 def test_a_row_reset_needs_the_rows_on_the_state_s_leading_axis(zoo_decoder):
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.topology import rows_resettable, slot_spec
+    from tvmpipe.bundle.decode_layout import slot_layout
     from tvmpipe.executor.errors import InputError
 
     two, _ = zoo_decoder("gpt2", 2)
     one, _ = zoo_decoder("gpt2")
-    assert rows_resettable(load_bundle(two)) and not rows_resettable(load_bundle(one))
-    assert slot_spec(load_bundle(two)).shape == (3,) and slot_spec(load_bundle(one)).shape == (2,)
+    assert slot_layout(load_bundle(two)).row_reset and not slot_layout(load_bundle(one)).row_reset
+    assert slot_layout(load_bundle(two)).spec.shape == (3,) and slot_layout(load_bundle(one)).spec.shape == (2,)
     stage = _stage(two, "reference")
     stage.run(_feed(stage, [1, 1, 1], [0, 0]))
     with pytest.raises(InputError) as e:  # three rows named, the caches have two

@@ -1,0 +1,136 @@
+"""What goes into the generation layer and what comes out: requests, checked once where they enter,
+and the events and results of each sequence.
+
+A `Request` is built only by `make_requests` (or `Request.checked`), which checks its prompt, limits,
+stop tokens and sampling against the decode step's layout; the scheduler below takes requests as
+they are. The application layer makes them from command-line options or a prompts file, the server
+from an HTTP body, a library user from plain lists through `Generator.generate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from tvmpipe.bundle.decode_layout import DecodeLayout, decode_layout
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.executor.sampler import Sampling
+
+FINISH_REASONS = ("length", "stop", "context", "cancelled")
+
+
+class GenerationError(TvmpipeError):
+    """A generation run ended early; `finished` holds the sequences that completed (by index)."""
+
+    def __init__(self, message: str, finished: dict[int, "SequenceResult"] | None = None):
+        self.finished = dict(finished or {})
+        super().__init__(message)
+
+
+def layout_of(bundle: Any) -> DecodeLayout:
+    """The bundle's decode-step layout; a one-line error unless it is a decode-step bundle."""
+    layout = decode_layout(bundle)
+    if layout is None:
+        raise TvmpipeError(f"{bundle.path} is not a decode-step bundle: bundle.json declares no `generation` "
+                           "section and state pairs (compile a decoder with `tvmpipe compile NAME --decode`; "
+                           "see docs/generation.md)")
+    return layout
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate: its prompt ids, how many tokens at most, how to draw them, which
+    tokens end it (kept as its last token), and `key`, which with the seed and the token index keys
+    its draws (executor.sampler): `tvmpipe generate` keys prompt i with i, a served request with 0,
+    so that a request's tokens equal a one-prompt `tvmpipe generate` with the same seed."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    stop_tokens: frozenset[int] = frozenset()
+    key: int = 0
+
+    @classmethod
+    def checked(cls, prompt: Sequence[int], max_new_tokens: int, layout: DecodeLayout, *,
+                sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), key: int = 0,
+                what: str = "prompt") -> "Request":
+        """A request whose every field fits `layout` (one-line errors naming `what` and the field)."""
+        return cls(check_prompt(prompt, layout, what), check_max_new_tokens(max_new_tokens),
+                   sampling.check(layout.vocab_size), check_stop_tokens(stop_tokens, layout.vocab_size), key)
+
+
+def check_prompt(prompt: Sequence[int], layout: DecodeLayout, what: str = "prompt") -> tuple[int, ...]:
+    """A non-empty list of token ids inside the vocabulary, no longer than the context."""
+    p = list(prompt)
+    if not p:
+        raise TvmpipeError(f"{what} is empty")
+    vocab = layout.vocab_size
+    bad = [t for t in p if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise TvmpipeError(f"{what}: token id {bad[0]!r} is outside the vocabulary 0..{vocab - 1}")
+    if len(p) > layout.max_context:
+        raise TvmpipeError(f"{what} has {len(p)} tokens, more than the bundle's max_context {layout.max_context}")
+    return tuple(int(t) for t in p)
+
+
+def check_max_new_tokens(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise TvmpipeError(f"--max-new-tokens must be an integer >= 1, got {n!r}")
+    return int(n)
+
+
+def check_stop_tokens(tokens: Iterable[int], vocab: int) -> frozenset[int]:
+    """Stop token ids, each inside the vocabulary."""
+    stops = set()
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise TvmpipeError(f"--stop-token {t!r} is outside the vocabulary 0..{vocab - 1}")
+        stops.add(int(t))
+    return frozenset(stops)
+
+
+def make_requests(prompts: Sequence[Sequence[int]], max_new_tokens: int, layout: DecodeLayout, *,
+                  sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = ()) -> list[Request]:
+    """The requests of a prompt set: prompt i keyed i, every other field shared (checked once)."""
+    if not prompts:
+        raise TvmpipeError("no prompts: give at least one (--prompt-ids 5,17,3)")
+    checked = [check_prompt(p, layout, f"prompt {i}") for i, p in enumerate(prompts)]
+    n = check_max_new_tokens(max_new_tokens)
+    stops = check_stop_tokens(stop_tokens, layout.vocab_size)
+    sampling.check(layout.vocab_size)
+    return [Request(p, n, sampling, stops, i) for i, p in enumerate(checked)]
+
+
+@dataclass
+class SequenceResult:
+    """One sequence: its prompt, the tokens generated, and why it stopped ("length": max new
+    tokens, "stop": a stop token (kept as the last token), "context": the cache is full,
+    "cancelled": its caller gave it up)."""
+
+    index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    first_token_s: float | None = None  # seconds from admission to the first generated token
+    token_times: list[float] = field(default_factory=list)  # wall clock of each generated token
+    replays: int = 0  # times its caches were rebuilt after a stage restart
+
+    def to_json(self) -> dict:
+        return {"prompt": list(self.prompt), "tokens": list(self.tokens), "finish": self.finish}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Sequence `seq` generated `token`, its `index`-th; `finish` says why it was the last (None:
+    more follow), and `done` is whether it was."""
+
+    seq: int
+    token: int
+    index: int
+    finish: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None

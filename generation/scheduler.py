@@ -1,0 +1,398 @@
+"""The scheduler: continuous batching of sequences over a pipeline whose stages keep their KV caches.
+
+It sits above the driver and talks to it only through `Pipeline`'s public verbs: `submit` a step,
+`receive` the next completed one with its draws, `in_flight` / `window` for room, `state_losses` to
+learn that a stage holding caches restarted. Each step's inputs follow the decode-step layout
+(bundle.decode_layout); the driver holds no generation state.
+
+Each micro-batch is one decode step of a *group*: one sequence, or for a bundle compiled with
+`--batch B` a static batch of B sequences, one per row, each at its own position, in one slot. The
+driver feeds the step's positions, the slot ([slot, fresh per row]) and the step tag; the stages read
+and write that slot's caches where they are, and only hidden states cross stages. The stage that
+computes the logits draws the next tokens and sends them straight to the stage that reads tokens
+(the feedback edge), so the scheduler submits a group's next step as soon as the previous one is in
+flight, naming the micro-batch whose draws it takes. The driver also gets every draw, for streaming
+and stopping; a step submitted after a sequence stopped is wasted for that row.
+
+- Prompts go in token by token, or up to C tokens a step for a step compiled with `--chunk C`
+  (chunked prefill), and a prompt's steps do not wait for each other: every stage runs micro-batches
+  in submission order, so step p + 1 of a slot always sees step p's cache.
+- Several groups are in flight (up to `in_flight` sequences, rounded up to whole groups, at most the
+  pipeline's slots): while one waits for its draws, the others keep every stage busy. When a row's
+  sequence finishes, the next queued request takes that row at position 0 in the group's next step,
+  which resets that row of the slot's caches only (per-row admission, where every cache has the rows
+  as its leading axis; SlotLayout.row_reset); otherwise the row idles until the whole group ends and
+  the next requests take its slot.
+- Requests arrive at any time (`add`) and can be given up (`cancel`): the row is freed at the next
+  step, and the steps of that row still in flight are ignored.
+- Faults: when a stage holding caches restarts (`state_losses` moves), every group in flight lost its
+  caches there. Results of steps submitted before are dropped, and each sequence replays its history
+  (prompt + tokens so far) from position 0 before it continues; tokens already generated are kept,
+  not drawn again, so the streams equal those of a run without the fault.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from tvmpipe.bundle.decode_layout import NO_SAMPLING, SLOT_NAME, STEP_NAME, encode_step, row_ints
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.generation.requests import Request, SequenceResult, TokenEvent, layout_of
+
+if TYPE_CHECKING:
+    from tvmpipe.cluster.driver import Pipeline
+
+EMPTY_ROW = row_ints(0, -1, False, NO_SAMPLING)  # padding at position 0: nothing fed back or drawn
+FED_FROM_KEPT = 4096  # steps whose fed-back source is remembered for the timeline (fed_from)
+
+
+class _Row:
+    """One sequence of a group: its request and result, every token fed or to feed (prompt, then
+    generated), and the position its next step feeds."""
+
+    def __init__(self, index: int, request: Request, now: float):
+        self.request = request
+        self.r = SequenceResult(index, list(request.prompt))
+        self.hist = list(request.prompt)
+        self.pos = 0
+        self.admitted = now
+        self.sampling = request.sampling.tag_ints()  # the step tag's per-row sampling, made once
+
+
+class _Group:
+    """The sequences of one static batch, one per row (None: an empty row), in one slot; every step
+    of the group is one micro-batch that advances each running row by its own width."""
+
+    def __init__(self, rows: list[_Row | None], slot: int, epoch: int):
+        self.rows = rows
+        self.key = next(x.r.index for x in rows if x is not None)  # its first sequence's index
+        self.slot = slot
+        self.epoch = epoch  # the pipeline's state_losses when its caches were (re)started
+        self.outstanding = 0  # its steps in flight
+        self.queued = False  # in the scheduler's ready queue
+        self.last: tuple[int, int, bool] | None = None  # (micro-batch, epoch, draws fed back) of its latest step
+        self.running = [(i, x) for i, x in enumerate(rows) if x is not None]  # (row, sequence) not finished
+
+
+class _Step:
+    """A submitted micro-batch: its group, per running row (row, sequence, the position after the
+    step's last token), and the epoch it was submitted in."""
+
+    __slots__ = ("group", "carried", "epoch", "seq")
+
+    def __init__(self, group: _Group, carried: list[tuple[int, _Row, int]], epoch: int, seq: int):
+        self.group, self.carried, self.epoch, self.seq = group, carried, epoch, seq
+
+
+class Scheduler:
+    """Continuous batching over `pipe` (a Pipeline of a decode-step bundle).
+
+        s = Scheduler(pipe)
+        s.add(request)                 # any time; returns the sequence's index
+        while s.busy:
+            for event in s.step():     # submits what is ready, waits for one step's draws
+                ...                    # s.cancel(event.seq) stops a sequence early
+
+    `in_flight`: sequences in flight (default: all the slots hold); `row_admission`: a queued request
+    takes a finished sequence's row at once where the caches reset a row at a time (False: a group's
+    rows are admitted together); `logits_log`: per sequence, the logits of each step by position
+    (needs a pipeline built with logits=True). Finished sequences go into `finished` (a queue the
+    caller empties) and, if given, `results` (index -> SequenceResult).
+    """
+
+    def __init__(self, pipe: "Pipeline", *, in_flight: int | None = None, row_admission: bool = True,
+                 logits_log: dict | None = None, results: dict | None = None):
+        self.pipe = pipe
+        self.layout = layout_of(pipe.bundle)
+        self.batch = self.layout.batch
+        self.chunk = self.layout.chunk
+        if in_flight is None:
+            in_flight = pipe.slots * self.batch
+        if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+            raise TvmpipeError(f"--in-flight must be an integer >= 1, got {in_flight!r}")
+        self.groups = min(-(-in_flight // self.batch), pipe.slots)  # slots in use, at most
+        other = [n for n in pipe.topology.inputs if n not in (self.layout.token_name, self.layout.position_name,
+                                                               self.layout.count_name, SLOT_NAME, STEP_NAME)]
+        if other:
+            raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
+        if logits_log is not None and pipe.topology.dropped_heads:
+            raise TvmpipeError("logits_log needs the logits at the driver: this pipeline was built with logits=False")
+        self.logits_log = logits_log
+        self.results = results  # index -> SequenceResult of every finished sequence, if given
+        self.finished: deque[SequenceResult] = deque()  # finished since the caller last took them
+        self.per_row = row_admission and pipe.topology.row_reset
+        self.fed_back = pipe.topology.feedback is not None
+        specs = pipe.topology.specs
+        self._tok_spec, self._pos_spec = specs[self.layout.token], specs[self.layout.position]
+        self._count_spec = specs[self.layout.count] if self.layout.count is not None else None
+        self.queue: deque[_Row] = deque()  # admitted to the scheduler, waiting for a row
+        self.active: dict[int, _Group] = {}  # by group key
+        self.free = list(range(self.groups))[::-1]  # slots no group holds
+        self.steps: deque[_Step] = deque()  # micro-batches in flight, in submission order
+        # Groups with a step to submit (known tokens not yet fed, draws in flight to feed forward, or
+        # caches to rebuild), round robin: each step costs O(1) however many groups are in flight
+        self.ready: deque[_Group] = deque()
+        self.fed_from: dict[int, int] = {}  # step -> the micro-batch whose draws it took (timeline)
+        self._rows: dict[int, tuple[_Group | None, _Row]] = {}  # index -> where the sequence is, until it ends
+        self._next_index = 0
+        self._seen_losses = pipe.state_losses
+        while pipe.in_flight:  # steps of an earlier scheduler abandoned mid-way: drop them
+            pipe.receive()
+
+    # ---- the caller's verbs ------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether any sequence is queued or running."""
+        return bool(self.queue or self.active)
+
+    def add(self, request: Request, index: int | None = None) -> int:
+        """Queue a checked request (requests.Request); returns its sequence index (`index`, or the
+        next free one)."""
+        index = self._next_index if index is None else index
+        self._next_index = max(self._next_index, index + 1)
+        row = _Row(index, request, time.time())
+        self.queue.append(row)
+        self._rows[index] = (None, row)
+        return index
+
+    def cancel(self, index: int, why: str = "cancelled") -> None:
+        """End sequence `index` now (its result keeps the tokens so far): a queued one leaves the
+        queue, a running one frees its row at the group's next step. Unknown or finished: nothing."""
+        where = self._rows.get(index)
+        if where is None:
+            return
+        g, x = where
+        if g is None:
+            self.queue.remove(x)
+            self._end(x, why)
+            return
+        i = next(i for i, y in g.running if y is x)
+        self._finish(g, i, x, why, time.time())
+
+    def step(self) -> list[TokenEvent]:
+        """Admit queued requests into free slots, submit every step that is ready while the window
+        has room, then wait for the next micro-batch and return the tokens it drew."""
+        self._admit()
+        self._notice_restarts()
+        self._submit_ready()
+        if not self.steps:
+            raise TvmpipeError("the scheduler has nothing in flight")  # cannot happen: a bug
+        return self._receive()
+
+    def run(self) -> Iterator[TokenEvent]:
+        """Step until every sequence added so far has finished, yielding each token."""
+        while self.busy:
+            yield from self.step()
+
+    # ---- admission ----------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Queued requests take free slots, up to B rows a group."""
+        while self.queue and self.free:
+            now = time.time()
+            rows: list[_Row | None] = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
+            g = _Group(rows + [None] * (self.batch - len(rows)), self.free.pop(), self.pipe.state_losses)
+            for x in rows:
+                x.admitted = now
+                self._rows[x.r.index] = (g, x)
+            self.active[g.key] = g
+            self._want(g)
+
+    def _notice_restarts(self) -> None:
+        """A stage holding caches restarted: every group rebuilds its own (_submit_ready)."""
+        losses = self.pipe.state_losses
+        if losses != self._seen_losses:
+            self._seen_losses = losses
+            for g in self.active.values():
+                self._want(g)
+
+    def _want(self, g: _Group) -> None:
+        if not g.queued:
+            g.queued = True
+            self.ready.append(g)
+
+    # ---- submitting steps ---------------------------------------------------------------------------
+    def _submit_ready(self) -> None:
+        """Submit every step whose tokens are known or in flight, round robin over groups, while the
+        window has room. The token stage runs steps in submission order, so a step that takes the
+        draws of the step just before it would hold that stage up for a whole trip round the ring:
+        such a step waits until as many other steps as there are stages (or groups, if fewer) were
+        submitted after its predecessor."""
+        pipe = self.pipe
+        epoch = pipe.state_losses
+        spacing = min(len(self.active), pipe.topology.num_stages)
+        deferred = []
+        while pipe.in_flight < pipe.window and self.ready:
+            g = self.ready.popleft()
+            g.queued = False
+            if self.active.get(g.key) is not g:
+                continue  # finished since it was queued
+            if g.epoch != epoch:  # its caches were lost: rebuild them from position 0
+                g.epoch, g.last = epoch, None
+                for _, x in g.running:
+                    x.pos = 0
+                    x.r.replays += 1
+            src = self._source(g, epoch)
+            if src is None:
+                continue  # nothing to feed yet (queued again after its step was submitted)
+            if src >= 0 and pipe.submitted - src < spacing:
+                deferred.append(g)
+                continue
+            ns = self._widths(g)
+            ds = self._draws(g, ns)
+            fwd = self._forward(g, ns, ds)
+            seq = pipe.submit(self._feed(g, src, ns, ds, fwd))
+            if src >= 0:
+                self.fed_from[seq] = src
+                self.fed_from.pop(seq - FED_FROM_KEPT, None)
+            self.steps.append(_Step(g, [(i, x, x.pos + ns[i]) for i, x in g.running], epoch, seq))
+            g.last = (seq, epoch, fwd)
+            for i, x in g.running:
+                x.pos += ns[i]
+            g.outstanding += 1
+            if self._source(g, epoch) is not None:
+                self._want(g)  # more to feed (prompts, history, or the tokens this step draws): back of the queue
+        for g in deferred:
+            self._want(g)
+
+    def _source(self, g: _Group, epoch: int) -> int | None:
+        """Where the tokens of g's next step come from: -1, every running row's is known; m, the
+        draws of micro-batch m (g's latest step, still in flight, whose draws are fed back; a stop
+        token it may draw makes the step a wasted one for that row); None: nothing to submit yet. A
+        running row was in each of g's steps since it was admitted, so a row whose next token is not
+        known yet draws it in g's latest step."""
+        fed = False
+        for _, x in g.running:
+            n = len(x.hist)
+            if x.pos > n:
+                return None
+            fed = fed or x.pos == n
+        if not fed:
+            return -1
+        if g.last is not None and g.last[1:] == (epoch, True):
+            return g.last[0]
+        return None
+
+    def _widths(self, g: _Group) -> list[int]:
+        """Tokens each row's next step feeds: up to `chunk` of those known (a prompt goes in a chunk
+        at a time, and a replayed history), else one (the draw fed back to it); 1 in a finished or
+        empty row."""
+        ns = [1] * self.batch
+        if self.chunk > 1:
+            for i, x in g.running:
+                ns[i] = max(1, min(self.chunk, len(x.hist) - x.pos))
+        return ns
+
+    def _draws(self, g: _Group, ns: list[int]) -> list[int]:
+        """Which generated token each row's next step draws (from its last token's logits): -1 where
+        the token after the step's is known (and in a finished or empty row)."""
+        ds = [-1] * self.batch
+        for i, x in g.running:
+            if x.pos + ns[i] >= len(x.hist):
+                ds[i] = x.pos + ns[i] - len(x.r.prompt)
+        return ds
+
+    def _forward(self, g: _Group, ns: list[int], ds: list[int]) -> bool:
+        """Whether g's next step, drawing `ds` (per row, -1: none), feeds its draws forward: the
+        pipeline has a token stage to feed (the feedback edge), a row draws a token that cannot end
+        its sequence by length or context, and the window holds two steps of every group in flight
+        (with fewer, the next step could not be submitted before this one completes anyway)."""
+        return (self.fed_back and 2 * len(self.active) <= self.pipe.window
+                and any(0 <= ds[i] and ds[i] + 1 < x.request.max_new_tokens and x.pos + ns[i] < self.layout.max_context
+                        for i, x in g.running))
+
+    def _feed(self, g: _Group, src: int, ns: list[int], ds: list[int], fwd: bool) -> dict:
+        """The step's inputs: per row its tokens (or the fed-back draw), its position, whether it
+        starts a sequence (a row reset, or the whole slot's when every row starts), and its tag.
+        Finished and empty rows get padding at position 0 and draw nothing."""
+        batch, chunk = self.batch, self.chunk
+        toks, poss, fresh, rows = [0] * (batch * chunk), [0] * batch, [0] * batch, EMPTY_ROW * batch
+        width = len(EMPTY_ROW)
+        for i, x in g.running:
+            n, p = len(x.hist), x.pos
+            if p < n:
+                toks[i * chunk:i * chunk + ns[i]] = x.hist[p:p + ns[i]]
+            poss[i] = p
+            fresh[i] = 1 if p == 0 else 0
+            rows[width * i:width * (i + 1)] = row_ints(x.request.key, ds[i], src >= 0 and p >= n, x.sampling)
+        if all(poss[i] == 0 for i, _ in g.running):
+            fresh = [1] * batch  # the group (re)starts: the whole slot
+        tok, pos, layout = self._tok_spec, self._pos_spec, self.layout
+        out = {layout.token_name: np.array(toks, dtype=tok.dtype).reshape(tok.shape),
+               layout.position_name: np.array(poss, dtype=pos.dtype).reshape(pos.shape),
+               SLOT_NAME: np.array([g.slot] + fresh, dtype=np.int64),
+               STEP_NAME: encode_step(src, fwd, rows)}
+        if self._count_spec is not None:
+            out[layout.count_name] = np.array(ns, dtype=self._count_spec.dtype).reshape(self._count_spec.shape)
+        return out
+
+    # ---- receiving draws ----------------------------------------------------------------------------
+    def _receive(self) -> list[TokenEvent]:
+        """Wait for the oldest step in flight; its rows that drew a token get it."""
+        result = self.pipe.receive()
+        step = self.steps.popleft()
+        g = step.group
+        g.outstanding -= 1
+        if self.active.get(g.key) is not g:  # finished while a stale or wasted step was in flight
+            if g.outstanding == 0:
+                self.free.append(g.slot)
+            return []
+        if step.epoch != g.epoch or step.epoch != self.pipe.state_losses:
+            return []  # computed on caches a restart lost: the group rebuilds
+        live = [(i, x, p) for i, x, p in step.carried if g.rows[i] is x]  # rows whose sequence runs on
+        if self.logits_log is not None:
+            self._log_logits(result.outputs, live)
+        drew = [(i, x) for i, x, p in live if p == len(x.hist)]  # the others' next tokens are known
+        if not drew:
+            return []  # prompt steps (or replayed ones)
+        now = time.time()
+        events = []
+        for i, x in drew:
+            t = result.drawn[i]
+            if x.r.first_token_s is None:
+                x.r.first_token_s = now - x.admitted
+            x.r.tokens.append(t)
+            x.r.token_times.append(now)
+            x.hist.append(t)
+            why = ("stop" if t in x.request.stop_tokens else "length" if len(x.r.tokens) >= x.request.max_new_tokens
+                   else "context" if len(x.hist) > self.layout.max_context else None)
+            events.append(TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why))
+            if why:
+                self._finish(g, i, x, why, now)
+        if self.active.get(g.key) is g:
+            self._want(g)  # its next step's tokens are known now, or in flight
+        return events
+
+    def _log_logits(self, outputs: list, live: list[tuple[int, _Row, int]]) -> None:
+        """The logits of each live row's last token this step, by its position."""
+        logits = np.asarray(outputs[self.pipe.bundle.generation.logits])
+        rows_of = logits.reshape(self.batch, -1) if self.batch > 1 else None
+        for i, x, p in live:
+            self.logits_log.setdefault(x.r.index, {})[p - 1] = np.array(logits if rows_of is None else rows_of[i],
+                                                                        copy=True)
+
+    def _finish(self, g: _Group, i: int, x: _Row, why: str, now: float) -> None:
+        """Row i's sequence ended; with per-row admission the next queued request takes the row at
+        once (its first step resets that row of the slot), else the row idles until the group ends."""
+        self._end(x, why)
+        g.running = [(j, y) for j, y in g.running if y is not x]
+        g.rows[i] = None
+        if self.per_row and self.queue:
+            g.rows[i] = y = self.queue.popleft()
+            y.admitted = now
+            self._rows[y.r.index] = (g, y)
+            g.running.append((i, y))
+        if not g.running:
+            del self.active[g.key]
+            if g.outstanding == 0:
+                self.free.append(g.slot)
+
+    def _end(self, x: _Row, why: str) -> None:
+        x.r.finish = why
+        if self.results is not None:
+            self.results[x.r.index] = x.r
+        self.finished.append(x.r)
+        del self._rows[x.r.index]
