@@ -5,7 +5,7 @@
 Every zoo model (compiler/zoo.py: torchvision CNNs, transformers from small configs, random seeded
 weights, no downloads) is exported to .pt2 and to ONNX, compiled, and checked by
 `tvmpipe.app.zoocheck.check_model`, in float32 and in float16 (`--dtype float16`, compared with the
-float32 torch model within zoocheck.FP16_TOLERANCE). Prints the coverage table (the README's) and writes
+float32 torch model within zoocheck.FP16_TOLERANCE). Prints the coverage table and writes
 bench/results/zoo.json with the machine's load average: this 2-core machine is shared, and other
 work inflates compile and run times. Exits 1 if any model fails a check (a path torch itself
 cannot export, and the KNOWN_FAILURES of TVM's importer, are listed, not counted).
@@ -26,7 +26,7 @@ from pathlib import Path
 from stamp import stamp  # when, commit, machine: bench/perfpage.py reads them
 
 RESULTS = Path(__file__).parent / "results" / "zoo.json"
-# Rows that fail in TVM itself, documented in the README ("Model zoo"): listed in the table, not
+# Rows that fail in TVM itself, documented in docs/compiler.md ("Model zoo"): listed in the table, not
 # counted. The exit status says when one of them starts passing (time to take it off this list).
 KNOWN_FAILURES = {
     ("swin_t", "onnx"): "TVM's ONNX importer: a Pad whose pads it cannot see as constants",
@@ -58,7 +58,7 @@ def _half(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's coverage table, one row per (model, path)."""
+    """The coverage table (markdown), one row per (model, path)."""
     head = ("| model | path | dtype | compile s | nodes / kernels | max error vs torch (of max\\|out\\|) "
             "| reference ms / torch ms | K = 2, 3 bit-identical | result |\n|---|---|---|--:|--:|--:|--:|---|---|")
     lines = [head]
