@@ -658,7 +658,7 @@ def render(placed: list[Placed]) -> str:
         "",
         "This page is generated: `make perf-page` (or `.venv/bin/python bench/perfpage.py`) writes it from",
         "the result files in [bench/results/](../bench/results/), which the scripts in bench/ write",
-        "(`make bench` runs them all; the GPU ones through `bench/gpu_check.sh`, see",
+        "(`make bench` runs them all; on a GPU machine `bench/gpu_check.sh` runs the GPU ones, see",
         "[gpu-validation.md](gpu-validation.md)). `tests/bench/test_perfpage.py` fails when it is out of date.",
         "",
         "Each row is the newest value of one figure. **date** and **commit** say when and on which code it",
