@@ -11,7 +11,7 @@ import argparse
 from typing import Any, Callable
 
 from tvmpipe.app.options import BACKENDS, ClusterOptions
-from tvmpipe.cluster.placement import STRATEGIES
+from tvmpipe.cluster.control.placement import STRATEGIES
 
 
 class Parser(argparse.ArgumentParser):

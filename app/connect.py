@@ -67,8 +67,8 @@ def check_where(opts: ClusterOptions) -> None:
 def open_cluster(opts: ClusterOptions, max_stages: int) -> Iterator[Cluster]:
     """The cluster for the duration of the block: started (--local) or joined (--address), and
     stopped or left afterwards; --processes needs neither."""
-    from tvmpipe.cluster.local import LOOPBACK, detect_gpus, local_ray
-    from tvmpipe.cluster.placement import alive_nodes
+    from tvmpipe.cluster.control.local import LOOPBACK, detect_gpus, local_ray
+    from tvmpipe.cluster.control.placement import alive_nodes
 
     check_where(opts)
     if opts.processes:
@@ -103,8 +103,8 @@ def pick_backend(requested: str, gpus: int) -> str:
 
 def pipeline_kwargs(opts: ClusterOptions, cluster: Cluster, backend: str, k: int) -> dict[str, Any]:
     """Pipeline keyword arguments for K stages of `backend` on `cluster`."""
-    from tvmpipe.cluster.control import ProcessLauncher, Timeouts
-    from tvmpipe.cluster.placement import Placement
+    from tvmpipe.cluster.control.launchers import ProcessLauncher, Timeouts
+    from tvmpipe.cluster.control.placement import Placement
 
     gpus = opts.gpus_per_stage
     if gpus is None:

@@ -1,20 +1,28 @@
-"""`tvmpipe generate`: autoregressive generation on a decode-step bundle run as K pipeline stages.
+"""`tvmpipe generate`: text (or token ids) in, text out, from a decode-step bundle run as K pipeline
+stages that keep their KV caches.
 
-    tvmpipe generate BUNDLE --stages K --local --prompt-ids 5,17,3 --prompt-ids 60 --max-new-tokens N --json
+    tvmpipe generate BUNDLE --local --prompt "The capital of France is"          # streams the text
+    tvmpipe generate BUNDLE --local --chat --prompt "Hi!" --system "Be brief."   # the chat template
+    tvmpipe generate BUNDLE --local --prompt-ids 5,17,3 --max-new-tokens 8 --json
+    tvmpipe generate BUNDLE --address auto --prompts-file in.jsonl --output out.jsonl   # a batch job
 
-prints one JSON document: per sequence its `prompt` (the ids given), the generated `tokens` and why
-it stopped (`finish`), plus the run's numbers. Text is optional, through a local tokenizer directory
-(`--tokenizer DIR --prompt TEXT`; nothing is downloaded). See docs/generation.md.
+Text goes through the bundle's tokenizer (`tvmpipe compile DIR` copies a checkpoint's; `--tokenizer
+DIR` overrides) with the `tokenizers` library; nothing is downloaded. `--json` prints one JSON document
+and nothing else on stdout (Ray's own lines go to stderr). A batch job writes one line per prompt to
+its output as each sequence finishes, and a rerun skips what the output already holds. This module
+parses and prints; app/generating.py runs it (docs/generation.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
+from contextlib import contextmanager
+from typing import Iterator
 
-from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, add_cluster_args, cluster_options
+from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, cluster_options
 from tvmpipe.core.errors import TvmpipeError
 
 
@@ -38,127 +46,163 @@ def token_id(text: str) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser(
-        "generate", help="generate tokens with a decode-step bundle run as a pipeline (KV caches stay on the stages)",
+        "generate", help="generate text with a decode-step bundle run as a pipeline (KV caches stay on the stages)",
         description="Run BUNDLE (a decode step with declared state and a generation section) as K pipeline stages "
-                    "that keep their KV caches, feed each prompt token by token, sample, and feed the tokens back. "
-                    "Several sequences are in flight so every stage stays busy.")
+                    "that keep their KV caches: prompts go in, each sequence's tokens are drawn on the last stage "
+                    "and fed back, and several sequences are in flight so every stage stays busy.")
     g.add_argument("bundle", help="decode-step bundle directory")
     g.add_argument("--stages", "-k", type=COUNT, default=2, help="number of stages K (default 2)")
     g.add_argument("--plan", metavar="PLAN.json", help="plan from `tvmpipe partition -o` (overrides --stages; "
                    "it must keep every state pair in one stage)")
-    g.add_argument("--prompt-ids", type=token_ids, action="append", default=[], metavar="ID,ID,...",
-                   help="a prompt as token ids (repeat for more sequences)")
-    g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a prompt as text (needs --tokenizer; repeatable)")
-    g.add_argument("--tokenizer", metavar="DIR", help="local transformers tokenizer directory (no downloads)")
-    g.add_argument("--max-new-tokens", type=COUNT, default=16, help="tokens to generate per sequence (default 16)")
-    g.add_argument("--in-flight", type=COUNT, help="sequences in flight (default: all the slots hold; more are "
+    p = g.add_argument_group("prompts")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt as text (repeatable)")
+    p.add_argument("--prompt-ids", type=token_ids, action="append", default=[], metavar="ID,ID,...",
+                   help="a prompt as token ids (repeatable)")
+    p.add_argument("--chat", action="store_true", help="each --prompt is a user message, through the checkpoint's "
+                   "chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message first")
+    p.add_argument("--prompts-file", metavar="IN.jsonl", help="a batch job: one JSON object a line, {\"prompt\": "
+                   "TEXT} or {\"prompt_ids\": [...]} or {\"messages\": [...]}, optionally with an \"id\"; needs --output")
+    p.add_argument("--output", metavar="OUT.jsonl", help="with --prompts-file: one line per prompt, written as each "
+                   "sequence finishes; a rerun skips the ids already there")
+    p.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer directory (tokenizer.json, ...) instead of "
+                   "the bundle's")
+    s = g.add_argument_group("sampling and stopping")
+    s.add_argument("--max-new-tokens", type=COUNT, default=16, help="tokens to generate per sequence (default 16)")
+    s.add_argument("--temperature", type=NON_NEGATIVE, default=0.0, help="0 (default): greedy; else sample")
+    s.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="sample among the K most likely (0: all)")
+    s.add_argument("--top-p", type=POSITIVE, default=1.0, help="sample among the most likely tokens that reach this "
+                   "probability (1, the default: all)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i draws from (seed, i))")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a sequence where this text appears; it is not shown (repeatable)")
+    s.add_argument("--stop-token", type=token_id, action="append", default=[], metavar="ID",
+                   help="end a sequence after this token (repeatable; the checkpoint's eos ids always stop it)")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's eos ids")
+    r = g.add_argument_group("run")
+    r.add_argument("--in-flight", type=COUNT, help="sequences in flight (default: all the slots hold; more are "
                    "queued; a bundle compiled with --batch B runs B a micro-batch, so this is rounded up to whole "
                    "batches)")
-    g.add_argument("--slots", type=COUNT, help="slots each stage holds caches for, each one micro-batch's sequences "
+    r.add_argument("--slots", type=COUNT, help="slots each stage holds caches for, each one micro-batch's sequences "
                    "(1, or the bundle's --batch B) (default: the window)")
-    g.add_argument("--temperature", type=NON_NEGATIVE, default=0.0, help="0 (default): greedy; else sample")
-    g.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="sample among the K most likely (0: all)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (each sequence draws from (seed, index))")
-    g.add_argument("--stop-token", type=token_id, action="append", default=[], metavar="ID",
-                   help="stop a sequence after this token (repeatable)")
-    g.add_argument("--json", action="store_true", help="print one JSON document")
+    r.add_argument("--json", action="store_true", help="print one JSON document, and nothing else, on stdout")
     add_cluster_args(g)
     g.set_defaults(func=generate_command)
 
 
-def load_tokenizer(path: str):
-    from pathlib import Path
-
-    if not Path(path).is_dir():
-        raise TvmpipeError(f"--tokenizer {path}: not a directory (a local transformers tokenizer directory)")
+@contextmanager
+def stdout_reserved(reserve: bool) -> Iterator[None]:
+    """With `reserve`: while the block runs, stdout (file descriptor 1 and sys.stdout) points at
+    stderr, so whatever Ray, its workers' forwarded logs or a library prints lands there; the caller
+    prints its document after the block, alone on stdout."""
+    if not reserve:
+        yield
+        return
+    sys.stdout.flush()
+    saved, python = os.dup(1), sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
-        raise TvmpipeError(f"--tokenizer {path}: cannot load a tokenizer there ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-
-
-def stage_metrics(pipe):
-    """The run's per-stage figures (PipelineMetrics: each micro-batch is one step of one sequence,
-    or of a static batch of them), with the weights and the KV caches each stage holds; None where
-    a worker cannot say any more (a run that failed), which costs the report its table, not the
-    tokens."""
-    from tvmpipe.cluster.driver import PipelineError
-
-    try:
-        return pipe.metrics()
-    except (PipelineError, TvmpipeError, OSError):
-        return None
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = python
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from tvmpipe.app.connect import check_where, open_cluster, pick_backend, pipeline_kwargs
+    from tvmpipe.app.connect import check_where
+    from tvmpipe.app.generating import GenerationRun
+    from tvmpipe.app.prompts import make_prompts, prompts_from_options, read_prompts_file
     from tvmpipe.app.sources import choose_plan
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.core.files import JsonLines
     from tvmpipe.executor.sampler import Sampling
-    from tvmpipe.generation import GenerationError, Generator, layout_of, make_requests
+    from tvmpipe.generation import layout_of
+    from tvmpipe.generation.text import load_text_codec
 
     options = cluster_options(args)
     check_where(options)
+    if bool(args.prompts_file) != bool(args.output):
+        raise TvmpipeError("--prompts-file and --output go together (a batch job reads one and writes the other)")
+    if args.prompts_file and (args.prompt or args.prompt_ids):
+        raise TvmpipeError("--prompts-file replaces --prompt and --prompt-ids: give one or the other")
     bundle = load_bundle(args.bundle)
     layout = layout_of(bundle)
-    if args.prompt and not args.tokenizer:
-        raise TvmpipeError("--prompt TEXT needs --tokenizer DIR (or give token ids with --prompt-ids)")
-    tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    prompts = list(args.prompt_ids) + [list(tok.encode(t)) for t in args.prompt]
-    if not prompts:
-        raise TvmpipeError("no prompt: give --prompt-ids 5,17,3 (repeatable) or --prompt TEXT with --tokenizer")
-    requests = make_requests(prompts, args.max_new_tokens, layout, stop_tokens=args.stop_token,
-                             sampling=Sampling(args.temperature, args.top_k, args.seed))
+    where = args.tokenizer or bundle.tokenizer_dir
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        raise TvmpipeError(f"--tokenizer {args.tokenizer}: not a directory (a local tokenizer directory)")
+    codec = load_text_codec(where) if where is not None else None
+    if args.stop and codec is None:
+        raise TvmpipeError("--stop TEXT needs a tokenizer: the bundle has none, give --tokenizer DIR")
+    entries = (read_prompts_file(args.prompts_file) if args.prompts_file else
+               prompts_from_options(args.prompt_ids, args.prompt, chat=args.chat, system=args.system, codec=codec))
+    stops = list(args.stop_token) + ([] if codec is None or args.ignore_eos else list(codec.stop_token_ids))
+    prompts = make_prompts(entries, layout, codec=codec, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
+                           sampling=Sampling(args.temperature, args.top_k, args.seed, args.top_p),
+                           system=args.system)
+    output = JsonLines(args.output) if args.output else None
+    if output is not None:  # a rerun: what the output holds is done
+        have = {r.get("id") for r in output.records if isinstance(r, dict)}
+        prompts = [p for p in prompts if p.id not in have]
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
-    results: dict = {}
-    t0 = time.time()
-    error = None
-    restarts = 0
-    with open_cluster(options, plan.num_stages) as cluster:
-        backend = pick_backend(options.backend, cluster.gpus)
-        kw = pipeline_kwargs(options, cluster, backend, plan.num_stages)
-        with Pipeline(bundle, plan, slots=args.slots, logits=False, **kw) as pipe:  # it streams tokens only
-            t1 = time.time()
-            try:
-                for ev in Generator(pipe).generate(requests, in_flight=args.in_flight, results=results):
-                    if not args.json:
-                        print(f"seq {ev.seq}: {ev.token}", flush=True)
-            except GenerationError as exc:
-                error = str(exc)
-            wall = time.time() - t1
-            restarts = sum(pipe.restarts)
-            slots = pipe.slots
-            batch, chunk = pipe.topology.batch, pipe.topology.chunk
-            metrics = stage_metrics(pipe)
-    tokens = sum(len(r.tokens) for r in results.values())
-    seqs = []
-    for i in sorted(results):
-        d = results[i].to_json()
-        if tok is not None:
-            d["text"] = tok.decode(results[i].tokens)
-        seqs.append(d)
-    doc = {"bundle": str(args.bundle), "stages": plan.num_stages, "plan": [list(s) for s in plan.stages],
-           "backend": backend, "slots": slots, "batch": batch, "chunk": chunk, "sequences": seqs, "generated_tokens": tokens,
-           "tokens_per_s": tokens / wall if wall > 0 else None, "wall_s": wall, "startup_s": t1 - t0,
-           "restarts": restarts, "error": error, "metrics": metrics.to_json() if metrics is not None else None}
+    run = GenerationRun(bundle, plan, options, prompts, codec=codec, stop=list(args.stop), slots=args.slots,
+                        in_flight=args.in_flight)
+    with stdout_reserved(args.json or output is not None):
+        if prompts:
+            _execute(run, args, output)
     if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
-        for i, d in zip(sorted(results), seqs):
-            print(f"sequence {i}: prompt {d['prompt']} -> {d['tokens']} ({d['finish']})"
-                  + (f" {d['text']!r}" if "text" in d else ""))
-        print(f"{tokens} tokens in {wall:.3f} s ({doc['tokens_per_s'] or 0:.1f} tokens/s), {plan.num_stages} "
-              f"stage(s), " + (f"{batch} sequences a micro-batch, " if batch > 1 else "")
-              + (f"prompts {chunk} tokens a step, " if chunk > 1 else "")
-              + f"backend {backend}, restarts {restarts}")
-        if metrics is not None:
-            print(metrics.table())
-    if error:
-        print(f"tvmpipe generate: error: {error}", file=sys.stderr)
+        print(json.dumps(run.summary(), indent=1))
+    elif output is None:
+        _print_summary(run)
+    if output is not None:
+        output.close()
+        print(f"tvmpipe generate: {len(run.done)} sequence(s) written to {args.output}, "
+              f"{len(entries) - len(prompts)} already there", file=sys.stderr)
+    if run.error:
+        print(f"tvmpipe generate: error: {run.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _execute(run, args: argparse.Namespace, output) -> None:
+    """Run, showing it as it goes: one text prompt streams to the terminal; otherwise each sequence
+    is printed (or, in a batch job, written to the output) as it ends, with progress on stderr."""
+    from tvmpipe.app.progressbar import ProgressBar
+
+    out = sys.stdout
+    stream_one = not args.json and output is None and run.codec is not None and len(run.prompts) == 1
+    bar = ProgressBar(len(run.prompts), sys.stderr, enabled=output is not None)
+
+    def on_text(i: int, piece: str) -> None:
+        if stream_one:
+            out.write(piece)
+            out.flush()
+
+    def on_done(f) -> None:
+        if output is not None:
+            output.append(f.to_json())
+        elif stream_one:
+            out.write("\n")
+        elif not args.json:
+            d = f.to_json()
+            print(f"[{d['id']}] {d['text']!r}" if "text" in d else f"[{d['id']}] {d['tokens']}", f"({d['finish']})",
+                  file=out, flush=True)
+        bar.update(len(run.done), run.generated_tokens)
+
+    try:
+        run.execute(on_text, on_done)
+    finally:
+        bar.close()
+
+
+def _print_summary(run) -> None:
+    doc = run.summary()
+    tokens, wall = doc["generated_tokens"], doc["wall_s"]
+    print(f"{tokens} tokens in {wall:.3f} s ({doc['tokens_per_s'] or 0:.1f} tokens/s), {doc['stages']} stage(s), "
+          + (f"{run.batch} sequences a micro-batch, " if run.batch > 1 else "")
+          + (f"prompts {run.chunk} tokens a step, " if run.chunk > 1 else "")
+          + f"backend {run.backend}, restarts {run.restarts}")
+    if run.metrics is not None:
+        print(run.metrics.table())

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 import numpy as np
 
-from tvmpipe.cluster.environment import worker_environment
+from tvmpipe.cluster.control.environment import worker_environment
 
 
 def _run(bundle_path: str, backend: str, opts: dict, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:

@@ -114,8 +114,8 @@ def open_calibrator(value: str, bundle: Bundle, backend: str, profile: Any, opti
 
     from tvmpipe.cluster import Pipeline
     from tvmpipe.cluster.experiment import local_cores
-    from tvmpipe.cluster.local import LOOPBACK
-    from tvmpipe.cluster.transport import INLINE_BYTES
+    from tvmpipe.cluster.control.local import LOOPBACK
+    from tvmpipe.cluster.wire.tcp import INLINE_BYTES
     from tvmpipe.executor.backend_simulated import SPIN_S
     from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition import plan_equal_ops
@@ -240,11 +240,10 @@ def run_sweep(bundle: Bundle, out: str | Path, options: ClusterOptions, *, stage
     times (each paired with a calibration round: Calibrator.paired), and write the report under `out`. `measure_links`: probe the Ray cluster's links first
     (cluster/linkprobe.py), keep them in links.json and charge boundary frames with them. `say` receives one line per step as it happens. Returns
     the cases (a case that could not be planned or run has `error` set) and the report's files."""
-    import statistics
 
     from tvmpipe.cluster import Pipeline
     from tvmpipe.cluster.experiment import WARMUP_MICRO_BATCHES, spreads
-    from tvmpipe.cluster.local import LOOPBACK
+    from tvmpipe.cluster.control.local import LOOPBACK
     from tvmpipe.cluster.timeline import gantt_spans, write_trace
     from tvmpipe.executor.inputs import random_micro_batches
     from tvmpipe.partition.cost import read_profile

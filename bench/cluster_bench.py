@@ -88,7 +88,7 @@ def pct(values: list[float], q: float) -> float:
 
 def pipeline(bundle, k: int, profile: dict, window: int, transport: str = "auto"):
     from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.placement import Placement
+    from tvmpipe.cluster.control.placement import Placement
 
     return Pipeline(bundle, k, backend="simulated", backend_opts={"cost_profile": profile}, window=window,
                     launcher="ray", placement=Placement(cpus=0.25), transport=transport)
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
-    from tvmpipe.cluster.local import local_ray
+    from tvmpipe.cluster.control.local import local_ray
 
     results: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                  "platform": platform.platform()}, "started": time.time()}

@@ -135,11 +135,11 @@ def measure(bundle_dir: Path, k: int, stage_ms: float, tokens: int) -> list[dict
             before = pipe.record()
             before_seq = pipe.submitted
             t0 = time.perf_counter()
-            gen = Generator(pipe)
-            res = gen.generate_all(prompts, per_seq, in_flight=s)
+            generator = Generator(pipe)
+            res = generator.generate_all(prompts, per_seq, in_flight=s)
             wall = time.perf_counter() - t0
             after = pipe.record()
-            path = trip(before_seq, after, pipe.submit_times, pipe.done_times, gen.scheduler.fed_from)
+            path = trip(before_seq, after, pipe.submit_times, pipe.done_times, generator.scheduler.fed_from)
             made = sum(len(r.tokens) for r in res)
             steps = made  # one-token prompts: every step yields a token
             ttft = [r.first_token_s * 1e3 for r in res]

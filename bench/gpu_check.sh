@@ -319,7 +319,7 @@ s_pipeline() {
   return "$rc"
 }
 
-s_ipc() {  # CUDA IPC (cluster/cudaipc.py) against D2H + socket + H2D between two processes on GPU 0
+s_ipc() {  # CUDA IPC (cluster/wire/cudaipc.py) against D2H + socket + H2D between two processes on GPU 0
   local rc=0
   rm -f bench/results/ipc_gpu.json
   # shellcheck disable=SC2086  # IPC_ARGS is a list of options

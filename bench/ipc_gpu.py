@@ -4,7 +4,7 @@
 
 One producer process, one consumer process, a socketpair between them. Per size and path, GB/s of
 `iters` micro-batches moved from a producer device buffer into a consumer device buffer:
-  cuda-ipc  cluster/cudaipc.py as a pipeline edge uses it: D2D into a 2-slot exported ring, event,
+  cuda-ipc  cluster/wire/cudaipc.py as a pipeline edge uses it: D2D into a 2-slot exported ring, event,
             note; the consumer waits on the event, copies D2D on its stream, acknowledges;
   host      D2H into page-locked memory, sendall over the socket, recv_into page-locked, H2D.
 Runs on the fake PyCUDA too (tests put tests/fakecuda first on PYTHONPATH): numbers then mean nothing.
@@ -53,7 +53,7 @@ def _recv_obj(sock):
 
 
 def consumer(sock, ack_sock, nbytes: int, iters: int, path: str) -> None:
-    from tvmpipe.cluster.cudaipc import DeviceInbox
+    from tvmpipe.cluster.wire.cudaipc import DeviceInbox
     from tvmpipe.executor.backend_cuda import PyCudaDevice
 
     dev = PyCudaDevice()
@@ -85,7 +85,7 @@ def consumer(sock, ack_sock, nbytes: int, iters: int, path: str) -> None:
 
 
 def producer(sock, ack_sock, nbytes: int, iters: int, path: str) -> float:
-    from tvmpipe.cluster.cudaipc import DeviceRing
+    from tvmpipe.cluster.wire.cudaipc import DeviceRing
     from tvmpipe.executor.backend_cuda import PyCudaDevice
 
     dev = PyCudaDevice()
@@ -100,7 +100,7 @@ def producer(sock, ack_sock, nbytes: int, iters: int, path: str) -> float:
         if ring is not None:
             if not ring.wait_free(ack_sock, lambda: True):
                 raise ConnectionError("consumer gone")
-            _send_obj(sock, ring.write({0: src}))
+            _send_obj(sock, ring.write({0: src}).pack())  # the note as the frame codec carries it
         else:
             with dev.current():
                 dev.cuda.memcpy_dtoh(pinned.view(np.ndarray), src)

@@ -36,7 +36,7 @@ N, KILL_AT = 120, 60
 
 def one_run(mode: str, stages: int, window: int, time_scale: float) -> dict[str, float]:
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.cluster.control import Timeouts
+    from tvmpipe.cluster.control.launchers import Timeouts
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.executor.inputs import random_micro_batches
 

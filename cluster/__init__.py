@@ -4,13 +4,21 @@
     with Pipeline("examples/mlp", 2, launcher="ray") as pipe:    # after ray.init(), or launcher="process"
         outputs = pipe.run([{"x": x0}, {"x": x1}])
 
-Modules: frames (wire format), transport (sockets), topology (edges), worker (StageWorker),
-status (what a worker reports), control (launchers, process workers, timeouts), environment
-(worker processes' variables), actor (StageActor, RayLauncher), placement, driver (Pipeline),
-metrics, timeline, local (loopback Ray).
+Modules, from the top:
+  driver      Pipeline: the schedule (a window of micro-batches in flight, results in order),
+              supervision and recovery (restart, re-wire under a new epoch, replay)
+  experiment  measurement rounds of a running pipeline (what `tvmpipe sweep` reports)
+  linkprobe   a link's latency and bandwidth, measured through the data plane
+  timeline    Chrome/Perfetto traces and Gantt charts of a run
+  control/    the control plane: launchers (processes, Ray actors), placement, shipping, local Ray
+  worker      StageWorker: one stage, its inbound and outbound edges, its part in decoding
+  topology    who sends what to whom: edges derived once from the plan's stage programs
+  metrics     RunRecord and the per-stage numbers computed from it
+  status      what a worker reports (WorkerStatus, WorkerStats, Span, Progress)
+  wire/       the data plane: frame codec, stream, handshake, TCP, shared memory, CUDA IPC
 
 The names below are imported on first use (PEP 562), so importing one light module of this
-package (placement, local) from the CLI does not pay for the whole layer.
+package (control.placement, control.local) from the CLI does not pay for the whole layer.
 """
 
 from __future__ import annotations
@@ -20,13 +28,15 @@ from typing import Any
 
 _EXPORTS = {
     "Pipeline": "driver", "PipelineError": "driver",
-    "Timeouts": "control", "WorkerError": "control", "WorkerLost": "control", "ProcessLauncher": "control",
-    "Placement": "placement", "PlacementError": "placement",
+    "StepResult": "driver",
+    "Timeouts": "control.launchers", "WorkerError": "control.launchers", "WorkerLost": "control.launchers",
+    "ProcessLauncher": "control.launchers", "RayLauncher": "control.ray_actors",
+    "Placement": "control.placement", "PlacementError": "control.placement",
     "StageSpec": "worker", "StageWorker": "worker",
     "WorkerStatus": "status", "WorkerStats": "status", "Span": "status",
     "RunRecord": "metrics", "PipelineMetrics": "metrics", "StageMetrics": "metrics", "compute_metrics": "metrics",
     "trace": "timeline", "write_trace": "timeline", "write_gantt": "timeline",
-    "local_ray": "local",
+    "local_ray": "control.local",
 }
 
 __all__ = sorted(_EXPORTS)

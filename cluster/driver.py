@@ -37,14 +37,14 @@ import numpy as np
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.decode_layout import FED, FROM, STEP_NAME, no_step, take_fed
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import cudaipc, shm
-from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
-from tvmpipe.cluster.control import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
-from tvmpipe.cluster.handshake import new_secret
+from tvmpipe.cluster.wire import cudaipc, shm
+from tvmpipe.cluster.wire.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
+from tvmpipe.cluster.control.launchers import Launcher, ProcessLauncher, Timeouts, WorkerError, WorkerLost
+from tvmpipe.cluster.wire.handshake import new_secret
 from tvmpipe.cluster.metrics import TIMELINE_KEPT, PipelineMetrics, RunRecord, compute_metrics
 from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology
-from tvmpipe.cluster.transport import Address, Link, Peer, PolledListener, tally
+from tvmpipe.cluster.wire.tcp import Address, Link, Peer, PolledListener, tally
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
 from tvmpipe.executor.checks import check_inputs
 from tvmpipe.partition import Plan, checked_plan
@@ -743,8 +743,8 @@ def _make_launcher(launcher: str | Launcher, placement: Any, timeouts: Timeouts,
     if launcher == "process":
         return ProcessLauncher(timeouts, ship_bundle=ship_bundle)
     if launcher == "ray":
-        from tvmpipe.cluster.actor import RayLauncher
-        from tvmpipe.cluster.placement import Placement
+        from tvmpipe.cluster.control.ray_actors import RayLauncher
+        from tvmpipe.cluster.control.placement import Placement
 
         return RayLauncher(placement or Placement(), timeouts, ship_bundle=ship_bundle)
     if isinstance(launcher, str):

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
-from tvmpipe.cluster.handshake import Peer, new_secret
-from tvmpipe.cluster.transport import Address, Link, Listener
+from tvmpipe.cluster.wire.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.wire.handshake import Peer, new_secret
+from tvmpipe.cluster.wire.tcp import Address, Link, Listener
 from tvmpipe.core.errors import TvmpipeError
 
 SMALL, BIG = 4 << 10, 4 << 20  # bytes per probe frame

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.wire.frames import DRIVER
 from tvmpipe.core.table import Column, render_table
 from tvmpipe.core.units import format_bytes
 from tvmpipe.cluster.status import WorkerStats

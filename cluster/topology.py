@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
 from tvmpipe.bundle.decode_layout import SLOT_NAME, STEP_NAME, TOKEN_NAME, DecodeLayout, SlotLayout, decode_layout, slot_layout
-from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.wire.frames import DRIVER
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
 from tvmpipe.partition import Plan, checked_plan

@@ -23,19 +23,18 @@ from collections import deque
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle.decode_layout import FED, FEED_NEXT, FROM, TOKEN_NAME, decode_layout, slot_layout, take_fed
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import cudaipc, shm
-from tvmpipe.cluster.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
+from tvmpipe.cluster.wire import cudaipc, shm
+from tvmpipe.cluster.wire.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
 from tvmpipe.cluster.metrics import TIMELINE_KEPT
-from tvmpipe.cluster.shipping import Shipment, unpack
 from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
-from tvmpipe.cluster.transport import INLINE_BYTES, Address, Link, Listener, Peer, tally
+from tvmpipe.cluster.wire.tcp import INLINE_BYTES, Address, Link, Listener, Peer, tally
 from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
@@ -125,29 +124,32 @@ def _release(parts: dict[int, Frame], outputs: dict[int, np.ndarray]) -> dict[in
     return outputs
 
 
+@dataclass
+class LocalBundle:
+    """Where a worker reads its bundle when the launcher shipped it to this node instead of the
+    worker reading `StageSpec.bundle_path` in place (control/shipping.py): the node's copy, whether
+    it holds only some stages' weights, the bytes shipped, and how to give the copy up on close."""
+
+    path: str
+    partial: bool = False
+    shipped_bytes: int = 0
+    release: Callable[[], None] | None = None
+
+
 class StageWorker:
-    def __init__(self, spec: StageSpec, bundle_files: dict[str, bytes] | None = None):
+    def __init__(self, spec: StageSpec, local: LocalBundle | None = None):
         t0 = time.time()
         self.spec = spec
         self.index = spec.index
-        self._shipment = None  # the lease on this node's unpacked shipment (ship path)
-        path, partial = spec.bundle_path, False
-        self.shipped_bytes = 0  # what this worker was sent (ship path): small files + its node's weights slice
-        if isinstance(bundle_files, list):  # [shipment]: taken out, so only this frame holds it
-            bundle_files = bundle_files.pop()
-        if bundle_files is not None:
-            self.shipped_bytes = (bundle_files.nbytes if isinstance(bundle_files, Shipment)
-                                  else sum(len(b) for b in bundle_files.values()))
-            self._shipment = unpack(bundle_files, f"stage{spec.index}")
-            path, partial = self._shipment.path, self._shipment.partial
-            bundle_files = None  # the node's copy is on disk now; this process keeps none in memory
+        self._local = local
+        path, partial = (local.path, local.partial) if local is not None else (spec.bundle_path, False)
+        self.shipped_bytes = local.shipped_bytes if local is not None else 0  # what this worker was sent
         try:
             bundle = load_bundle(path, partial_weights=partial)
             self.stage = Stage(bundle, spec.start, spec.end, backend=spec.backend,
                                state_slots=spec.state_slots, **spec.backend_opts)
         except BaseException:
-            if self._shipment is not None:
-                self._shipment.lease.release()
+            self._release_local()
             raise
         wf = getattr(bundle.params, "file", None)  # a safetensors bundle: what this process read of it
         self.weights_bytes_read = wf.bytes_read if wf is not None else 0
@@ -401,8 +403,12 @@ class StageWorker:
         if self._wiring is not None:
             shm.sweep(self._wiring.run)
         self.stage.close()
-        if self._shipment is not None:
-            self._shipment.lease.release()
+        self._release_local()
+
+    def _release_local(self) -> None:
+        if self._local is not None and self._local.release is not None:
+            self._local.release()
+            self._local = None
 
     # ---- data plane --------------------------------------------------------------------------------
     def _accept_hello(self, peer: Peer) -> FrameLimits:

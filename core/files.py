@@ -90,3 +90,48 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+class JsonLines:
+    """An append-only JSON-lines file whose every line is whole or absent: each record is one
+    `write` of a complete line, made durable (fsync) before the next, so a process killed at any
+    moment leaves the lines it finished and at most a torn last line, which reopening removes.
+    `records` holds the lines already there (a job resumes by skipping what they cover)."""
+
+    def __init__(self, path: str | Path, what: str = "--output"):
+        self.path = check_writable(path, what)
+        self.records: list[Any] = []
+        keep = 0
+        if self.path.exists():
+            data = self.path.read_bytes()
+            for line in data.splitlines(keepends=True):
+                if not line.endswith(b"\n"):
+                    break  # torn by a kill mid-write: dropped
+                try:
+                    self.records.append(json.loads(line))
+                except ValueError:
+                    raise OutputError(f"{what} {self.path}: line {len(self.records) + 1} is not JSON; "
+                                      "not a file this job wrote (move it away or pick another name)") from None
+                keep += len(line)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.ftruncate(self._fd, keep)
+        os.lseek(self._fd, keep, os.SEEK_SET)
+
+    def append(self, record: Any) -> None:
+        line = (json.dumps(record, default=_json_default) + "\n").encode("utf-8")
+        view = memoryview(line)
+        while view:  # a regular file takes it in one write; loop for the letter of the API
+            view = view[os.write(self._fd, view):]
+        os.fsync(self._fd)
+        self.records.append(record)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "JsonLines":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -6,7 +6,7 @@ usual THP setting (defrag=madvise) can stall in memory compaction. A stage that 
 weights straight into its slots (pread) pays that on every page: measured on the 2-core dev VM,
 reading 1.5 GiB into np.zeros buffers ran at 0.4-1.8 GB/s from the page cache, against 2.7 GB/s
 into anonymous mappings populated in one call (MAP_POPULATE), consistently. The same holds for
-received frames whose arrays are kept (cluster/stream.py): ~5 ms per fresh 4 MB array against
+received frames whose arrays are kept (cluster/wire/stream.py): ~5 ms per fresh 4 MB array against
 ~1 ms (docs/cluster.md)."""
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class CudaBackend:
         self._plans: dict[tuple, list] = {}  # launch plans by bindings
         self._graphs: dict[tuple | None, Any] = {}  # captured graphs by bindings (None: none bound)
         self._aliases: dict[int, set[int]] = {}
-        # Fed entries that arrive on the device (cluster/cudaipc.py): no host copy in; their
+        # Fed entries that arrive on the device (cluster/wire/cudaipc.py): no host copy in; their
         # DeviceFeeds enqueue a wait on the producer's event and device-to-device copies instead.
         self.device_fed: frozenset[int] = frozenset()
         self._device_feeds: list[Any] = []

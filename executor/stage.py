@@ -53,7 +53,7 @@ class Stage:
     def run(self, inputs: Mapping[int, np.ndarray], device: list[Any] | None = None) -> dict[int, np.ndarray]:
         """Run the stage on its fed entries (graph inputs by their null node's entry id, and entries
         received from earlier stages); return the entries it sends, by entry id. `device`: feeds of
-        entries that come device to device (cluster/cudaipc.py, cuda backend only), not in `inputs`."""
+        entries that come device to device (cluster/wire/cudaipc.py, cuda backend only), not in `inputs`."""
         return self._run(inputs, profile=False, device=device)[0]
 
     def compute(self, inputs: Mapping[int, np.ndarray]) -> None:

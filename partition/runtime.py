@@ -15,7 +15,7 @@ charges it where the runtime spends it:
 - its *cycle* (the interval it can sustain between micro-batches) is its link time plus the larger of
   its serial path and its CPU time. The serial path is busy + receive (the receiving thread decodes,
   then computes) + a send per outbound frame of at most `inline_bytes`: the transport writes such a
-  frame from the computing thread itself (cluster/transport.py INLINE_BYTES, one thread wake-up less
+  frame from the computing thread itself (cluster/wire/tcp.py INLINE_BYTES, one thread wake-up less
   per hop), so the next micro-batch waits for it; larger frames go to a sender thread and overlap the
   next compute while it holds no CPU. Measured on the simulated backend (compute sleeps, 1 ms stages):
   without the inline sends the model put a 1-stage plan 4 % above its own calibration run, every time;

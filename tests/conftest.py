@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 
 # One BLAS thread in the test process, as tvmpipe gives its workers when the driver sets none
-# (cluster/environment.py): OpenBLAS sums in another order at another thread count, and tests compare
+# (cluster/control/environment.py): OpenBLAS sums in another order at another thread count, and tests compare
 # pipelines with in-process oracles bit for bit. Set before anything imports NumPy.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")

@@ -25,7 +25,7 @@ def nothing_starts(monkeypatch):
         raise AssertionError("a cluster was opened: the bad option was not caught up front")
 
     monkeypatch.setattr(connect, "open_cluster", refuse)
-    import tvmpipe.cluster.local as local
+    import tvmpipe.cluster.control.local as local
 
     monkeypatch.setattr(local, "local_ray", refuse)
 

@@ -39,7 +39,7 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The one embedded Ray cluster of the session, on 127.0.0.1 only."""
-    from tvmpipe.cluster.local import local_ray
+    from tvmpipe.cluster.control.local import local_ray
 
     before = descendants(os.getpid())
     with local_ray(num_cpus=RAY_CPUS, num_gpus=RAY_FAKE_GPUS):

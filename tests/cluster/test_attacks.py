@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from tests.support.pipeline_harness import ThreadLauncher, assert_bit_identical, case
 
-from tvmpipe.cluster import frames, handshake, stream
+from tvmpipe.cluster.wire import frames, handshake, stream
 from tvmpipe.cluster.driver import Pipeline, PipelineError
-from tvmpipe.cluster.frames import DRIVER, Frame
-from tvmpipe.cluster.control import Timeouts
+from tvmpipe.cluster.wire.frames import DRIVER, Frame
+from tvmpipe.cluster.control.launchers import Timeouts
 from tvmpipe.cluster.worker import StageWorker
 
 

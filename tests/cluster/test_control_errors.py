@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from tvmpipe.cluster.control import WorkerError, WorkerLost
+from tvmpipe.cluster.control.launchers import WorkerError, WorkerLost
 
 
 @pytest.mark.parametrize("cls", [WorkerError, WorkerLost])

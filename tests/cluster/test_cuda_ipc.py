@@ -1,4 +1,4 @@
-"""CUDA IPC between cuda stages on one node (cluster/cudaipc.py) over the strict fake PyCUDA, whose
+"""CUDA IPC between cuda stages on one node (cluster/wire/cudaipc.py) over the strict fake PyCUDA, whose
 IPC rules (tests/fakecuda/pycuda/driver.py "CUDA IPC") hold across the stage processes: outputs
 byte-identical to the host path (TCP), and every stage-to-stage edge reports "cuda-ipc"."""
 
@@ -9,10 +9,10 @@ import struct
 
 import pytest
 
-from tvmpipe.cluster.control import ProcessLauncher
+from tvmpipe.cluster.control.launchers import ProcessLauncher
 from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.generation import Generator
-from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.wire.frames import DRIVER
 from tvmpipe.executor import random_inputs
 from tvmpipe.bundle import load_bundle
 
@@ -69,7 +69,7 @@ def test_a_stage_killed_mid_run_recovers_on_cuda_ipc(bundles, env, tmp_path, tra
     stream: every output once, equal to the host path; after re-wiring the edges are cuda-ipc
     again (a dead importer's opens do not block its producer's free, as in CUDA) and nothing
     exported is left once the run ends."""
-    from tvmpipe.cluster.control import Timeouts
+    from tvmpipe.cluster.control.launchers import Timeouts
 
     batches = [random_inputs(load_bundle(bundles["cnn"]), seed=40 + i) for i in range(24)]
     want, _ = run(bundles["cnn"], 3, env, "tcp", batches)
@@ -88,41 +88,44 @@ def test_a_stage_killed_mid_run_recovers_on_cuda_ipc(bundles, env, tmp_path, tra
 def _ipc_frame(note):
     import numpy as np
 
-    from tvmpipe.cluster.frames import Frame
+    from tvmpipe.cluster.wire.frames import Frame
 
     return Frame("ipc", "r1", 0, 5, 0, {3: np.zeros((2, 4), np.float32)}, {3: "x"}, device=note)
 
 
 def test_ipc_notes_round_trip_and_are_checked():
-    """The ipc frame: header only, exact layout checked, the note and its offer decoded; a lying
-    note or offer is a one-line FrameError (nothing is opened or read)."""
+    """The ipc frame: header only, exact layout checked; the codec passes the note on as sent and the
+    connection's device inbox decodes it and its offer; a lying note or offer is a one-line
+    FrameError (nothing is opened or read)."""
     import msgpack
 
-    from tvmpipe.cluster import frames
-    from tvmpipe.cluster.cudaipc import DeviceInbox, Note, Offer
-    from tvmpipe.cluster.frames import FrameError, FrameLimits
+    from tvmpipe.cluster.wire import frames
+    from tvmpipe.cluster.wire.cudaipc import DeviceInbox, Note, Offer
+    from tvmpipe.cluster.wire.frames import FrameError, FrameLimits
 
     offer = Offer((b"m" * 64, b"n" * 64), (b"e" * 64, b"f" * 64), 4096)
     limits = FrameLimits.exact([(3, "float32", (2, 4))])
     data = frames.to_bytes(_ipc_frame(Note(0, offer)))
     h = frames.PREFIX.size
     frame, layout = frames.parse_header(data[h:], limits)
-    assert frame.kind == "ipc" and frame.device == Note(0, offer) and len(data) == h + frames.parse_prefix(data[:h], limits)
+    assert frame.kind == "ipc" and Note.unpack(frame.device) == Note(0, offer)
+    assert len(data) == h + frames.parse_prefix(data[:h], limits)
     with pytest.raises(FrameError, match="does not match|exact|layout|expected"):
         frames.parse_header(data[h:], FrameLimits.exact([(3, "float32", (2, 5))]))
     for bad in ([0, ["zz", "", 4096]], [0, [offer.pack()[0], "", 4096]], [99, None], ["0", None]):
         doc = msgpack.unpackb(data[h:])
         doc["ipc"] = bad
         with pytest.raises(FrameError, match="cuda-ipc"):
-            frames.parse_header(msgpack.packb(doc), limits)
+            DeviceInbox(dev=None, sock=None).take(frames.parse_header(msgpack.packb(doc), limits)[0].device,
+                                                  layout.metas)
     inbox = DeviceInbox(dev=None, sock=None)
     with pytest.raises(FrameError, match="before the offer"):
-        inbox.take(Note(0), layout.metas)
+        inbox.take(Note(0).pack(), layout.metas)
     inbox.mems, inbox.events = [1, 2], [None, None]
     with pytest.raises(FrameError, match="slot 1, expected slot 0"):
-        inbox.take(Note(1), layout.metas)
+        inbox.take(Note(1).pack(), layout.metas)
     with pytest.raises(FrameError, match="second cuda-ipc offer"):
-        inbox.take(Note(0, offer), layout.metas)
+        inbox.take(Note(0, offer).pack(), layout.metas)
 
 
 def test_generation_over_cuda_ipc_keeps_caches_resident(decode_bundle, tmp_path):

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster.actor import RayLauncher
+from tvmpipe.cluster.control.ray_actors import RayLauncher
 from tvmpipe.cluster.driver import Pipeline
-from tvmpipe.cluster.control import ProcessLauncher
-from tvmpipe.cluster.placement import Placement
+from tvmpipe.cluster.control.launchers import ProcessLauncher
+from tvmpipe.cluster.control.placement import Placement
 from tvmpipe.executor import random_inputs
 
 from tests.support.fake_cuda import fake_env, spawn_path
@@ -50,7 +50,7 @@ def oracle(model_dirs, env):
     from concurrent.futures import ProcessPoolExecutor
 
     from tvmpipe.app import oracle as single_process
-    from tvmpipe.cluster.environment import scoped_environ, worker_environment
+    from tvmpipe.cluster.control.environment import scoped_environ, worker_environment
 
     batches = {m: [random_inputs(load_bundle(d), seed=10 + i) for i in range(3)] for m, d in model_dirs.items()}
     with scoped_environ(env), spawn_path(), worker_environment(), \

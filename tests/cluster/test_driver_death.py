@@ -1,7 +1,7 @@
 """A `tvmpipe run --local` driver SIGKILLed mid-run leaves nothing behind (issue 14, item 4).
 
 Ray's DashboardAgent and RuntimeEnvAgent used to live on for ~62 s holding ports, and the run's
-`tvp-ray-*` / `tvp-home-*` directories were never removed. The reaper (cluster/reaper.py) sees the
+`tvp-ray-*` / `tvp-home-*` directories were never removed. The reaper (cluster/control/reaper.py) sees the
 driver's end of its pipe close and kills and removes them."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster import frames, stream
-from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.wire import frames, stream
+from tvmpipe.cluster.wire.frames import Frame, FrameError, FrameLimits
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "bool"]

@@ -11,10 +11,10 @@ import pytest
 from tests.support.decode_bundle import runner_greedy, torch_greedy
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster.control import Timeouts
+from tvmpipe.cluster.control.launchers import Timeouts
 from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.generation import GenerationError, Generator
-from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.wire.frames import DRIVER
 from tvmpipe.bundle.decode_layout import FEED_NEXT, FROM, NO_SAMPLING, decode_layout, encode_step, row_ints
 from tvmpipe.bundle.state import state_spans
 from tvmpipe.cluster.topology import build_topology, relay_inputs
@@ -519,7 +519,7 @@ def test_the_token_stage_keeps_only_the_fed_back_tokens_a_step_can_take():
     """A step takes a token drawn at most `queue_depth` micro-batches before it: older fed-back
     tokens are dropped once they pile up, and a producer that sends more than twice that many ahead
     of the stage is refused (a FrameError closes its connection) instead of growing memory."""
-    from tvmpipe.cluster.frames import FrameError
+    from tvmpipe.cluster.wire.frames import FrameError
     from tvmpipe.cluster.worker import StageWorker, Wiring
 
     w = object.__new__(StageWorker)  # the bookkeeping only

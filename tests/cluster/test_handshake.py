@@ -1,4 +1,4 @@
-"""The handshake and the gate (cluster/handshake.py): only a producer holding the run's secret gets
+"""The handshake and the gate (cluster/wire/handshake.py): only a producer holding the run's secret gets
 in, a hello costs a few hundred bytes and no thread, slow and excess connections are cut off, and
 every refusal is logged with the peer's address."""
 
@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tvmpipe.cluster import frames, handshake, stream
-from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
-from tvmpipe.cluster.handshake import Gate, greet
-from tvmpipe.cluster.transport import Link, Listener, PolledListener
+from tvmpipe.cluster.wire import frames, handshake, stream
+from tvmpipe.cluster.wire.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.wire.handshake import Gate, greet
+from tvmpipe.cluster.wire.tcp import Link, Listener, PolledListener
 
 SECRET = b"s" * 32
 SMALL = 32 << 10  # what an unauthenticated connection may cost the listener, at most (bytes)

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from tvmpipe.cluster.headwatch import HeadWatch
+from tvmpipe.cluster.control.headwatch import HeadWatch
 
 
 def test_reports_a_head_that_went_away_once_after_the_grace():

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from tvmpipe.cluster.handshake import new_secret
+from tvmpipe.cluster.wire.handshake import new_secret
 from tvmpipe.cluster.linkprobe import BIG, SMALL, LinkFigures, Prober, figures, measure_links
 
 

@@ -13,8 +13,8 @@ from tests.support.pipeline_harness import (FlakyWorker, ThreadLauncher, alive, 
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline, PipelineError
-from tvmpipe.cluster.frames import DRIVER
-from tvmpipe.cluster.control import Timeouts, WorkerError
+from tvmpipe.cluster.wire.frames import DRIVER
+from tvmpipe.cluster.control.launchers import Timeouts, WorkerError
 from tvmpipe.executor.errors import InputError
 from tvmpipe.partition import Plan
 
@@ -236,7 +236,7 @@ def test_a_kill_racing_the_supervisors_restart_leaves_the_new_worker_in_place(bu
     "recovery ... failed: OSError: [Errno 9] Bad file descriptor" in a full-suite run). The
     launcher runs on its own here (a pipeline's stage specs, no supervisor), so that this thread's
     restart is the only one."""
-    from tvmpipe.cluster.control import ProcessLauncher
+    from tvmpipe.cluster.control.launchers import ProcessLauncher
 
     with Pipeline(bundles["mlp"], 2, launcher="process") as pipe:
         specs = list(pipe.launcher._specs)

@@ -11,9 +11,9 @@ from tests.support.pipeline_harness import (alive, assert_bit_identical, case, c
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline
-from tvmpipe.cluster.local import AGENT_NICENESS
-from tvmpipe.cluster.control import Timeouts
-from tvmpipe.cluster.placement import Placement, PlacementError
+from tvmpipe.cluster.control.local import AGENT_NICENESS
+from tvmpipe.cluster.control.launchers import Timeouts
+from tvmpipe.cluster.control.placement import Placement, PlacementError
 from tvmpipe.partition import plan_equal_ops
 
 pytestmark = pytest.mark.ray
@@ -44,7 +44,7 @@ def test_same_node_actors_use_shared_memory_by_ray_node_id(ray_cluster, bundles,
     """On one Ray node every actor reports the same Ray node id: with transport="shm" every data
     edge (the driver's too) takes shared memory, with "tcp" none does, and both give the outputs of
     one process; no segment of either run is left."""
-    from tvmpipe.cluster import shm
+    from tvmpipe.cluster.wire import shm
 
     inputs, want = case(bundles[model], 8)
     for transport in ("shm", "tcp"):
@@ -152,7 +152,7 @@ def test_soft_strategies_fit_one_node(ray_cluster, bundles, strategy):
 def test_strict_spread_needs_a_node_per_stage(ray_cluster, bundles, caplog):
     """On a cluster that may grow, an infeasible reservation waits out the start timeout, saying
     once in the log what it waits for."""
-    with caplog.at_level("WARNING", logger="tvmpipe.cluster.placement"):
+    with caplog.at_level("WARNING", logger="tvmpipe.cluster.control.placement"):
         with pytest.raises(PlacementError, match="STRICT_SPREAD .*not reserved within 2 s"):
             Pipeline(bundles["tiny"], 2, launcher="ray", placement=Placement(strategy="STRICT_SPREAD", cpus=0.25),
                      timeouts=Timeouts(start=2))
@@ -226,7 +226,7 @@ def test_lean_head_changes_ray_only_inside_its_block():
     """The patches on Ray are scoped: a head started later (a user's own ray.init in the same
     process) gets every daemon, the full dashboard agent and un-niced agents again."""
     from ray._private import node, ray_constants, services, utils
-    from tvmpipe.cluster.local import LEAN_HEAD_SKIPS, lean_head
+    from tvmpipe.cluster.control.local import LEAN_HEAD_SKIPS, lean_head
 
     before = {name: getattr(node.Node, name) for name in LEAN_HEAD_SKIPS}
     patched = (utils.get_dashboard_dependency_error, services._build_python_executable_command_memory_profileable,
@@ -258,7 +258,7 @@ def test_lean_head_changes_ray_only_inside_its_block():
 
 def test_the_raylet_prestarts_the_given_count_of_workers():
     """Ray's raylet is told to prestart int(num_cpus) workers; the local head replaces that one flag."""
-    from tvmpipe.cluster.local import PRESTART_FLAG, prestarting
+    from tvmpipe.cluster.control.local import PRESTART_FLAG, prestarting
 
     cmd = ["raylet", "--node_ip_address=127.0.0.1", f"{PRESTART_FLAG}2", "--maximum_startup_concurrency=2"]
     assert prestarting(cmd, 1) == ["raylet", "--node_ip_address=127.0.0.1", f"{PRESTART_FLAG}1",
@@ -293,7 +293,7 @@ def test_the_head_asks_for_its_raylet_once_the_node_table_lists_it(monkeypatch):
     """Ray's accessor retries get_node only every second; the embedded head polls the node table
     (every 20 ms) until its raylet is alive there, and only then calls Ray's get_node, once."""
     from ray._private import services, state
-    from tvmpipe.cluster import local
+    from tvmpipe.cluster.control import local
 
     calls: list = []
 
@@ -357,8 +357,8 @@ def test_stage_actors_inherit_the_thread_counts_instead_of_a_runtime_env(ray_clu
     the local cluster starts its daemons with the BLAS thread counts, so stage actors are created
     without one and compute with them all the same; what workers lack (an extra variable) still
     goes through a runtime_env."""
-    from tvmpipe.cluster.actor import RayLauncher
-    from tvmpipe.cluster.environment import THREAD_VARS, missing_from_workers, thread_env
+    from tvmpipe.cluster.control.ray_actors import RayLauncher
+    from tvmpipe.cluster.control.environment import THREAD_VARS, missing_from_workers, thread_env
 
     ray = ray_cluster
     assert missing_from_workers(thread_env()) == {}

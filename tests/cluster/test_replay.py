@@ -11,7 +11,7 @@ import pytest
 from tests.support.pipeline_harness import FlakyWorker, ThreadLauncher, assert_bit_identical, case, run_killing
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster.control import Timeouts
+from tvmpipe.cluster.control.launchers import Timeouts
 from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.partition import Plan

@@ -19,8 +19,8 @@ import pytest
 
 from tests.support.synthetic_bundles import write_dense_stack
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster import shipping
-from tvmpipe.cluster.shipping import build_shipment, sweep_unused, unpack
+from tvmpipe.cluster.control import shipping
+from tvmpipe.cluster.control.shipping import build_shipment, sweep_unused, unpack
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def _entries(root: Path) -> list[str]:
 
 HOLDER = textwrap.dedent("""
     import pickle, sys, time
-    from tvmpipe.cluster.shipping import unpack
+    from tvmpipe.cluster.control.shipping import unpack
     ship = pickle.loads(sys.stdin.buffer.read())
     made = unpack(ship, "child")
     print(made.path, flush=True)

@@ -11,10 +11,10 @@ from tests.support.pipeline_harness import assert_bit_identical, case
 from tests.support.synthetic_bundles import write_dense_stack
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle.weights import DATA_ALIGN
-from tvmpipe.cluster.actor import RayLauncher
+from tvmpipe.cluster.control.ray_actors import RayLauncher
 from tvmpipe.cluster.driver import Pipeline
-from tvmpipe.cluster.placement import Placement
-from tvmpipe.cluster.shipping import stage_param_names
+from tvmpipe.cluster.control.placement import Placement
+from tvmpipe.cluster.control.shipping import stage_param_names
 from tvmpipe.partition import plan_equal_ops
 
 pytestmark = pytest.mark.ray

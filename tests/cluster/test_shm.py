@@ -1,4 +1,4 @@
-"""Shared-memory rings (cluster/shm.py): the same-node path of an edge, checked like the TCP one."""
+"""Shared-memory rings (cluster/wire/shm.py): the same-node path of an edge, checked like the TCP one."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from tvmpipe.cluster import shm
-from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
-from tvmpipe.cluster.handshake import greet
-from tvmpipe.cluster.transport import Link, Listener, PolledListener
+from tvmpipe.cluster.wire import shm
+from tvmpipe.cluster.wire.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.wire.handshake import greet
+from tvmpipe.cluster.wire.tcp import Link, Listener, PolledListener
 
 SECRET = b"k" * 32
 LISTENERS = pytest.mark.parametrize("kind", [Listener, PolledListener], ids=["threaded", "polled"])
@@ -133,7 +133,7 @@ def _liar(addr, run="shmtest"):
     (lambda r: ("../../etc/passwd", shm.HEADER_BYTES, 4160), "is not a segment of run"),
 ])
 def test_a_lying_notification_gets_a_one_line_refusal(slot, why):
-    from tvmpipe.cluster.frames import _pack_notification
+    from tvmpipe.cluster.wire.frames import _pack_notification
 
     sink = Sink()
     ring, s = _liar(sink.listener.address)
@@ -158,7 +158,7 @@ def test_a_ring_too_small_for_the_layout_is_refused():
         note = frame(0)
         note.kind, note.slot = "shm", (ring.name, shm.HEADER_BYTES, 4160)
         os.truncate(ring.path, shm.HEADER_BYTES + 64)  # a peer shrinking its segment under the geometry
-        from tvmpipe.cluster.frames import _pack_notification
+        from tvmpipe.cluster.wire.frames import _pack_notification
 
         s.sendall(_pack_notification(note))
         kind, err = sink.next()
@@ -175,7 +175,7 @@ def test_a_notification_without_shared_memory_is_refused():
     s = socket.create_connection(sink.listener.address)
     greet(s, SECRET, Frame("hello", "not-a-shm-run", 0, 0, 1), 10)
     try:
-        from tvmpipe.cluster.frames import _pack_notification
+        from tvmpipe.cluster.wire.frames import _pack_notification
 
         note = frame(0, run="not-a-shm-run")
         note.kind, note.slot = "shm", ("tvmpipe-x-0-" + "0" * 32, shm.HEADER_BYTES, 4160)
@@ -234,7 +234,7 @@ def test_sweep_removes_only_older_epochs_of_the_run():
 
 from tests.support.pipeline_harness import assert_bit_identical, case, run_killing  # noqa: E402
 
-from tvmpipe.cluster.control import Timeouts  # noqa: E402
+from tvmpipe.cluster.control.launchers import Timeouts  # noqa: E402
 from tvmpipe.cluster.driver import Pipeline  # noqa: E402
 
 
@@ -291,11 +291,11 @@ def test_the_reaper_unlinks_the_segments_a_killed_run_had_mapped(tmp_path):
     import subprocess
     import sys
 
-    from tvmpipe.cluster import reaper
+    from tvmpipe.cluster.control import reaper
 
     home = str(tmp_path / "tvp-home-test")
     os.makedirs(home)
-    code = ("import sys, time; from tvmpipe.cluster import shm; r = shm.RingWriter('reapertest', 0, 2, 4096); "
+    code = ("import sys, time; from tvmpipe.cluster.wire import shm; r = shm.RingWriter('reapertest', 0, 2, 4096); "
             "print(r.name, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                              env={**os.environ, "HOME": home, "PYTHONPATH": os.getcwd()}, cwd=os.getcwd())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tests.support.pipeline_harness import assert_bit_identical, case
 
-from tvmpipe.cluster import shm
+from tvmpipe.cluster.wire import shm
 from tvmpipe.cluster.driver import Pipeline
 
 pytest.importorskip("tvm")

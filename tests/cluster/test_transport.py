@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.cluster import frames, handshake, stream
-from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.wire import frames, handshake, stream
+from tvmpipe.cluster.wire.frames import Frame, FrameError, FrameLimits
 from tvmpipe.cluster.topology import build_topology
-from tvmpipe.cluster.handshake import greet
-from tvmpipe.cluster.transport import Link, Listener, Peer, PolledListener
+from tvmpipe.cluster.wire.handshake import greet
+from tvmpipe.cluster.wire.tcp import Link, Listener, Peer, PolledListener
 from tvmpipe.cluster.worker import StageSpec, StageWorker, Wiring
 from tvmpipe.partition import plan_equal_ops
 

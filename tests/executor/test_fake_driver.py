@@ -253,7 +253,7 @@ def test_static_plus_dynamic_shared_memory_opts_in(fake, tmp_path):
 
 def test_visible_gpu_count_follows_cuda_visible_devices():
     """Defect 8: the local cluster's GPU count is what CUDA_VISIBLE_DEVICES leaves visible."""
-    from tvmpipe.cluster.local import visible_count
+    from tvmpipe.cluster.control.local import visible_count
 
     gpus = [f"GPU {i}: NVIDIA X (UUID: GPU-{i}aaa-bbbb)" for i in range(4)]
     assert visible_count(gpus, None) == 4

@@ -17,7 +17,7 @@ from tests.support.pipeline_harness import mapped_file
 from tests.support.synthetic_bundles import write_dense_stack
 from tvmpipe.bundle import BundleError, load_bundle
 from tvmpipe.bundle.weights import DATA_ALIGN
-from tvmpipe.cluster.shipping import build_shipment, stage_param_names, unpack
+from tvmpipe.cluster.control.shipping import build_shipment, stage_param_names, unpack
 from tvmpipe.executor import Stage
 from tvmpipe.executor.inputs import random_feed
 from tvmpipe.partition import plan_equal_ops

@@ -25,8 +25,8 @@ import ray
 
 from tvmpipe.bundle import load_bundle
 from tvmpipe.cluster.driver import Pipeline, PipelineError
-from tvmpipe.cluster.control import Timeouts
-from tvmpipe.cluster.placement import Placement
+from tvmpipe.cluster.control.launchers import Timeouts
+from tvmpipe.cluster.control.placement import Placement
 from tvmpipe.executor.inputs import random_micro_batches
 
 

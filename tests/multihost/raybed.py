@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from netbed import Host, NetBed
-from tvmpipe.cluster.local import ray_daemon_home
+from tvmpipe.cluster.control.local import ray_daemon_home
 
 RAY = str(Path(sys.executable).with_name("ray"))
 GCS_PORT = 6379

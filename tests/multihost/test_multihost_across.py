@@ -18,7 +18,7 @@ import pytest
 from raybed import RayBed, drive
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle.weights import DATA_ALIGN
-from tvmpipe.cluster.frames import DRIVER
+from tvmpipe.cluster.wire.frames import DRIVER
 from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.cluster.topology import build_topology
 from tvmpipe.executor.inputs import random_micro_batches
@@ -134,7 +134,7 @@ def test_each_host_is_shipped_only_its_own_stages_weights(bed: RayBed, tmp_path:
     receives one shipment holding exactly its stage's tensors (+ the small files and a slice
     header), each stage reads only those, and the outputs are the single-process run's."""
     from tests.support.synthetic_bundles import write_dense_stack
-    from tvmpipe.cluster.shipping import stage_param_names
+    from tvmpipe.cluster.control.shipping import stage_param_names
 
     bundle_dir = write_dense_stack(bed.head_only / "stack3", layers=6, width=64)
     bundle = load_bundle(bundle_dir)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
-from tvmpipe.cluster.local import ray_daemon_home
+from tvmpipe.cluster.control.local import ray_daemon_home
 
 MARK = "TVMPIPE_TEST_RAY_HEAD"
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster.control import WorkerError, WorkerLost
+from tvmpipe.cluster.control.launchers import WorkerError, WorkerLost
 from tvmpipe.cluster.worker import StageSpec, StageWorker
 from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.executor import random_inputs

@@ -36,10 +36,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tvmpipe.cluster.frames import FrameError
+from tvmpipe.cluster.wire.frames import FrameError
 from tvmpipe.executor.errors import DeviceError
 
-log = logging.getLogger("tvmpipe.cluster.cudaipc")
+log = logging.getLogger("tvmpipe.cluster.wire.cudaipc")
 HANDLE_BYTES = 64  # CUipcMemHandle, CUipcEventHandle
 MAX_SLOTS = 64
 WAKE_S = 0.005
@@ -301,8 +301,10 @@ class DeviceInbox:
         except OSError:
             pass  # the producer is gone, or the connection is closing
 
-    def take(self, note: Note, metas: list) -> DeviceFeed:
-        """The feed of one notification whose header (tensor list `metas`) was checked."""
+    def take(self, raw: object, metas: list) -> DeviceFeed:
+        """The feed of one notification whose header (tensor list `metas`) was checked; `raw` is its
+        note as the codec read it (checked here: Note.unpack)."""
+        note = Note.unpack(raw)
         copies, size = slot_layout([(m.entry, m.nbytes) for m in metas])
         if note.offer is not None:
             if self.mems is not None:

@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Iterator
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster.environment import inherited_by_workers, scoped_environ, thread_env
-from tvmpipe.cluster.reaper import Reaper
+from tvmpipe.cluster.control.environment import inherited_by_workers, scoped_environ, thread_env
+from tvmpipe.cluster.control.reaper import Reaper
 from tvmpipe.executor.cubin import cache_root
 
 LOOPBACK = "127.0.0.1"

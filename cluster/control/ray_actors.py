@@ -13,12 +13,12 @@ from typing import Any
 
 import ray
 
-from tvmpipe.cluster.control import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe
-from tvmpipe.cluster.environment import missing_from_workers, thread_env
-from tvmpipe.cluster.headwatch import HeadWatch
-from tvmpipe.cluster.placement import Placement, create_placement_group
-from tvmpipe.cluster.transport import Address
-from tvmpipe.cluster.shipping import build_shipment
+from tvmpipe.cluster.control.launchers import CONTROL_METHODS, Timeouts, WorkerError, WorkerLost, describe
+from tvmpipe.cluster.control.environment import missing_from_workers, thread_env
+from tvmpipe.cluster.control.headwatch import HeadWatch
+from tvmpipe.cluster.control.placement import Placement, create_placement_group
+from tvmpipe.cluster.wire.tcp import Address
+from tvmpipe.cluster.control.shipping import build_shipment, local_bundle
 from tvmpipe.cluster.worker import StageSpec, StageWorker
 
 
@@ -33,7 +33,7 @@ class StageActor:
         self.start_error: str | None = None
         self.worker: StageWorker | None = None
         try:
-            self.worker = StageWorker(spec, [ray.get(shipment[0])] if shipment else None)
+            self.worker = StageWorker(spec, local_bundle([ray.get(shipment[0])] if shipment else None, spec.index))
         except Exception as exc:  # kept and reported through call(), see module docstring
             self.start_error = describe(exc)
 

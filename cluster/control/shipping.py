@@ -29,6 +29,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.weights import LazyParams, safetensors_header
+from tvmpipe.cluster.worker import LocalBundle
 
 DONE = ".complete"  # written last into an unpacked shipment directory
 SHIP_PREFIX = "tvmpipe-ship-"  # unpacked shipments: <tmp>/tvmpipe-ship-<key> and its lock file <...>.lock
@@ -225,6 +226,19 @@ def sweep_unused(root: str | Path | None = None) -> list[Path]:
         if _remove_if_unused(directory):
             removed.append(directory)
     return removed
+
+
+def local_bundle(shipment: list | None, stage: int) -> LocalBundle | None:
+    """What a launcher hands its stage worker: None (the worker reads the bundle path in place), or
+    this node's unpacked, leased copy of `shipment` ([a Shipment or a dict of files]: taken out of
+    the list, so that once it is written to disk this process holds no copy in memory)."""
+    if not shipment:
+        return None
+    files = shipment.pop()
+    sent = files.nbytes if isinstance(files, Shipment) else sum(len(b) for b in files.values())
+    unpacked = unpack(files, f"stage{stage}")
+    del files
+    return LocalBundle(unpacked.path, unpacked.partial, sent, unpacked.lease.release)
 
 
 def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> Unpacked:

@@ -33,11 +33,11 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from tvmpipe.cluster import frames, shm, stream
-from tvmpipe.cluster.frames import Frame, FrameError, FrameLimits
-from tvmpipe.cluster.handshake import Address, Gate, Peer, greet, tune
+from tvmpipe.cluster.wire import frames, shm, stream
+from tvmpipe.cluster.wire.frames import Frame, FrameError, FrameLimits
+from tvmpipe.cluster.wire.handshake import Address, Gate, Peer, greet, tune
 
-log = logging.getLogger("tvmpipe.cluster.transport")
+log = logging.getLogger("tvmpipe.cluster.wire.tcp")
 INLINE_BYTES = 64 << 10  # frames up to this size are sent by the producing thread itself
 
 

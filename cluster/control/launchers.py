@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.cluster.environment import worker_environment
-from tvmpipe.cluster.transport import Address
-from tvmpipe.cluster.shipping import Shipment, build_shipment
+from tvmpipe.cluster.control.environment import worker_environment
+from tvmpipe.cluster.wire.tcp import Address
+from tvmpipe.cluster.control.shipping import Shipment, build_shipment, local_bundle
 from tvmpipe.cluster.worker import StageSpec, StageWorker
 
 # The worker methods the driver may call; anything else is refused on the worker side.
@@ -90,7 +90,7 @@ def _serve(conn, spec: StageSpec, shipment: list[Shipment]) -> None:
     `shipment` is [] (the bundle is read in place) or [the stage's Shipment], handed over in a
     list so the worker can drop the last reference once it is unpacked."""
     try:
-        worker = StageWorker(spec, shipment if shipment else None)
+        worker = StageWorker(spec, local_bundle(shipment, spec.index))
     except BaseException as exc:  # report any build failure to the parent instead of dying silently
         conn.send(("err", describe(exc)))
         return

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tvmpipe.cluster.frames import Frame, FrameError, payload_bytes
+from tvmpipe.cluster.wire.frames import Frame, FrameError, payload_bytes
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tvmpipe-"

@@ -125,7 +125,8 @@ class Frame:
     # set on a received frame whose tensors are views of a shared-memory slot: call it once they are
     # no longer read, so that the producer may reuse the slot (shm.Inbox.release)
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    # ipc: the cudaipc.Note sent / received; on the consumer's data frame made of it, the
+    # ipc: the note sent (an object with pack()) / received (its packed form, which the receiving
+    # transport reads: cudaipc.Note.unpack); on the consumer's data frame made of it, the
     # cudaipc.DeviceFeed its stage runs; on a producer's data frame, its outputs' device pointers
     device: Any = field(default=None, repr=False, compare=False)
 
@@ -219,7 +220,6 @@ def _pack_notification(frame: Frame) -> bytes:
     """A shm notification: prefix and header (tensor list, ring, offset, length), no payload. Packed
     whole each time (its offset changes); only same-node frames large enough to gain take this path."""
     metas = []
-    pos = 0
     for eid, arr in frame.tensors.items():
         name = _BY_DTYPE.get(arr.dtype)
         if name is None:
@@ -327,9 +327,7 @@ def parse_header(data: bytes | memoryview, limits: FrameLimits,
     if h["kind"] == "ipc":
         if error is not None:
             raise FrameError("a cuda-ipc notification carries no error")
-        from tvmpipe.cluster.cudaipc import Note
-
-        device = Note.unpack(h["ipc"])
+        device = h["ipc"]  # the note as sent: the connection's device inbox reads it (cudaipc.Note.unpack)
     frame = Frame(h["kind"], h["run"], _int(h["epoch"], 0, "epoch"), _int(h["seq"], 0, "seq"),
                   _int(h["stage"], DRIVER, "stage"), names=dict(layout.names), error=error, mac=mac, slot=slot,
                   device=device)

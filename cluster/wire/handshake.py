@@ -37,10 +37,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tvmpipe.cluster.frames import HELLO_LIMITS, PREFIX, Frame, FrameError, FrameLimits, parse_header, parse_prefix
-from tvmpipe.cluster.stream import send
+from tvmpipe.cluster.wire.frames import HELLO_LIMITS, PREFIX, Frame, FrameError, FrameLimits, parse_header, parse_prefix
+from tvmpipe.cluster.wire.stream import send
 
-log = logging.getLogger("tvmpipe.cluster.handshake")
+log = logging.getLogger("tvmpipe.cluster.wire.handshake")
 
 CHALLENGE = struct.Struct("<4s16s")  # magic, nonce
 CHALLENGE_MAGIC = b"TVPC"

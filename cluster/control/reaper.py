@@ -22,7 +22,7 @@ and its memory, behind; so before killing, the reaper notes every `/dev/shm/tvmp
 run's processes have mapped (/proc/PID/maps) and unlinks those still named once they are dead. Likewise the shipments the run's actors unpacked
 (shipping.py): once their users are dead, no lock holds them, and the sweep removes them.
 
-    python -m tvmpipe.cluster.reaper DRIVER_PID HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
+    python -m tvmpipe.cluster.control.reaper DRIVER_PID HOME TEMP_DIR [DIR_TO_REMOVE...]   (stdin: the driver's pipe)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Reaper:
 
     def __init__(self, home: str, temp_dir: str, remove: list[str]):
         env = {k: v for k, v in os.environ.items() if v != home}  # the reaper must not match its own marker
-        self._proc = subprocess.Popen([sys.executable, "-m", "tvmpipe.cluster.reaper", str(os.getpid()), home,
+        self._proc = subprocess.Popen([sys.executable, "-m", "tvmpipe.cluster.control.reaper", str(os.getpid()), home,
                                        temp_dir, *remove],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
                                       start_new_session=True)  # a Ctrl-C to the driver's group spares it
@@ -82,7 +82,7 @@ def run_processes(home: str, temp_dir: str, spare: int) -> list[int]:
 
 def mapped_segments(pids: list[int]) -> set[str]:
     """The tvmpipe shared-memory segments (paths under /dev/shm, still named) these processes map."""
-    from tvmpipe.cluster.shm import PREFIX, SHM_DIR
+    from tvmpipe.cluster.wire.shm import PREFIX, SHM_DIR
 
     below = f"{SHM_DIR}/{PREFIX}"
     found = set()
@@ -118,7 +118,7 @@ def sweep(home: str, temp_dir: str, dirs: list[str], spare: int, budget_s: float
         time.sleep(0.05)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
-    from tvmpipe.cluster.shipping import sweep_unused
+    from tvmpipe.cluster.control.shipping import sweep_unused
 
     sweep_unused()  # shipments the killed actors had unpacked (their locks died with them)
     for path in segments:

@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tvmpipe.cluster.shm import Inbox
+from tvmpipe.cluster.wire.shm import Inbox
 from tvmpipe.core.memory import POPULATE_FROM, populated_bytes
-from tvmpipe.cluster.frames import (DEFAULT_LIMITS, PREFIX, SEQ_VALUE, Encoder, Frame, FrameError, FrameLimits,
+from tvmpipe.cluster.wire.frames import (DEFAULT_LIMITS, PREFIX, SEQ_VALUE, Encoder, Frame, FrameError, FrameLimits,
                                     Layout, Repeat, attach, parse_header, parse_prefix)
 
 RETAINED_MMAP_BYTES = POPULATE_FROM  # retained payloads from this size on get pre-populated mappings

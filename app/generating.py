@@ -1,0 +1,144 @@
+"""One generation run, the flow `tvmpipe generate` takes for prompts on its command line and for
+batch jobs over a prompts file.
+
+    run = GenerationRun(bundle, plan, options, prompts, codec=codec, stop=["\\n\\n"])
+    run.execute(on_text=..., on_done=...)   # open/join the cluster, start the stages, generate
+    run.done, run.error                     # kept as far as the run got, also when it failed
+
+Down through the layers: the prompts arrive checked (app/prompts.py), the pipeline is opened as every
+run opens it (app/connect.py), the generation layer schedules the sequences (Generator), and the text
+layer turns each sequence's tokens into text as they arrive (TextStream: no broken characters, stop
+strings never shown; a stop string ends its sequence).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tvmpipe.app.connect import open_cluster, pick_backend, pipeline_kwargs
+from tvmpipe.app.options import ClusterOptions
+from tvmpipe.app.prompts import Prompt
+from tvmpipe.bundle import Bundle
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.generation.requests import GenerationError, SequenceResult
+from tvmpipe.generation.text import TextCodec, TextStream
+from tvmpipe.partition import Plan
+
+
+@dataclass
+class Finished:
+    """A sequence that ended: its prompt, result and (with a tokenizer) its text."""
+
+    prompt: Prompt
+    result: SequenceResult
+    text: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"id": self.prompt.id, **self.result.to_json()}
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+
+@dataclass
+class GenerationRun:
+    bundle: Bundle
+    plan: Plan
+    options: ClusterOptions
+    prompts: list[Prompt]
+    codec: TextCodec | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (need the codec)
+    slots: int | None = None
+    in_flight: int | None = None
+    done: list[Finished] = field(default_factory=list)  # in the order the sequences ended
+    error: str | None = None
+    backend: str | None = None
+    startup_s: float = 0.0
+    wall_s: float = 0.0
+    restarts: int = 0
+    pipe_slots: int = 0
+    batch: int = 1
+    chunk: int = 1
+    metrics: Any = None
+
+    def execute(self, on_text: Callable[[int, str], None] = lambda i, t: None,
+                on_done: Callable[[Finished], None] = lambda f: None) -> None:
+        """Generate every prompt. `on_text(i, piece)`: new text of prompt i as its tokens arrive
+        (with a codec); `on_done(finished)`: a sequence ended. A pipeline that fails beyond its
+        restarts ends the run with `error` set; what finished before is kept."""
+        from tvmpipe.cluster.driver import Pipeline
+        from tvmpipe.generation import Generator
+
+        t0 = time.time()
+        streams: dict[int, TextStream] = {}
+        if self.codec is not None:
+            streams = {i: self.codec.text_stream(self.stop, stop_token_ids=p.request.stop_tokens)
+                       for i, p in enumerate(self.prompts)}
+        with open_cluster(self.options, self.plan.num_stages) as cluster:
+            self.backend = pick_backend(self.options.backend, cluster.gpus)
+            kw = pipeline_kwargs(self.options, cluster, self.backend, self.plan.num_stages)
+            with Pipeline(self.bundle, self.plan, slots=self.slots, logits=False, **kw) as pipe:  # tokens only
+                t1 = time.time()
+                self.startup_s = t1 - t0
+                gen = Generator(pipe)
+                results: dict[int, SequenceResult] = {}
+                try:
+                    for ev in gen.generate([p.request for p in self.prompts], in_flight=self.in_flight,
+                                           results=results):
+                        stream = streams.get(ev.seq)
+                        if stream is not None:
+                            step = stream.push(ev.token)
+                            if step.text:
+                                on_text(ev.seq, step.text)
+                            if step.finished and not ev.done:  # a stop string: the sequence ends here
+                                gen.scheduler.cancel(ev.seq, "stop")
+                            elif ev.done and not step.finished:
+                                tail = stream.finish()
+                                if tail:
+                                    on_text(ev.seq, tail)
+                        if ev.seq in results:  # ended with this token (or cancelled by its stop string)
+                            self._finish(ev.seq, results[ev.seq], streams, on_done)
+                except GenerationError as exc:
+                    self.error = str(exc)
+                self.wall_s = time.time() - t1
+                self.restarts = sum(pipe.restarts)
+                self.pipe_slots = pipe.slots
+                self.batch, self.chunk = pipe.topology.batch, pipe.topology.chunk
+                self.metrics = stage_metrics(pipe)
+
+    def _finish(self, i: int, result: SequenceResult, streams: dict[int, TextStream],
+                on_done: Callable[[Finished], None]) -> None:
+        stream = streams.get(i)
+        text = None if stream is None else stream.text
+        finished = Finished(self.prompts[i], result, text)
+        self.done.append(finished)
+        on_done(finished)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(f.result.tokens) for f in self.done)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's JSON document, its sequences in prompt order."""
+        order = {id(p): i for i, p in enumerate(self.prompts)}
+        seqs = [f.to_json() for f in sorted(self.done, key=lambda f: order[id(f.prompt)])]
+        tokens = self.generated_tokens
+        return {"bundle": str(self.bundle.path), "stages": self.plan.num_stages,
+                "plan": [list(s) for s in self.plan.stages], "backend": self.backend, "slots": self.pipe_slots,
+                "batch": self.batch, "chunk": self.chunk, "sequences": seqs, "generated_tokens": tokens,
+                "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else None, "wall_s": self.wall_s,
+                "startup_s": self.startup_s, "restarts": self.restarts, "error": self.error,
+                "metrics": self.metrics.to_json() if self.metrics is not None else None}
+
+
+def stage_metrics(pipe: Any) -> Any:
+    """The run's per-stage figures (PipelineMetrics: each micro-batch is one step of one sequence,
+    or of a static batch of them), with the weights and the KV caches each stage holds; None where
+    a worker cannot say any more (a run that failed), which costs the report its table, not the
+    tokens."""
+    try:
+        return pipe.metrics()
+    except (TvmpipeError, OSError):
+        return None

@@ -1,0 +1,1 @@
+"""tvmpipe.serve: `tvmpipe serve`, an OpenAI-compatible HTTP server over the generation layer."""
