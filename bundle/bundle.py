@@ -31,13 +31,14 @@ FORMAT = "tvmpipe-bundle"
 FORMAT_VERSION = 2  # what write_bundle writes; version 1 bundles (no state, npz/.params weights) still load
 READ_VERSIONS = (1, 2)
 MANIFEST_KEYS = {"format", "version", "model", "source", "target", "batch", "dtype", "tvm_version",
-                 "created_by", "params", "inputs", "files", "state", "generation"}
-V2_KEYS = {"state", "generation"}
+                 "created_by", "params", "inputs", "files", "state", "generation", "tokenizer"}
+V2_KEYS = {"state", "generation", "tokenizer"}
 PARAMS_KEYS = {"file", "generated", "names", "sha256"}
 PARAMS_SUFFIXES = (".safetensors", ".npz", ".params")
 # Generated weights are for small shipped examples; a graph asking for more is corrupt or hostile.
 MAX_GENERATED_PARAM_BYTES = 4 << 30
 REQUIRED_FILES = ("graph.json", "kernels.cu", "kernels.json", "ops.json")
+TOKENIZER_DIR = "tokenizer"  # where write_bundle puts a checkpoint's tokenizer files
 _UNREADABLE = object()
 _KERNEL_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 
@@ -72,6 +73,7 @@ class Manifest:
     params_sha256: dict[str, str] | None = None  # per tensor, for a .safetensors weights file
     state: list[StatePair] = field(default_factory=list)
     generation: GenerationSpec | None = None
+    tokenizer: str | None = None  # a directory in the bundle holding the source's tokenizer files
     version: int = FORMAT_VERSION
 
     @property
@@ -92,6 +94,8 @@ class Manifest:
         if self.version >= 2:
             out["state"] = [p.to_json() for p in self.state]
             out["generation"] = None if self.generation is None else self.generation.to_json()
+            if self.tokenizer is not None:
+                out["tokenizer"] = self.tokenizer
         return out
 
 
@@ -119,6 +123,14 @@ class Bundle:
     @property
     def generation(self) -> GenerationSpec | None:
         return self.manifest.generation if self.manifest else None
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The bundle's tokenizer directory (a checkpoint's tokenizer.json, tokenizer_config.json,
+        generation_config.json, ... as `tvmpipe compile DIR` copied them), or None."""
+        if self.manifest is None or self.manifest.tokenizer is None:
+            return None
+        return self.path / self.manifest.tokenizer
 
     def param_nbytes(self, name: str) -> int:
         """A weight's bytes from the graph (no data read)."""
@@ -208,7 +220,7 @@ def load_bundle(path: str | Path, verify_checksums: bool = True, params: str | P
     `params` is a bare graph.json's params file (.params as TVM <= 0.19 wrote it, or .npz): its
     names are the weights, the other null nodes the graph inputs. A bundle names its own.
     `partial_weights`: the safetensors file holds only some of the params (a slice shipped to one
-    node, cluster/shipping.py); those it holds are checked, the others fail when looked up.
+    node, cluster/control/shipping.py); those it holds are checked, the others fail when looked up.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".json" and path.name != "bundle.json":
@@ -272,6 +284,8 @@ def _check_files(path: Path, m: Manifest, verify_checksums: bool, problems: list
                                         "a .safetensors weights file needs a sha256 per tensor"))
         elif name not in m.files:
             problems.append(Problem(str(path / "bundle.json"), "", f"files.{name}", "no sha256 for this bundle file"))
+    if m.tokenizer is not None and not (path / m.tokenizer).is_dir():
+        problems.append(Problem(str(path / m.tokenizer), "", "", "the tokenizer directory bundle.json names is missing"))
     for name, want in m.files.items():
         f = path / name
         if not f.is_file():
@@ -329,12 +343,17 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
         problems.append(Problem(f, "", "batch", f"must be a positive integer, got {obj.get('batch')!r}"))
     if len(problems) > before:
         return None
+    tokenizer = obj.get("tokenizer")
+    if tokenizer is not None and not _plain_file_name(tokenizer):
+        problems.append(Problem(f, "", "tokenizer", f"must be null or a directory name inside the bundle, got {tokenizer!r}"))
+        tokenizer = None
     files = {}  # a bad entry is reported and left out: the other checksums still count
     for name, digest in obj["files"].items():
-        if _plain_file_name(name) and isinstance(digest, str):
+        if _bundle_file_name(name, tokenizer) and isinstance(digest, str):
             files[name] = digest
         else:
-            problems.append(Problem(f, "", f"files.{name}", "must map a file name inside the bundle to its sha256 hex digest"))
+            problems.append(Problem(f, "", f"files.{name}", "must map a file name inside the bundle (or its tokenizer "
+                                                            "directory) to its sha256 hex digest"))
     p = obj["params"]
     collector.unknown_keys(p, PARAMS_KEYS, "", prefix="params.")
     before = len(problems)
@@ -360,7 +379,7 @@ def _read_manifest(path: Path, problems: list[Problem]) -> Manifest | None:
                     dtype=obj["dtype"], inputs=obj["inputs"], params_file=pfile,
                     params_seed=None if gen is None else gen["seed"], param_names=names,
                     tvm_version=obj.get("tvm_version"), created_by=obj.get("created_by", ""), files=files,
-                    params_sha256=sums, state=state, generation=generation,
+                    params_sha256=sums, state=state, generation=generation, tokenizer=tokenizer,
                     version=version if version in READ_VERSIONS else FORMAT_VERSION)
 
 
@@ -371,6 +390,16 @@ def _is_count(v: Any) -> bool:
 def _plain_file_name(name: Any) -> bool:
     """A name directly inside the bundle directory: bundle.json must not point outside it."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def _bundle_file_name(name: Any, tokenizer: str | None) -> bool:
+    """A file of the bundle: directly inside it, or directly inside its tokenizer directory."""
+    if _plain_file_name(name):
+        return True
+    if tokenizer is None or not isinstance(name, str):
+        return False
+    head, _, rest = name.partition("/")
+    return head == tokenizer and _plain_file_name(rest)
 
 
 def _load_params(path: Path, graph: Graph, m: Manifest, problems: list[Problem],
@@ -478,12 +507,15 @@ def write_bundle(out_dir: str | Path, *, model: str, source: dict, target: dict,
                  params: Mapping[str, np.ndarray] | None, params_seed: int | None = None,
                  tvm_version: str | None = None, overwrite: bool = False,
                  weights: tuple[Path, dict[str, str]] | None = None, params_format: str = "safetensors",
-                 state: list[StatePair] | None = None, generation: GenerationSpec | None = None) -> Path:
+                 state: list[StatePair] | None = None, generation: GenerationSpec | None = None,
+                 tokenizer: list[Path] | None = None) -> Path:
     """Write a bundle atomically: build and validate it in a temporary sibling, then rename.
 
     Weights come as `params` (a dict, written here as safetensors, or .npz with
     `params_format="npz"`), or as `weights`: a safetensors file the caller already streamed tensor
-    by tensor (WeightsWriter) and its per-tensor checksums; it is moved into the bundle, not copied."""
+    by tensor (WeightsWriter) and its per-tensor checksums; it is moved into the bundle, not copied.
+    `tokenizer` files (a checkpoint's) are copied into the bundle's TOKENIZER_DIR, checksummed in
+    `files` like the others."""
     from tvmpipe import __version__
 
     out = Path(out_dir).resolve()
@@ -508,12 +540,19 @@ def write_bundle(out_dir: str | Path, *, model: str, source: dict, target: dict,
         elif params is not None:
             params_file = "params.safetensors"
             sums = save_safetensors(tmp / params_file, params)
-        files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.name != params_file or sums is None}
+        files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir())
+                 if f.is_file() and (f.name != params_file or sums is None)}
+        if tokenizer:
+            (tmp / TOKENIZER_DIR).mkdir()
+            for src in tokenizer:
+                shutil.copyfile(src, tmp / TOKENIZER_DIR / Path(src).name)
+                files[f"{TOKENIZER_DIR}/{Path(src).name}"] = sha256_file(tmp / TOKENIZER_DIR / Path(src).name)
         manifest = Manifest(model=model, source=source, target=target, batch=batch, dtype=dtype, inputs=list(inputs),
                             params_file=params_file,
                             params_seed=params_seed if params is None and weights is None else None,
                             tvm_version=tvm_version, created_by=f"tvmpipe {__version__}", files=files,
-                            params_sha256=sums, state=list(state or []), generation=generation)
+                            params_sha256=sums, state=list(state or []), generation=generation,
+                            tokenizer=TOKENIZER_DIR if tokenizer else None)
         (tmp / "bundle.json").write_text(json.dumps(manifest.to_json(), indent=1))
         try:
             load_bundle(tmp)  # never rename an invalid bundle into place

@@ -15,10 +15,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compile a model (ONNX, torch.export .pt2, or built-in) into a bundle (needs the compile extra)",
         description="Compile SOURCE with Apache TVM into a tvmpipe bundle directory: graph.json, CUDA "
                     "kernels, launch lists, op programs and params. SOURCE is an .onnx file, a "
-                    "torch.export program (.pt2, torch.export.save), or a built-in model: "
+                    "torch.export program (.pt2, torch.export.save), a local Hugging Face checkpoint directory "
+                    "(config.json and safetensors weights, as save_pretrained writes it: its forward pass, or with "
+                    "--decode its decode step; nothing is downloaded), or a built-in model: "
                     + ", ".join(f"{m.name} ({m.description})" for m in BUILTIN_MODELS.values()) + ".",
     )
-    p.add_argument("source", metavar="SOURCE", help=".onnx file, .pt2 file, or built-in model name")
+    p.add_argument("source", metavar="SOURCE", help=".onnx file, .pt2 file, checkpoint directory, or built-in model name")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="bundle directory to write")
     p.add_argument("--arch", default="sm_90", help="CUDA architecture to generate code for (default: sm_90)")
     p.add_argument("--batch", type=int, default=None,
@@ -26,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "or sets a symbolic leading ONNX dimension)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype (default: the model's own, float32 for built-ins; a bf16/fp16 torch "
-                        "program stays bf16/fp16); float16/bfloat16 converts a float32 model's inputs, weights "
-                        "and compute, files included")
+                        "program or checkpoint stays bf16/fp16); float16/bfloat16 converts a float32 model's inputs, "
+                        "weights and compute, files included; a checkpoint is built in any of the three")
     p.add_argument("--name", default=None,
                    help="the bundle's model name (default: the built-in's name, the .pt2 program's module "
                         "class, or the .onnx file's stem)")
@@ -37,10 +39,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(tvmpipe.bundle.params.generate_params, not the built-in model's weights)")
     p.add_argument("--decode", action="store_true",
                    help=f"compile one decode step of the decoder SOURCE ({', '.join(DECODERS)}: tiny "
-                        "transformers configs, weights from --seed): inputs input_ids [B,1], position [B] and "
-                        "per-layer K/V caches, outputs logits [B,1,V] and the updated caches, declared as state")
+                        "transformers configs, weights from --seed; or a checkpoint directory of one of these "
+                        "families): inputs input_ids [B,1], position [B] and per-layer K/V caches, outputs logits "
+                        "[B,1,V] and the updated caches, declared as state. A .pt2 whose caches are buffers updated "
+                        "in place gets its generation section declared (--token-input ...)")
     p.add_argument("--max-context", type=int, default=None, metavar="T",
-                   help="with --decode: the caches' static length, prompt included (default 64)")
+                   help="with --decode: the caches' static length, prompt included (default 64; a .pt2's must be "
+                        "given)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="L",
+                   help="a checkpoint directory without --decode: the forward pass's static sequence length "
+                        "(default 64)")
+    g = p.add_argument_group("a .pt2 decode step's generation section (--decode; inferred where the shapes "
+                             "leave one choice)")
+    g.add_argument("--token-input", metavar="NAME", help="the input of the step's token ids ([B, 1] or [B, C])")
+    g.add_argument("--position-input", metavar="NAME", help="the input of the step's position ([B] or a scalar)")
+    g.add_argument("--count-input", metavar="NAME",
+                   help="with a [B, C > 1] token input: the input saying how many of a row's tokens are real")
+    g.add_argument("--logits-output", metavar="INDEX|NAME", help="the output to sample ([B, V] or [B, 1, V])")
     p.add_argument("--chunk", type=int, default=None, metavar="C",
                    help="with --decode: up to C tokens a row per step (input_ids [B,C], count [B]): prompts go "
                         "in C tokens a step (chunked prefill), generated tokens one, in the same graph (default 1)")
@@ -56,15 +71,29 @@ def run(args: argparse.Namespace) -> int:
     from tvmpipe.compiler.decoders import DEFAULT_MAX_CONTEXT
     from tvmpipe.compiler.errors import SourceError
 
+    from tvmpipe.compiler.genspec import Declared
+
     if args.max_context is not None and not args.decode:
         raise SourceError("--max-context needs --decode")
     if args.chunk is not None and not args.decode:
         raise SourceError("--chunk needs --decode")
-    decode = (DEFAULT_MAX_CONTEXT if args.max_context is None else args.max_context) if args.decode else None
+    flags = {"--token-input": args.token_input, "--position-input": args.position_input,
+             "--count-input": args.count_input, "--logits-output": args.logits_output}
+    given = [f for f, v in flags.items() if v is not None]
+    pt2 = args.source.endswith(".pt2")
+    if given and not (args.decode and pt2):
+        raise SourceError(f"{given[0]} declares the generation section of a .pt2 compiled with --decode")
+    decode, generation = None, None
+    if args.decode and pt2:
+        generation = Declared(args.token_input, args.position_input, args.count_input, args.logits_output,
+                              args.max_context)
+    elif args.decode:
+        decode = DEFAULT_MAX_CONTEXT if args.max_context is None else args.max_context
     progress = Progress(stream=None if args.quiet else sys.stderr)
     with native_stderr_silenced(args.quiet):  # TVM's C++ warnings bypass sys.stderr
         path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
                              seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
-                             name=args.name, decode=decode, chunk=1 if args.chunk is None else args.chunk)
+                             name=args.name, decode=decode, chunk=1 if args.chunk is None else args.chunk,
+                             seq_len=args.seq_len, generation=generation)
     print(path)
     return 0

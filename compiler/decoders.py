@@ -78,6 +78,8 @@ _DECODERS: dict[str, tuple[str, str, dict[str, Any]]] = {
                   bos_token_id=1, eos_token_id=2)),
 }
 DECODERS = tuple(_DECODERS)
+# model_type -> its CausalLM class: the architectures a checkpoint directory may name (compiler/checkpoint.py)
+CAUSAL_LM: dict[str, str] = {name: spec[1] for name, spec in _DECODERS.items()}
 
 
 def build_decoder(name: str, seed: int = 0, **overrides: Any) -> Any:
@@ -458,17 +460,23 @@ def example_inputs(spec: DecodeStepSpec) -> dict[str, Any]:
 def export_decode_step(name: str, max_context: int, batch: int = 1, seed: int = 0,
                        chunk: int = 1) -> tuple[Any, Any, DecodeStepSpec]:
     """(torch.export program, step module, spec) of decoder `name`'s decode step."""
+    model = build_decoder(name, seed)
+    module, spec = decode_step_module(model, max_context, batch, chunk)
+    return export_step(module, spec), module, spec
+
+
+def export_step(module: Any, spec: DecodeStepSpec) -> Any:
+    """torch.export of a decode step on its example inputs (caches in the model's own dtype, bf16
+    included: made in torch, which NumPy's bfloat16 cannot be converted to)."""
     import warnings
 
     import torch
 
-    model = build_decoder(name, seed)
-    module, spec = decode_step_module(model, max_context, batch, chunk)
-    args = tuple(torch.from_numpy(v) for v in example_inputs(spec).values())
+    args = tuple(torch.from_numpy(v) if v.dtype.kind in "iuf" and str(v.dtype) != "bfloat16"
+                 else torch.zeros(v.shape, dtype=spec.layout.dtype) for v in example_inputs(spec).values())
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(module, args)
-    return ep, module, spec
+        return torch.export.export(module, args)
 
 
 # ---- transformers' own answers, for the oracle tests -----------------------------------------------

@@ -64,6 +64,7 @@ class Exported:
     timings: dict[str, float] = field(default_factory=dict)
     state: list[Any] = field(default_factory=list)  # bundle.state.StatePair
     generation: Any = None  # bundle.state.GenerationSpec
+    tokenizer: list[Path] = field(default_factory=list)  # a checkpoint's tokenizer files (bundle dir tokenizer/)
 
     def write(self, out_dir: str | Path, *, params_seed: int | None = None, overwrite: bool = False) -> Path:
         """Write the bundle atomically. With `params_seed`, weights are left out and generated on load.
@@ -77,7 +78,8 @@ class Exported:
         common = dict(model=self.model, source=self.source, target=self.target, batch=self.batch,
                       dtype=self.dtype, graph=self.graph, kernels=self.kernels, ops=self.ops,
                       cuda_source=self.cuda_source, inputs=self.inputs, tvm_version=self.tvm_version,
-                      overwrite=overwrite, state=self.state, generation=self.generation)
+                      overwrite=overwrite, state=self.state, generation=self.generation,
+                      tokenizer=self.tokenizer)
         if params_seed is not None or not isinstance(self.params, GraphParams):
             return write_bundle(out_dir, params=None if params_seed is not None else self.params,
                                 params_seed=params_seed, **common)
@@ -112,10 +114,13 @@ def default_rules() -> list[Any]:
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
            seed: int = 0, progress: Progress | None = None, name: str | None = None,
-           decode: int | None = None, chunk: int = 1) -> Exported:
-    """Compile SOURCE (.onnx, .pt2, or a built-in model name) for CUDA `arch`. With `decode` (a
-    max context), SOURCE is a decoder (compiler/decoders.py) and the bundle is its decode step,
-    taking up to `chunk` tokens a row."""
+           decode: int | None = None, chunk: int = 1, seq_len: int | None = None,
+           generation: Any = None) -> Exported:
+    """Compile SOURCE (.onnx, .pt2, a Hugging Face checkpoint directory, or a built-in model name)
+    for CUDA `arch`. With `decode` (a max context), SOURCE is a decoder (compiler/decoders.py) or a
+    checkpoint of one and the bundle is its decode step, taking up to `chunk` tokens a row; or a
+    stateful .pt2 whose generation inputs and logits `generation` (genspec.Declared) names or
+    leaves to inference. A checkpoint's forward pass takes `seq_len` tokens."""
     from tvmpipe.compiler import launches
 
     progress = progress or Progress()
@@ -129,7 +134,8 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     from tvmpipe.compiler import frontend
 
     with _step(progress, "import", source):
-        imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk)
+        imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk, dtype=dtype, seq_len=seq_len,
+                                   generation=generation)
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -159,7 +165,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         ops={"version": 1, "functions": {k: v.to_json() for k, v in ops.items()}},
         cuda_source=src, params=GraphParams(fused.graph.params, imp.weights), tvm_version=tvm.__version__,
         unscheduled=tvm.IRModule(prims), torch_module=imp.torch_module, timings=dict(progress.timings),
-        state=_check_state(imp, fused.graph.inputs), generation=imp.generation,
+        state=_check_state(imp, fused.graph.inputs), generation=imp.generation, tokenizer=list(imp.tokenizer),
     )
 
 
@@ -356,14 +362,14 @@ def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
 def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
                   progress: Progress | None = None, name: str | None = None, decode: int | None = None,
-                  chunk: int = 1) -> Path:
+                  chunk: int = 1, seq_len: int | None = None, generation: Any = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CompileError(f"{out} already exists (pass --force to replace it)")
     exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
-                      decode=decode, chunk=chunk)
+                      decode=decode, chunk=chunk, seq_len=seq_len, generation=generation)
     with progress.step("write", str(out)):
         path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
     return path

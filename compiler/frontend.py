@@ -50,21 +50,41 @@ class Imported:
     generation: Any = None  # bundle.state.GenerationSpec of a decode step
     weights: LazyWeights = field(default_factory=LazyWeights)
     native_dtype: str | None = None  # bfloat16/float16: the program was imported in float32 (_as_float32)
+    tokenizer: list[Path] = field(default_factory=list)  # a checkpoint's tokenizer files, copied into the bundle
+    output_names: list[str] = field(default_factory=list)  # a torch program's user outputs, as it names them
 
 
 def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None,
-                chunk: int = 1) -> Imported:
+                chunk: int = 1, dtype: str | None = None, seq_len: int | None = None,
+                generation: Any = None) -> Imported:
     """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins).
-    With `decode` (a max context), SOURCE is a decoder and the program is its decode step."""
+    With `decode` (a max context), SOURCE is a decoder and the program is its decode step.
+    A checkpoint directory imports in `dtype` (default: its own); its forward pass takes `seq_len`
+    tokens. A .pt2 with `generation` (genspec.Declared; or `decode`, its max context) is a stateful
+    decode step whose generation section is declared from it (genspec.py)."""
     if batch is not None and batch < 1:
         raise SourceError(f"--batch must be a positive integer, got {batch}")
+    path = Path(source)
+    if seq_len is not None and not (path.is_dir() and decode is None):
+        raise SourceError("--seq-len is the forward pass's length of a checkpoint directory (without --decode)")
+    if generation is not None and path.suffix != ".pt2":
+        raise SourceError("--token-input, --position-input, --count-input and --logits-output declare a .pt2 "
+                          "program's generation section")
+    if path.is_dir():
+        return _from_checkpoint(path, batch or 1, decode, chunk, dtype, seq_len)
+    if path.suffix == ".pt2":
+        imp = _from_pt2(path, batch)
+        if generation is not None or decode is not None:
+            from tvmpipe.compiler.genspec import Declared
+
+            if chunk != 1:
+                raise SourceError(f"{path}: --chunk is fixed by the program's token input; it takes no --chunk")
+            imp.generation = _declare(imp, generation or Declared(max_context=decode), path)
+        return imp
     if decode is not None:
         return _from_decoder(source, batch or 1, seed, decode, chunk)
-    path = Path(source)
     if path.suffix == ".onnx":
         return _from_onnx(path, batch)
-    if path.suffix == ".pt2":
-        return _from_pt2(path, batch)
     if path.exists():
         raise SourceError(f"{source}: unknown model file type '{path.suffix}' (expected .onnx or .pt2)")
     return _from_builtin(source, batch or 1, seed)
@@ -102,6 +122,72 @@ def _from_decoder(name: str, batch: int, seed: int, max_context: int, chunk: int
     return imp
 
 
+DEFAULT_SEQ_LEN = 64
+
+
+def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dtype: str | None,
+                     seq_len: int | None) -> Imported:
+    """A Hugging Face checkpoint directory (compiler/checkpoint.py): with `decode` (a max context)
+    its decode step, else its forward pass over `seq_len` tokens; in `dtype` (default: the
+    checkpoint's own, half precision imported as such: compiler/halfimport.py). The model is built
+    without its weights (compiler/hfmodel.py): each weight is bound as a placeholder read from the
+    checkpoint when the bundle is written."""
+    import torch
+
+    from tvmpipe.compiler.checkpoint import CONFIG, ENCODERS, open_checkpoint
+    from tvmpipe.compiler.decoders import decode_step_module, export_step
+    from tvmpipe.compiler.hfmodel import build_model
+    from tvmpipe.compiler.precision import norms_in_float32
+    from tvmpipe.compiler.zoo import text_forward
+
+    ckpt = open_checkpoint(path, decode is not None)
+    want = dtype or ckpt.dtype
+    built = build_model(ckpt, want)
+    source = {"kind": "checkpoint", "name": ckpt.name, "sha256": None, "architecture": ckpt.architecture,
+              "dtype": ckpt.dtype, "config_sha256": sha256_file(path / CONFIG)}
+    spec = None
+    if decode is not None:
+        module, spec = decode_step_module(built.model, decode, batch, chunk)
+        ep = export_step(module, spec)
+        source["decode"] = {"max_context": decode, **({"chunk": chunk} if chunk > 1 else {})}
+        model = f"{ckpt.name}_decode"
+    else:
+        length = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+        _check_length(built.model, length)
+        module = text_forward(built.model, ENCODERS.get(ckpt.architecture, "logits"))
+        ids = torch.zeros((batch, length), dtype=torch.int64)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            try:
+                ep = torch.export.export(module, (ids, torch.ones_like(ids)))
+            except Exception as exc:  # noqa: BLE001 - torch's exporter raises anything
+                raise SourceError(f"{path}: torch.export cannot trace {ckpt.architecture}'s forward pass: "
+                                  f"{type(exc).__name__}: {one_line(exc)}") from None
+        source["seq_len"] = length
+        model = ckpt.name
+    imp = _from_exported(ep, model, source, files=built.sources_by_name(module), native=want)
+    imp.mod = norms_in_float32(imp.mod, imp.const_names, imp.weights, want)
+    imp.dtype, imp.batch = want, batch
+    if spec is not None:
+        if imp.inputs != spec.inputs:
+            raise SourceError(f"internal: the decode step of {path} imported with inputs {imp.inputs}")
+        imp.state, imp.generation = spec.state_pairs(), spec.generation()
+    imp.torch_module = module
+    imp.tokenizer = list(ckpt.tokenizer_files)
+    return imp
+
+
+def _check_length(model: Any, length: int) -> None:
+    """A forward pass's sequence length: positive, and within learned position embeddings."""
+    if length < 1:
+        raise SourceError(f"--seq-len must be a positive integer, got {length}")
+    cfg = model.config
+    limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise SourceError(f"--seq-len {length} exceeds the model's {limit} positions (config.json "
+                          f"{'n_positions' if getattr(cfg, 'n_positions', None) else 'max_position_embeddings'})")
+
+
 def _from_pt2(path: Path, batch: int | None) -> Imported:
     import torch
 
@@ -121,6 +207,18 @@ def _from_pt2(path: Path, batch: int | None) -> Imported:
     return imp
 
 
+def _declare(imp: Imported, declared: Any, path: Path) -> Any:
+    """The generation section of a stateful .pt2 (genspec.declare), from its imported signature."""
+    from tvmpipe.compiler.genspec import Tensor, declare
+
+    inputs = [Tensor(n, tuple(s), d) for n, s, d in zip(imp.inputs, imp.input_shapes, imp.input_dtypes)]
+    ret = imp.mod["main"].body.body.ty
+    fields = list(ret.fields) if hasattr(ret, "fields") else [ret]
+    names = list(imp.output_names) + [""] * (len(fields) - len(imp.output_names))
+    outputs = [Tensor(n, tuple(int(d) for d in f.shape.values), str(f.dtype)) for n, f in zip(names, fields)]
+    return declare(str(path), inputs, outputs, {p.input for p in imp.state}, {p.output for p in imp.state}, declared)
+
+
 def _class_name(ep: Any) -> str | None:
     """The exported module's class (`MyModel`), from the root entry torch.export records in every
     node's `nn_module_stack`; a file named `model.pt2` should not make every bundle `model`."""
@@ -131,16 +229,26 @@ def _class_name(ep: Any) -> str | None:
     return None
 
 
-def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
+def _from_exported(ep: Any, model: str, source: dict[str, Any], files: dict[str, Any] | None = None,
+                   native: str | None = None) -> Imported:
+    """Import a torch.export program. `files` (a checkpoint's: {parameter name: CheckpointTensor})
+    gives the weights by name instead of the program's own (unwritten) tensors; with them the
+    program imports in its own precision (`native`, halfimport.py). Without, a half-precision
+    program is imported in float32 (_as_float32) and converted back after folding."""
+    import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    from tvmpipe.compiler import lift
+    from tvmpipe.compiler import halfimport, lift
 
     state: list = []
-    native = _low_precision(ep)
     sources: dict[str, Any] = {}
-    if native is not None:
-        ep, sources = _as_float32(ep, model)
+    if files is None:
+        native = _low_precision(ep)
+        if native is not None:
+            ep, sources = _as_float32(ep, model)
+        convert = None
+    else:
+        convert = halfimport.CONVERTERS if native in ("bfloat16", "float16") else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -149,16 +257,26 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any]) -> Imported:
             lifted = lift.lift_mutated_buffers(ep, model) if lift.mutates(ep) else None
             if lifted is None:
                 mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                            run_ep_decomposition=False)
+                                            run_ep_decomposition=False, custom_convert_map=convert)
             else:
                 mod, state = lift.import_lifted(lifted)
     except SourceError:
         raise
     except Exception as exc:
         raise SourceError(f"TVM cannot import the torch program '{model}': {type(exc).__name__}: {exc}") from None
-    imp = _bind(mod, model, source, sources)
-    imp.native_dtype = native
+    by_var = None
+    if files is not None:
+        kind = torch.export.graph_signature.InputKind.PARAMETER
+        params = [s for s in ep.graph_signature.input_specs if s.kind is kind]
+        lost = [s.target for s in params if s.target not in files]
+        if lost:
+            raise SourceError(f"internal: {model}: parameter(s) {', '.join(lost[:3])} have no checkpoint tensor")
+        by_var = {s.arg.name: files[s.target] for s in params}
+    imp = _bind(mod, model, source, sources, by_var)
+    imp.native_dtype = native if files is None else None
     imp.state = state
+    user = (torch.export.graph_signature.OutputKind.USER_OUTPUT, torch.export.graph_signature.OutputKind.LOSS_OUTPUT)
+    imp.output_names = [getattr(s.arg, "name", "") for s in ep.graph_signature.output_specs if s.kind in user]
     return imp
 
 
@@ -277,11 +395,16 @@ def _from_onnx(path: Path, batch: int | None) -> Imported:
 
 # ---- binding --------------------------------------------------------------------------------------
 
-def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] | None = None) -> Imported:
+def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] | None = None,
+          files: dict[str, Any] | None = None) -> Imported:
     """Bind main's weight parameters as constants we create, so we know each constant's name.
 
     `sources` (a half-precision program imported in float32) gives, by parameter name, the original
-    tensor a parameter's float32 value is computed from."""
+    tensor a parameter's float32 value is computed from; `files` (a checkpoint's), by parameter
+    name, the file tensor its value is read from when the bundle is written. A weight read as an
+    embedding and as a tied LM head is stored once (tied.py)."""
+    from tvmpipe.compiler.tied import share_tied_embeddings
+
     from tvm import relax
 
     mod, detached = relax.frontend.detach_params(mod)
@@ -296,7 +419,9 @@ def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] 
     lazy = LazyWeights()
     for var, value in zip(param_vars, weights):
         # big weights are placeholders valued from the source tensor at write time (lazyweights.py)
-        if sources and var.name in sources:
+        if files and var.name in files:
+            const = lazy.bind_file(files[var.name], str(var.ty.dtype))
+        elif sources and var.name in sources:
             const = lazy.bind_float32(sources[var.name])
         else:
             const = lazy.bind(value if hasattr(value, "shape") and hasattr(value, "dtype") else np.asarray(value))
@@ -306,7 +431,7 @@ def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] 
     if binding:
         mod = relax.transform.BindParams("main", binding)(mod)
     mod = drop_empty_concat_operands(bool_compares_as_int8(te_calls_to_ops(mod)))
-    mod = normalize_negative_indices(mod, const_names)
+    mod = share_tied_embeddings(normalize_negative_indices(mod, const_names))
     inputs = list(mod["main"].params)
     try:
         shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
+from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.compiler.errors import CompileError
 from tvmpipe.compiler.opmap import key
 
@@ -40,6 +41,7 @@ class _Node:
     shape: tuple[int, ...]
     dtype: str
     source: Any = None  # tvm Tensor (zero-copy on the torch tensor) for a source node
+    read: Callable[[], np.ndarray] | None = None  # or a reader of the source's bytes (a checkpoint's file)
     fn: Callable[..., np.ndarray] | None = None
     args: tuple[Any, ...] = ()
     what: str = ""
@@ -47,7 +49,7 @@ class _Node:
 
     def evaluate(self) -> np.ndarray:
         if self.fn is None:
-            return as_numpy(self.source)
+            return self.read() if self.read is not None else as_numpy(self.source)
         short = self._round_trip()
         vals = [short.evaluate()] if short is not None else [a.evaluate() if isinstance(a, _Node) else a
                                                              for a in self.args]
@@ -150,6 +152,20 @@ class LazyWeights:
             return relax.const(tensor.detach().to(torch.float32).numpy())
         return self._placeholder(node)
 
+    def bind_file(self, tensor: Any, dtype: str) -> Any:
+        """The constant to bind for a tensor of a file that is read when asked (`tensor.numpy()`,
+        with `shape` and `dtype`: a checkpoint's, compiler/checkpoint.py), as `dtype`: a
+        placeholder whose recipe reads it (and casts it, where the dtypes differ) for a big one, a
+        real constant read now for a small one."""
+        shape = tuple(int(d) for d in tensor.shape)
+        node = _Node(shape, tensor.dtype, read=tensor.numpy, what="read")
+        if tensor.dtype != dtype:
+            node = _Node(shape, dtype, fn=lambda a: a.astype(np_dtype(dtype)), args=(node,), what=f"astype {dtype}",
+                         kind="cast")
+        if int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize < self.min_bytes:
+            return constant(node.evaluate())
+        return self._placeholder(node)
+
     def is_lazy(self, const: Any) -> bool:
         return key(const) in self._nodes
 
@@ -176,16 +192,21 @@ class LazyWeights:
 
     def real(self, const: Any) -> Any:
         """A real constant with the placeholder's value (a copy)."""
-        from tvm import relax
+        return constant(self.value(const))
 
-        value = self.value(const)
-        if str(value.dtype) == "bfloat16":
-            import tvm
 
-            t = tvm.runtime.empty(value.shape, "bfloat16")
-            t.copyfrom(np.array(value, order="C"))
-            return relax.const(t)
-        return relax.const(np.array(value))
+def constant(value: np.ndarray) -> Any:
+    """A real Relax constant holding a copy of `value` (bfloat16 through a TVM tensor: relax.const
+    cannot take an ml_dtypes array)."""
+    from tvm import relax
+
+    if str(value.dtype) == "bfloat16":
+        import tvm
+
+        t = tvm.runtime.empty(value.shape, "bfloat16")
+        t.copyfrom(np.array(value, order="C"))
+        return relax.const(t)
+    return relax.const(np.array(value))
 
 
 def _cpu() -> Any:

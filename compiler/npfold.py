@@ -27,6 +27,15 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+_LAYOUT = ("relax.reshape", "relax.permute_dims")  # ops that only move values
+
+
+def _axes(call: Any) -> tuple[int, ...] | None:
+    """A permute_dims' axes (a reshape's result is its type)."""
+    axes = getattr(call.attrs, "axes", None) if call.attrs is not None else None
+    return None if axes is None else tuple(int(a) for a in axes)
+
+
 def _value(arg: Any) -> np.ndarray | None:
     """NumPy value of a constant tensor or literal scalar argument; None if not constant."""
     import tvm
@@ -94,17 +103,24 @@ def fold_constants(mod: Any, names: ConstNames, weights: LazyWeights | None = No
     computed until the bundle is written."""
     from tvm import relax
 
+    from tvmpipe.compiler.opmap import key
+
+    layouts: dict[tuple, Any] = {}  # (op, its shape/axes, weight) -> the folded constant
+
     def call(binding: Any, op: Any, args: list[Any]) -> Any:
         ty = binding.var.ty
         typed = isinstance(ty, relax.TensorType) and ty.shape is not None
         plan = _plan(op.name, binding.value, args) if typed else None
+        same = (op.name, str(ty), _axes(binding.value), key(args[0])) if plan is not None and op.name in _LAYOUT else None
+        if same in layouts:  # one weight transposed twice the same way is one constant (tied.py)
+            return layouts[same]
         const = None
         if plan is not None and weights is not None and any(
                 not isinstance(o, np.ndarray) and weights.is_lazy(o) for o in plan[1]):
             shape = tuple(int(d) for d in ty.shape.values)
             if _result_type(op.name, plan[1]) == str(ty.dtype):  # else TVM folds it, materialized
                 const = weights.derive(plan[0], plan[1], shape, str(ty.dtype), op.name,
-                                       "layout" if op.name in ("relax.reshape", "relax.permute_dims") else "op")
+                                       "layout" if op.name in _LAYOUT else "op")
         elif plan is not None:
             fn, operands = plan
             out = fn(*[o if isinstance(o, np.ndarray) else o.value.numpy() for o in operands])
@@ -114,6 +130,8 @@ def fold_constants(mod: Any, names: ConstNames, weights: LazyWeights | None = No
             root = next((names.root(a) for a in args if isinstance(a, type(const)) and names.root(a)), None)
             if root:
                 names.add(const, f"{root}_{op.name.split('.')[-1]}", root=root)
+            if same is not None:
+                layouts[same] = const
             return const
         return relax.Call(op, args, binding.value.attrs, binding.value.ty_args)
 

@@ -18,8 +18,9 @@ from tvmpipe.compiler.lazyweights import LazyWeights
 from tvmpipe.compiler.rewrite import rewrite_main
 
 F32, F16, BF16 = "float32", "float16", "bfloat16"
-# ops whose TVM 0.27 legalization refuses bfloat16 ("only support float32 and float16 for now")
-F32_ONLY_BF16 = frozenset({"relax.nn.layer_norm", "relax.nn.group_norm", "relax.nn.instance_norm"})
+# ops whose TVM 0.27 legalization refuses bfloat16: the norms ("only support float32 and float16 for
+# now"), power ("power only applies to float": GPT-2's tanh GELU cubes in bf16)
+F32_ONLY_BF16 = frozenset({"relax.nn.layer_norm", "relax.nn.group_norm", "relax.nn.instance_norm", "relax.power"})
 # Reductions over long dot products: low-precision operands, float32 accumulation (out_dtype),
 # rounded once at the end, as cuBLAS/cuDNN half GEMMs and convolutions run. Accumulating in float16
 # loses ~3 decimal digits over a 4608-long sum: resnet50's fp16 bundle was 6e-2 of max|out| off
@@ -95,28 +96,11 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
             return tirx.FloatImm(target, float(arg.value))
         return arg
 
-    def to_f32(a: Any) -> Any:
-        """A bf16 operand as float32: a weight constant becomes a float32 constant of the same name
-        (exact: it was float32 before conversion), anything else is cast."""
-        if not _is_low(a, target):
-            return a
-        if isinstance(a, tvm.ir.GenericConst):
-            if weights is not None and weights.is_lazy(a):
-                shape = tuple(int(d) for d in a.ty.shape.values)
-                new = weights.derive(lambda v: v.astype(np.float32), [a], shape, F32, "astype float32", "cast")
-            else:
-                new = relax.const(a.value.numpy().astype(np.float32))
-            if names.get(a):
-                names.add(new, names.get(a), root=names.root(a))
-            return new
-        return relax.op.astype(a, F32)
-
     def call(binding: Any, op: Any, args: list[Any]) -> Any:
         if target == BF16 and op.name in F32_ONLY_BF16:
             # TVM legalizes these norms for float32/float16 only: compute in float32 between casts,
             # what a bf16 kernel does anyway (load bf16, compute float32, round on store)
-            return relax.op.astype(relax.Call(op, [to_f32(a) for a in args], binding.value.attrs,
-                                              binding.value.ty_args), target)
+            return _norm_in_float32(binding, op, args, target, names, weights)
         if op.name in ACCUMULATE_F32 and binding.value.attrs is not None and "out_dtype" in _fields(binding.value.attrs):
             # low-precision operands, float32 accumulation, rounded once at the end (ACCUMULATE_F32)
             return relax.op.astype(relax.Call(op, [scalar(a) for a in args], _accumulating_f32(binding.value.attrs),
@@ -125,6 +109,48 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
                           binding.value.ty_args)
 
     return rewrite_main(mod, map_param=param, map_const=const, map_call=call)
+
+
+def _norm_in_float32(binding: Any, op: Any, args: list[Any], target: str, names: ConstNames,
+                     weights: LazyWeights | None) -> Any:
+    """A bf16 norm or power (F32_ONLY_BF16) computed in float32 between casts: its operands widened (a weight
+    constant becomes a float32 constant of the same name: exact), the result rounded to `target`."""
+    import tvm
+    from tvm import relax
+
+    def to_f32(a: Any) -> Any:
+        if not _is_low(a, target):
+            return a
+        if isinstance(a, tvm.ir.GenericConst):
+            if weights is not None and weights.is_lazy(a):
+                shape = tuple(int(d) for d in a.ty.shape.values)
+                new = weights.derive(lambda v: v.astype(np.float32), [a], shape, F32, "astype float32", "cast")
+            else:
+                new = relax.const(weights.value(a).astype(np.float32) if weights is not None
+                                  else a.value.numpy().astype(np.float32))
+            if names.get(a):
+                names.add(new, names.get(a), root=names.root(a))
+            return new
+        return relax.op.astype(a, F32)
+
+    return relax.op.astype(relax.Call(op, [to_f32(a) for a in args], binding.value.attrs, binding.value.ty_args),
+                           target)
+
+
+def norms_in_float32(mod: Any, names: ConstNames, weights: LazyWeights | None, target: str) -> Any:
+    """A program imported in `target` precision itself (compiler/halfimport.py) with the ops TVM
+    cannot legalize in bfloat16 (F32_ONLY_BF16) computed in float32 between casts; nothing else changes."""
+    from tvm import relax
+
+    if target != BF16:
+        return mod
+
+    def call(binding: Any, op: Any, args: list[Any]) -> Any:
+        if op.name in F32_ONLY_BF16 and args and _is_low(args[0], target):
+            return _norm_in_float32(binding, op, args, target, names, weights)
+        return relax.Call(op, args, binding.value.attrs, binding.value.ty_args)
+
+    return rewrite_main(mod, map_call=call)
 
 
 def _const(value: np.ndarray) -> Any:

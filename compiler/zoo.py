@@ -143,6 +143,29 @@ def _text_inputs(mask: bool, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def text_forward(inner: Any, output: str) -> Any:
+    """A transformers model as a module of positional tensors in, one tensor out (its `output`:
+    logits, last_hidden_state): what both exporters and tvmpipe expect. A causal LM runs without
+    its KV cache objects (use_cache=False)."""
+    import torch
+
+    config = inner.config
+    causal = getattr(config, "is_decoder", False) or type(inner).__name__.endswith(("CausalLM", "LMHeadModel"))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: Any, attention_mask: Any = None) -> Any:
+            kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
+            if causal:
+                kwargs["use_cache"] = False  # no KV cache objects: one tensor in, one out
+            return getattr(self.inner(input_ids=input_ids, return_dict=True, **kwargs), output)
+
+    return Wrapped().eval()
+
+
 def _hf(config_cls: str, model_cls: str, mask: bool, output: str, **cfg: Any) -> tuple[Callable, Callable]:
     def build(seed: int) -> Any:
         import torch
@@ -155,22 +178,7 @@ def _hf(config_cls: str, model_cls: str, mask: bool, output: str, **cfg: Any) ->
         torch.manual_seed(seed)
         inner = getattr(transformers, model_cls)(config)
         _seeded(inner, seed)
-        inner.eval()
-
-        class Wrapped(torch.nn.Module):
-            """Positional tensors in, one tensor out: what both exporters and tvmpipe expect."""
-
-            def __init__(self) -> None:
-                super().__init__()
-                self.inner = inner
-
-            def forward(self, input_ids: Any, attention_mask: Any = None) -> Any:
-                kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
-                if getattr(config, "is_decoder", False) or model_cls.endswith("CausalLM") or model_cls.startswith("GPT2"):
-                    kwargs["use_cache"] = False  # no KV cache objects: one tensor in, one out
-                return getattr(self.inner(input_ids=input_ids, return_dict=True, **kwargs), output)
-
-        return Wrapped().eval()
+        return text_forward(inner.eval(), output)
 
     return build, lambda seed: _text_inputs(mask, seed)
 
