@@ -1,0 +1,242 @@
+"""The HTTP routes (FastAPI): /health, /v1/models, /v1/completions, /v1/chat/completions, /metrics.
+
+Thin by design: a route reads the body into an Ask (serve.protocol), has the Service make the
+generation request (serve.service), submits it as a ServedSequence (serve.sequence) and writes
+what comes back, as one JSON body or as server-sent events. Every error is OpenAI's error JSON.
+
+`Gate`, a plain ASGI middleware around the routes, does what must happen before a route runs:
+the API key (every path but /health, compared in constant time), the body bound (413 from the
+Content-Length alone, or as soon as a chunked body passes it: never more than the bound is kept),
+and counting responses by status for /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from tvmpipe.generation.engine import EngineClosed, QueueFull
+from tvmpipe.serve import metrics
+from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, read_ask, sse
+from tvmpipe.serve.sequence import SequenceFailed, ServedSequence
+from tvmpipe.serve.service import Service
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, orchestrators)
+STAGE_STATUS_TIMEOUT_S = 2.0  # /metrics answers without the stages' pids rather than wait for a restart
+CLIENT_GONE = 499  # nginx's "client closed request", counted for a non-streaming request given up
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+class Gate:
+    """API key, body bound and response counts, around the whole app (see the module docstring)."""
+
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, counters: metrics.Counters):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body = max_body_bytes
+        self.counters = counters
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counted(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.counters.response(message["status"])
+            await send(message)
+
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        refused = self._refuse(scope["path"], headers)
+        if refused is not None:
+            await error_response(refused)(scope, receive, counted)
+            return
+        seen = 0
+
+        async def bounded() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _too_large(self.max_body)
+            return message
+
+        try:
+            await self.app(scope, bounded, counted)
+        except ApiError as exc:  # a body past the bound, read by a route
+            if started:
+                raise
+            await error_response(exc)(scope, receive, counted)
+
+    def _refuse(self, path: str, headers: dict[bytes, bytes]) -> ApiError | None:
+        if self.api_key is not None and path not in OPEN_PATHS:
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.api_key):
+                return ApiError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
+                                code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return ApiError(400, "Content-Length is not a number")
+            if int(length) > self.max_body:
+                return _too_large(self.max_body)
+        return None
+
+
+def _too_large(bound: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's bound of {bound} bytes (--max-body-bytes)",
+                    code="request_too_large")
+
+
+def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+               counters: metrics.Counters | None = None) -> Any:
+    """The ASGI app: the routes behind the Gate."""
+    counters = counters if counters is not None else metrics.Counters()
+    engine = service.engine
+    app = FastAPI(title="tvmpipe serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:  # unknown path, wrong method
+        detail = exc.detail if isinstance(exc.detail, str) else "error"
+        return error_response(ApiError(exc.status_code, f"{detail}: {request.method} {request.url.path}"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = engine.stats()
+        if stats.failed is not None:
+            return JSONResponse({"status": "failed", "error": stats.failed}, status_code=503)
+        if stats.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def model_card() -> dict[str, Any]:
+        return {"id": service.model, "object": "model", "created": service.created, "owned_by": "tvmpipe",
+                "max_model_len": service.max_context}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        service.check_model(Ask(chat=False, model=model))
+        return model_card()
+
+    @app.get("/metrics")
+    async def metrics_text() -> PlainTextResponse:
+        try:
+            stages = await asyncio.wait_for(asyncio.to_thread(service.stage_info), STAGE_STATUS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            stages = []
+        text = metrics.render(service.model, engine.stats(), counters, stages)
+        return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not JSON: {exc}") from None
+        ask = read_ask(body, chat=chat)
+        if service.codec is None:  # no text to send: the tokens are the answer
+            ask = dataclasses.replace(ask, return_token_ids=True)
+        prepared = service.prepare(ask)
+        try:
+            seq = ServedSequence(engine, prepared.request, service.codec, prepared.stop)
+        except QueueFull as exc:
+            raise ApiError(429, f"{exc}: retry later", code="queue_full") from None
+        except EngineClosed as exc:
+            raise ApiError(503, str(exc), code="unavailable") from None
+        counters.prompt_tokens += len(prepared.prompt_ids)
+        reply = Reply(ask, service.model, prepared.prompt_ids)
+        if ask.stream:
+            return StreamingResponse(events(seq, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await whole(request, seq, reply)
+
+    return Gate(app, api_key=api_key, max_body_bytes=max_body_bytes, counters=counters)
+
+
+async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed request. The response closing early (the client went
+    away: Starlette cancels this generator) cancels the sequence (ServedSequence.pieces)."""
+    ask = reply.ask
+    first = True
+    if ask.chat:  # the role first, as OpenAI's and vLLM's streams begin
+        yield sse(reply.chunk("", [], None, first=True))
+        first = False
+    count = 0
+    try:
+        async for piece in seq.pieces():
+            count += len(piece.token_ids)
+            if piece.text or piece.finish or ask.return_token_ids:
+                yield sse(reply.chunk(piece.text, list(piece.token_ids), piece.finish, first=first))
+                first = False
+    except SequenceFailed as exc:
+        code = 503 if exc.shutdown else 500
+        yield sse(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed").body())
+        yield DONE
+        return
+    if ask.include_usage:
+        yield sse(reply.usage_chunk(count))
+    yield DONE
+
+
+async def whole(request: Request, seq: ServedSequence, reply: Reply) -> Response:
+    """A non-streamed request: the whole body once the sequence ends; a client that disconnects
+    first has its sequence cancelled."""
+
+    async def run() -> dict[str, Any]:
+        text, ids, finish = [], [], "length"
+        async for piece in seq.pieces():
+            text.append(piece.text)
+            ids.extend(piece.token_ids)
+            finish = piece.finish or finish
+        return reply.body("".join(text), ids, finish)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            seq.close()
+    if not work.done() or work.cancelled():
+        return Response(status_code=CLIENT_GONE)
+    try:
+        return JSONResponse(work.result())
+    except SequenceFailed as exc:
+        code = 503 if exc.shutdown else 500
+        return error_response(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed"))

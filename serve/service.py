@@ -1,0 +1,114 @@
+"""The served model: an Engine over the pipeline, the tokenizer, and how an `Ask` becomes a
+generation request. The HTTP routes (serve.app) call this and nothing below it.
+
+Keys and seeds: a served request uses key 0, as prompt 0 of `tvmpipe generate` does, so its seeded
+draws equal a one-prompt `tvmpipe generate --seed S` (executor.sampler keys each draw by seed, key
+and token index). A sampling request without a seed gets a fresh random one, as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.executor.sampler import Sampling
+from tvmpipe.generation.requests import Request
+from tvmpipe.serve.protocol import DEFAULT_COMPLETION_TOKENS, ApiError, Ask, bad_request, from_generation_error, resolve_max_tokens
+
+if TYPE_CHECKING:
+    from tvmpipe.generation.engine import Engine
+    from tvmpipe.generation.text import TextCodec
+    from tvmpipe.serve.metrics import StageInfo
+
+SEED_RANGE = 2 ** 63  # the sampler's seeds: 0 .. 2^63 - 1
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to submit: its prompt ids, the checked generation request, and the stop
+    strings the text stream watches for."""
+
+    prompt_ids: list[int]
+    request: Request
+    stop: tuple[str, ...]
+
+
+class Service:
+    """What the routes serve: `model` (its name in /v1/models and in requests) on `engine`, with
+    `codec` (None: no tokenizer; prompts are token ids and responses carry token ids, no text)."""
+
+    def __init__(self, engine: "Engine", codec: "TextCodec | None", model: str):
+        self.engine = engine
+        self.codec = codec
+        self.model = model
+        self.layout = engine.layout
+        self.created = int(time.time())
+
+    @property
+    def max_context(self) -> int:
+        return self.layout.max_context
+
+    def stage_info(self) -> list["StageInfo"]:
+        """Each stage's process now (a blocking call to every worker: run it off the event loop)."""
+        from tvmpipe.cluster.status import WorkerStatus
+        from tvmpipe.serve.metrics import StageInfo
+
+        pipe = self.engine.pipe
+        hosts = [a[0] for a in pipe.addresses[:-1]]
+        return [StageInfo(i, st.pid if isinstance(st, WorkerStatus) else None, hosts[i] if i < len(hosts) else None)
+                for i, st in enumerate(pipe.status())]
+
+    def check_model(self, ask: Ask) -> None:
+        if ask.model != self.model:
+            raise ApiError(404, f"the model {ask.model!r} does not exist: this server serves {self.model!r}",
+                           param="model", code="model_not_found")
+
+    def prompt_ids(self, ask: Ask) -> list[int]:
+        """The prompt's token ids: given as ids, encoded, or the chat rendered by the template."""
+        from tvmpipe.generation.text import TextError
+
+        if not ask.chat and isinstance(ask.prompt, list):
+            return list(ask.prompt)
+        codec = self.codec
+        if codec is None:
+            what = "chat" if ask.chat else "a text prompt"
+            raise bad_request(f"this server has no tokenizer, so {what} cannot be served: send the prompt as token ids "
+                              "to /v1/completions, or start the server with --tokenizer DIR", ask.prompt_param,
+                              "no_tokenizer")
+        try:
+            if not ask.chat:
+                return codec.encode(ask.prompt)
+            if not codec.has_chat_template:
+                raise bad_request(f"the model {self.model!r} has no chat template (its tokenizer directory {codec.directory} "
+                                  "has no chat_template.jinja nor chat_template in tokenizer_config.json): use "
+                                  "/v1/completions with a plain prompt", "messages", "no_chat_template")
+            return codec.apply_chat_template(ask.messages, add_generation_prompt=ask.add_generation_prompt,
+                                             variables=ask.chat_template_kwargs)
+        except TextError as exc:
+            raise bad_request(str(exc), ask.prompt_param) from None
+
+    def prepare(self, ask: Ask) -> Prepared:
+        """The generation request of an Ask, every value checked (ApiError 400 naming the
+        parameter), before anything runs."""
+        self.check_model(ask)
+        if ask.stop and self.codec is None:
+            raise bad_request("stop strings need a tokenizer: this server has none (stop_token_ids work without)", "stop")
+        ids = self.prompt_ids(ask)
+        if not ids:
+            raise bad_request(f"the {ask.prompt_param} is empty (no tokens)", ask.prompt_param)
+        default = None if ask.chat else DEFAULT_COMPLETION_TOKENS
+        n = resolve_max_tokens(ask.max_tokens, default, len(ids), self.max_context, prompt_param=ask.prompt_param,
+                               tokens_param=ask.tokens_param)
+        seed = ask.seed if ask.seed is not None else secrets.randbelow(SEED_RANGE)
+        stops = list(ask.stop_token_ids)
+        if self.codec is not None and not ask.ignore_eos:
+            stops += [t for t in self.codec.stop_token_ids if t not in stops]
+        try:
+            request = Request.checked(ids, n, self.layout, what=ask.prompt_param, stop_tokens=stops, key=0,
+                                      sampling=Sampling(ask.temperature, ask.top_k, seed, ask.top_p))
+        except TvmpipeError as exc:
+            raise from_generation_error(exc, ask.prompt_param) from None
+        return Prepared(ids, request, ask.stop)

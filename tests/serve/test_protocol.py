@@ -1,0 +1,143 @@
+"""Request bodies as tvmpipe serve reads them (no server): what is built, what is refused and how
+it is named, vLLM's context rule for max_tokens, and the shape of responses and chunks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.serve.protocol import (
+    DEFAULT_TEMPERATURE,
+    DONE,
+    ApiError,
+    Reply,
+    from_generation_error,
+    read_ask,
+    resolve_max_tokens,
+    sse,
+)
+
+
+def refused(body: dict, chat: bool = False) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        read_ask(body, chat=chat)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_completions_body():
+    ask = read_ask({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": -1,
+                    "seed": 7, "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
+                    "n": 1, "logprobs": None, "echo": False, "user": "u1", "ignore_eos": True,
+                    "stop_token_ids": [3], "return_token_ids": True}, chat=False)
+    assert (ask.prompt, ask.max_tokens, ask.temperature, ask.top_p, ask.top_k, ask.seed) == ("hi", 5, 0, 0.5, 0, 7)
+    assert ask.stop == ("\n",) and ask.stream and ask.include_usage and ask.ignore_eos and ask.return_token_ids
+    assert ask.stop_token_ids == (3,)
+    assert read_ask({"model": "m", "prompt": [5, 17, 3]}, chat=False).prompt == [5, 17, 3]
+    assert read_ask({"model": "m", "prompt": [[5, 17]]}, chat=False).prompt == [5, 17]  # a batch of one
+    plain = read_ask({"model": "m", "prompt": "x"}, chat=False)
+    assert plain.temperature == DEFAULT_TEMPERATURE and plain.seed is None and plain.max_tokens is None
+
+
+def test_chat_body():
+    ask = read_ask({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]}],
+                    "max_completion_tokens": 9, "chat_template_kwargs": {"enable_thinking": False},
+                    "response_format": {"type": "text"}, "tools": [], "logprobs": False}, chat=True)
+    assert ask.messages == [{"role": "user", "content": "ab"}] and ask.max_tokens == 9
+    assert ask.tokens_param == "max_completion_tokens" and ask.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "n": True}, "n"),
+    ({"model": "m", "prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "suffix": "end"}, "suffix"),
+    ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": 5}, "prompt"),
+    ({"model": "m", "prompt": [1, "a"]}, "prompt"),
+    ({"model": "m"}, "prompt"),
+    ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "stop": 5}, "stop"),
+    ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": "m", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options"),
+])
+def test_completions_refusals_name_the_parameter(body, param):
+    assert refused(body).param == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": [], "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "messages": [], "max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": "m", "messages": "hi"}, "messages"),
+    ({"model": "m", "messages": [], "prompt": "x"}, "prompt"),
+])
+def test_chat_refusals_name_the_parameter(body, param):
+    assert refused(body, chat=True).param == param
+
+
+def test_refusals_are_openai_error_json():
+    e = refused({"model": "m", "prompt": "x", "logprobs": 1})
+    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": "logprobs",
+                                  "code": "unsupported_parameter"}}
+    assert "not supported" in e.message
+    assert refused({"model": "m", "prompt": "x", "frobnicate": 1}).message.startswith("unknown parameter 'frobnicate'")
+
+
+def test_max_tokens_follows_vllm():
+    """prompt + max_tokens must fit the context (a 400 otherwise); without max_tokens, the
+    endpoint's default clamped to the room left, or all of it."""
+    assert resolve_max_tokens(None, 16, 10, 64, prompt_param="prompt", tokens_param="max_tokens") == 16
+    assert resolve_max_tokens(None, 16, 60, 64, prompt_param="prompt", tokens_param="max_tokens") == 4
+    assert resolve_max_tokens(None, None, 10, 64, prompt_param="messages", tokens_param="max_tokens") == 54
+    assert resolve_max_tokens(54, None, 10, 64, prompt_param="messages", tokens_param="max_tokens") == 54
+    with pytest.raises(ApiError) as info:
+        resolve_max_tokens(55, None, 10, 64, prompt_param="messages", tokens_param="max_completion_tokens")
+    assert info.value.param == "max_completion_tokens" and info.value.code == "context_length_exceeded"
+    assert "55 > 64 - 10" in info.value.message
+    for n in (64, 70):
+        with pytest.raises(ApiError) as info:
+            resolve_max_tokens(None, 16, n, 64, prompt_param="prompt", tokens_param="max_tokens")
+        assert info.value.param == "prompt" and f"has {n}" in info.value.message
+
+
+def test_generation_checks_name_the_json_parameters():
+    e = from_generation_error(TvmpipeError("--top-p must be a number in (0, 1], got 2"), "prompt")
+    assert (e.param, e.message) == ("top_p", "top_p must be a number in (0, 1], got 2")
+    e = from_generation_error(TvmpipeError("prompt: token id 500 is outside the vocabulary 0..127"), "prompt")
+    assert e.param == "prompt"
+
+
+def test_chunks_and_bodies():
+    ask = read_ask({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                    "stream_options": {"include_usage": True}, "return_token_ids": True}, chat=True)
+    reply = Reply(ask, "m", [1, 2, 3])
+    first = reply.chunk("", [], None, first=True)
+    assert first["object"] == "chat.completion.chunk" and first["id"].startswith("chatcmpl-")
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+    assert first["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+    last = reply.chunk("yo", [9], "stop")
+    assert last["choices"][0] == {"index": 0, "delta": {"content": "yo"}, "logprobs": None, "finish_reason": "stop",
+                                  "token_ids": [9]}
+    assert reply.usage_chunk(4)["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert reply.usage_chunk(4)["choices"] == []
+    body = Reply(read_ask({"model": "m", "prompt": "x"}, chat=False), "m", [1]).body("hi", [5, 6], "length")
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hi"
+    assert "token_ids" not in body["choices"][0] and body["usage"]["total_tokens"] == 3
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n' and DONE == b"data: [DONE]\n\n"
+    assert json.loads(sse({"t": "é"})[6:]) == {"t": "é"}
