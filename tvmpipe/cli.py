@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "tvmpipe.partition.cli",  # partition
     "tvmpipe.app.cli",  # run, sweep
     "tvmpipe.app.generate",  # generate
+    "tvmpipe.app.serving",  # serve
 ]
 
 
