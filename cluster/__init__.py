@@ -23,8 +23,7 @@ package (control.placement, control.local) from the CLI does not pay for the who
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tvmpipe.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Pipeline": "driver", "PipelineError": "driver",
@@ -42,14 +41,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tvmpipe.cluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"tvmpipe.cluster.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

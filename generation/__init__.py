@@ -18,31 +18,17 @@ layer below it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tvmpipe.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Generator": "generator",
     "Scheduler": "scheduler",
+    "Engine": "engine", "Stream": "engine", "QueueFull": "engine", "EngineClosed": "engine",
     "Request": "requests", "SequenceResult": "requests", "TokenEvent": "requests", "GenerationError": "requests",
     "make_requests": "requests", "layout_of": "requests",
+    "Sampling": "tvmpipe.executor.sampler",
 }
 
-__all__ = sorted([*_EXPORTS, "Sampling"])
+__all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Sampling":
-        from tvmpipe.executor.sampler import Sampling
-
-        return Sampling
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tvmpipe.generation' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"tvmpipe.generation.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
