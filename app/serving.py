@@ -19,7 +19,17 @@ from pathlib import Path
 from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, add_cluster_args, cluster_options, number
 from tvmpipe.core.errors import TvmpipeError
 
-PORT = number(int, 0, what="a port number")  # 0: any free port (the ready line says which)
+_NON_NEGATIVE_PORT = number(int, 0, what="a port number")
+
+
+def port(text: str) -> int:
+    """An argparse type: 0..65535 (0: any free port; the ready line says which)."""
+    value = _NON_NEGATIVE_PORT(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {text}")
+    return value
+
+
 DEFAULT_MAX_BODY = 1 << 20
 
 
@@ -42,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h = s.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine "
                    "only; 0.0.0.0 for every interface, with an API key)")
-    h.add_argument("--port", type=PORT, default=8000, help="port (default 8000; 0: any free one)")
+    h.add_argument("--port", type=port, default=8000, help="port (default 8000; 0: any free one)")
     h.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every endpoint but "
                    "/health (default: the environment variable TVMPIPE_API_KEY; prefer it, a command line is "
                    "visible to every user of the machine)")
