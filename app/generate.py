@@ -60,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a prompt as token ids (repeatable)")
     p.add_argument("--chat", action="store_true", help="each --prompt is a user message, through the checkpoint's "
                    "chat template")
-    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message first")
+    p.add_argument("--system", metavar="TEXT", help="with --chat (or a prompts file's \"messages\" lines): a system "
+                   "message first")
     p.add_argument("--prompts-file", metavar="IN.jsonl", help="a batch job: one JSON object a line, {\"prompt\": "
                    "TEXT} or {\"prompt_ids\": [...]} or {\"messages\": [...]}, optionally with an \"id\"; needs --output")
     p.add_argument("--output", metavar="OUT.jsonl", help="with --prompts-file: one line per prompt, written as each "
@@ -113,6 +114,7 @@ def stdout_reserved(reserve: bool) -> Iterator[None]:
 
 def generate_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where
+    from tvmpipe.app.decoding import bundle_codec
     from tvmpipe.app.generating import GenerationRun
     from tvmpipe.app.prompts import make_prompts, prompts_from_options, read_prompts_file
     from tvmpipe.app.sources import choose_plan
@@ -120,7 +122,6 @@ def generate_command(args: argparse.Namespace) -> int:
     from tvmpipe.core.files import JsonLines
     from tvmpipe.executor.sampler import Sampling
     from tvmpipe.generation import layout_of
-    from tvmpipe.generation.text import load_text_codec
 
     options = cluster_options(args)
     check_where(options)
@@ -128,12 +129,11 @@ def generate_command(args: argparse.Namespace) -> int:
         raise TvmpipeError("--prompts-file and --output go together (a batch job reads one and writes the other)")
     if args.prompts_file and (args.prompt or args.prompt_ids):
         raise TvmpipeError("--prompts-file replaces --prompt and --prompt-ids: give one or the other")
+    if args.prompts_file and args.chat:
+        raise TvmpipeError("--chat is for --prompt TEXT: in a prompts file, a line with \"messages\" is a chat")
     bundle = load_bundle(args.bundle)
     layout = layout_of(bundle)
-    where = args.tokenizer or bundle.tokenizer_dir
-    if args.tokenizer and not os.path.isdir(args.tokenizer):
-        raise TvmpipeError(f"--tokenizer {args.tokenizer}: not a directory (a local tokenizer directory)")
-    codec = load_text_codec(where) if where is not None else None
+    codec = bundle_codec(bundle, layout, args.tokenizer)
     if args.stop and codec is None:
         raise TvmpipeError("--stop TEXT needs a tokenizer: the bundle has none, give --tokenizer DIR")
     entries = (read_prompts_file(args.prompts_file) if args.prompts_file else
@@ -192,7 +192,7 @@ def _execute(run, args: argparse.Namespace, output) -> None:
         bar.update(len(run.done), run.generated_tokens)
 
     try:
-        run.execute(on_text, on_done)
+        run.execute(on_text, on_done, on_start=bar.begin)
     finally:
         bar.close()
 

@@ -64,10 +64,12 @@ class GenerationRun:
     metrics: Any = None
 
     def execute(self, on_text: Callable[[int, str], None] = lambda i, t: None,
-                on_done: Callable[[Finished], None] = lambda f: None) -> None:
-        """Generate every prompt. `on_text(i, piece)`: new text of prompt i as its tokens arrive
-        (with a codec); `on_done(finished)`: a sequence ended. A pipeline that fails beyond its
-        restarts ends the run with `error` set; what finished before is kept."""
+                on_done: Callable[[Finished], None] = lambda f: None,
+                on_start: Callable[[], None] = lambda: None) -> None:
+        """Generate every prompt. `on_start()`: the stages are up and generation begins;
+        `on_text(i, piece)`: new text of prompt i as its tokens arrive (with a codec);
+        `on_done(finished)`: a sequence ended. A pipeline that fails beyond its restarts ends the
+        run with `error` set; what finished before is kept."""
         from tvmpipe.cluster.driver import Pipeline
         from tvmpipe.generation import Generator
 
@@ -82,6 +84,7 @@ class GenerationRun:
             with Pipeline(self.bundle, self.plan, slots=self.slots, logits=False, **kw) as pipe:  # tokens only
                 t1 = time.time()
                 self.startup_s = t1 - t0
+                on_start()
                 gen = Generator(pipe)
                 results: dict[int, SequenceResult] = {}
                 try:
@@ -112,6 +115,8 @@ class GenerationRun:
                 on_done: Callable[[Finished], None]) -> None:
         stream = streams.get(i)
         text = None if stream is None else stream.text
+        if stream is not None and stream.reason == "stop_string":
+            result.finish = "stop"  # also where the token that completed it was the last one allowed
         finished = Finished(self.prompts[i], result, text)
         self.done.append(finished)
         on_done(finished)

@@ -16,6 +16,11 @@ class ProgressBar:
         self._last = 0.0
         self._line = ""
 
+    def begin(self) -> None:
+        """The work starts now (the stages are up): rates and time left count from here, not
+        from the cluster's start-up."""
+        self.start = time.time()
+
     def update(self, done: int, tokens: int) -> None:
         if not self.enabled:
             return

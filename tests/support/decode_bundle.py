@@ -159,3 +159,42 @@ def write_tokenizer(path) -> Path:
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(str(path))
     return Path(path)
+
+
+# A chat template in the fixture's words (w1: a system turn, w2: a user turn, w3: the assistant's),
+# so that chat prompts tokenize inside the 64-token vocabulary.
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}w1 {{ m['content'] }} "
+                 "{% elif m['role'] == 'user' %}w2 {{ m['content'] }} {% else %}w3 {{ m['content'] }} {% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}w3{% endif %}")
+
+
+def write_chat_tokenizer(path, template: str = CHAT_TEMPLATE) -> Path:
+    """`write_tokenizer`'s directory with a chat template in tokenizer_config.json."""
+    path = write_tokenizer(path)
+    config = path / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}, indent=1))
+    return path
+
+
+def bundle_with_tokenizer(bundle, tokenizer, out) -> Path:
+    """A copy of `bundle` at `out` carrying `tokenizer`'s files in its tokenizer/ directory, as
+    `tvmpipe compile DIR` writes a checkpoint's (bundle.json names the directory and checksums it)."""
+    import hashlib
+    import shutil
+
+    from tests.support.bundle_edits import edit_json
+
+    out = Path(out)
+    shutil.copytree(bundle, out)
+    (out / "tokenizer").mkdir()
+    sums = {}
+    for f in sorted(Path(tokenizer).iterdir()):
+        shutil.copyfile(f, out / "tokenizer" / f.name)
+        sums[f"tokenizer/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+
+    def name_it(manifest: dict) -> None:
+        manifest["tokenizer"] = "tokenizer"
+        manifest["files"].update(sums)
+
+    edit_json(out, "bundle.json", name_it)
+    return out
