@@ -48,10 +48,11 @@ def netbed_ok() -> None:
 
 @pytest.fixture(scope="session")
 def raybed(netbed_ok):
-    """4 hosts: the Ray head on hosts[0] (0 GPUs), workers on hosts[1..3] (1 fake GPU each); the mlp
-    example copied to a directory only the head can see."""
+    """4 hosts: the Ray head on hosts[0] (0 GPUs) with its job API (the dashboard, for `ray job
+    submit`), workers on hosts[1..3] (1 fake GPU each); the mlp example copied to a directory only
+    the head can see."""
     net = NetBed(4)
-    bed = RayBed(net)
+    bed = RayBed(net, dashboard=True)
     with net:
         try:
             bed.up()
