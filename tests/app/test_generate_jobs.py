@@ -78,15 +78,23 @@ def uninterrupted(text_bundle, sampled_file, tmp_path_factory) -> dict:
     return by_id
 
 
-def test_a_job_writes_one_whole_line_per_prompt(text_bundle, hf, greedy, capsys, tmp_path):
+def test_a_job_writes_one_whole_line_per_prompt(text_bundle, hf, greedy, capsys, tmp_path, monkeypatch):
     """Every kind of line, with and without an id: one output line each with its id, its prompt
     ids as the tokenizer (or chat template) makes them, the single-process loop's tokens and their
-    text; nothing on stdout, a progress line on stderr. A line equals a one-prompt run of the same
-    prompt (here the chat with a system message, run as --chat --system --prompt)."""
+    text; nothing on stdout, a progress line on stderr (its clock started once the stages are up,
+    before the first sequence ends). A line equals a one-prompt run of the same prompt (here the
+    chat with a system message, run as --chat --system --prompt)."""
+    from tvmpipe.app.progressbar import ProgressBar
+
+    calls = []
+    for name in ("begin", "update"):
+        monkeypatch.setattr(ProgressBar, name, lambda self, *a, f=getattr(ProgressBar, name), n=name:
+                            (calls.append(n), f(self, *a))[1])
     src, out = write_lines(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
     code, stdout, stderr = generate(capsys, text_bundle, *job_args(src, out))
     assert code == 0 and stdout == "", stderr[-3000:]
     assert "6/6 sequences" in stderr and f"6 sequence(s) written to {out}, 0 already there" in stderr
+    assert calls == ["begin"] + ["update"] * 6
     lines = read_output(out)
     assert sorted(map(str, (x["id"] for x in lines))) == sorted(map(str, IDS))
     given = {i: x for i, x in zip(IDS, (x for x in LINES if x is not None))}
@@ -143,12 +151,14 @@ def test_a_bad_line_is_one_error_naming_it_before_anything_runs(text_bundle, cap
 
 def test_job_options_that_do_not_go_together_are_one_line_errors(text_bundle, capsys, tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hello"}])
-    for argv, words in [(["--prompts-file", src], "--prompts-file and --output go together"),
-                        (["--output", tmp_path / "o.jsonl", "--prompt", "w1"], "--prompts-file and --output go together"),
+    together = "--prompts-file and --output go together"
+    for argv, words in [(["--prompts-file", src], together),
+                        (["--output", tmp_path / "o.jsonl", "--prompt", "w1"], together),
                         (["--prompts-file", src, "--output", tmp_path / "o.jsonl", "--prompt", "w1"],
                          "--prompts-file replaces --prompt"),
                         (["--prompts-file", src, "--output", tmp_path / "o.jsonl", "--chat"], "--chat is for --prompt"),
-                        (["--prompts-file", tmp_path / "none.jsonl", "--output", tmp_path / "o.jsonl"], "cannot read it"),
+                        (["--prompts-file", tmp_path / "none.jsonl", "--output", tmp_path / "o.jsonl"],
+                         "cannot read it"),
                         (["--prompts-file", write_lines(tmp_path / "empty.jsonl", [None]), "--output",
                           tmp_path / "o.jsonl"], "no prompts in it"),
                         (["--prompts-file", src, "--output", tmp_path / "no" / "o.jsonl"], "does not exist")]:

@@ -139,7 +139,8 @@ def test_stop_strings_end_a_sequence_where_they_appear_and_never_show(text_bundl
     assert (s["tokens"], s["text"], s["finish"]) == (want[0][0], want[0][1], "stop")
 
 
-def test_the_checkpoints_eos_id_ends_a_sequence_unless_ignored(decode_bundle, word_tokenizer, hf, greedy, capsys, tmp_path):
+def test_the_checkpoints_eos_id_ends_a_sequence_unless_ignored(decode_bundle, word_tokenizer, hf, greedy, capsys,
+                                                              tmp_path):
     """generation_config.json's eos_token_id (with --tokenizer DIR, the bundle carrying none) ends
     a greedy sequence at that token: kept as its last token, not shown in the text. --ignore-eos
     runs on to --max-new-tokens, the word shown."""
