@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from tvmpipe.generation.engine import EngineClosed, QueueFull
 from tvmpipe.serve import metrics
 from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, read_ask, sse
-from tvmpipe.serve.sequence import SequenceFailed, ServedSequence
+from tvmpipe.serve.sequence import Bridge, SequenceFailed, ServedSequence
 from tvmpipe.serve.service import Service
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, orchestrators)
@@ -108,6 +108,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     """The ASGI app: the routes behind the Gate."""
     counters = counters if counters is not None else metrics.Counters()
     engine = service.engine
+    bridges: dict[asyncio.AbstractEventLoop, Bridge] = {}  # one per event loop serving the app
     app = FastAPI(title="tvmpipe serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -169,7 +170,9 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
             ask = dataclasses.replace(ask, return_token_ids=True)
         prepared = service.prepare(ask)
         try:
-            seq = ServedSequence(engine, prepared.request, service.codec, prepared.stop)
+            loop = asyncio.get_running_loop()
+            bridge = bridges.get(loop) or bridges.setdefault(loop, Bridge(loop))
+            seq = ServedSequence(engine, bridge, prepared.request, service.codec, prepared.stop)
         except QueueFull as exc:
             raise ApiError(429, f"{exc}: retry later", code="queue_full") from None
         except EngineClosed as exc:
@@ -196,9 +199,13 @@ async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
     try:
         async for piece in seq.pieces():
             count += len(piece.token_ids)
-            if piece.text or piece.finish or ask.return_token_ids:
+            if first or piece.finish:
                 yield sse(reply.chunk(piece.text, list(piece.token_ids), piece.finish, first=first))
                 first = False
+            elif piece.text or (ask.return_token_ids and not ask.chat):
+                yield reply.token_event(piece.text, list(piece.token_ids))
+            elif ask.return_token_ids:  # a chat token whose text is held: an empty delta with its id
+                yield sse(reply.chunk(piece.text, list(piece.token_ids), None))
     except SequenceFailed as exc:
         code = 503 if exc.shutdown else 500
         yield sse(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed").body())

@@ -1,8 +1,8 @@
 """One request's sequence, read from the server's event loop.
 
 The engine (generation.engine) draws tokens on its own thread and calls the stream's callback
-there; `ServedSequence` hands each event to the event loop (`call_soon_threadsafe` into an
-asyncio.Queue) and turns tokens into text pieces with the tokenizer's TextStream: incremental
+there; `ServedSequence` hands each event to the event loop through the loop's `Bridge` (into the
+sequence's asyncio.Queue) and turns tokens into text pieces with the tokenizer's TextStream: incremental
 detokenization, stop strings held back and never sent. A stop string ends the sequence at once
 (Engine.cancel with "stop": its row frees at the next step, and tokens already drawn after it are
 dropped). A reader that goes away (a client that disconnected) closes the sequence, which cancels
@@ -12,6 +12,8 @@ it the same way.
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
@@ -20,6 +22,34 @@ from tvmpipe.generation.requests import Request, TokenEvent
 if TYPE_CHECKING:
     from tvmpipe.generation.engine import Engine, Stream
     from tvmpipe.generation.text import TextCodec
+
+
+class Bridge:
+    """Events from the engine thread into one event loop's queues, with one wake-up of the loop for
+    all the events that arrive before it runs (a step's tokens for every sequence in it), not one
+    each: waking a loop writes to its self-pipe, a system call on the engine thread, between the
+    steps it submits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[asyncio.Queue, TokenEvent | None]] = deque()
+        self._woken = False
+
+    def put(self, queue: asyncio.Queue, event: TokenEvent | None) -> None:  # any thread
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._woken:
+                return
+            self._woken = True
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:  # the event loop
+        with self._lock:
+            pending, self._pending = self._pending, deque()
+            self._woken = False
+        for queue, event in pending:
+            queue.put_nowait(event)
 
 
 class SequenceFailed(Exception):
@@ -43,12 +73,13 @@ class Piece:
 
 
 class ServedSequence:
-    """Submit `request` to `engine` and read its pieces (`async for piece in seq.pieces()`).
+    """Submit `request` to `engine` and read its pieces, its events coming through `bridge` (`async for piece in seq.pieces()`).
     QueueFull / EngineClosed from the engine propagate from the constructor."""
 
-    def __init__(self, engine: "Engine", request: Request, codec: "TextCodec | None", stop: Sequence[str] = ()):
+    def __init__(self, engine: "Engine", bridge: Bridge, request: Request, codec: "TextCodec | None",
+                 stop: Sequence[str] = ()):
         self.engine = engine
-        self.loop = asyncio.get_running_loop()
+        self.bridge = bridge
         self.queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self.text = codec.text_stream(stop, stop_token_ids=request.stop_tokens) if codec is not None else None
         self.tokens: list[int] = []
@@ -60,7 +91,7 @@ class ServedSequence:
         return self.stream.index
 
     def _on_event(self, event: TokenEvent | None) -> None:  # the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.bridge.put(self.queue, event)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Each token's piece as it is drawn, the last one with its finish reason. Leaving the loop

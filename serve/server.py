@@ -133,8 +133,13 @@ class Runner:
     def run(self) -> int:
         """Serve until a signal and the drain, or a pipeline failure; the exit status (0, or 1 when
         the pipeline failed)."""
+        factory = self.server.config.get_loop_factory()  # uvloop where installed, as uvicorn picks it
         try:
-            asyncio.run(self._main())
+            if factory is None or not hasattr(asyncio, "Runner"):  # asyncio.Runner: Python 3.11+
+                asyncio.run(self._main())
+            else:
+                with asyncio.Runner(loop_factory=factory) as runner:
+                    runner.run(self._main())
         finally:
             self.engine.close()
         return 1 if self.failed else 0

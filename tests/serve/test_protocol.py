@@ -141,3 +141,19 @@ def test_chunks_and_bodies():
     assert "token_ids" not in body["choices"][0] and body["usage"]["total_tokens"] == 3
     assert sse({"a": 1}) == b'data: {"a":1}\n\n' and DONE == b"data: [DONE]\n\n"
     assert json.loads(sse({"t": "é"})[6:]) == {"t": "é"}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("ids", [False, True])
+@pytest.mark.parametrize("usage", [False, True])
+def test_token_events_are_the_chunks_json(chat, ids, usage):
+    """The templated SSE event of a mid-stream chunk is byte for byte the generic chunk's, whatever
+    the text (quotes, escapes, what looks like the template's placeholders) and the model name."""
+    body = {"model": "m", "stream": True, "return_token_ids": ids}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    for model in ('m"odel [-987654321]', "gpt2-step"):
+        reply = Reply(read_ask(body, chat=chat), model, [1, 2])
+        for text in ('hé "q" \\n [0] \u0000', "\u0000text\u0000", "plain", " "):
+            assert reply.token_event(text, [5, 6]) == sse(reply.chunk(text, [5, 6], None))
