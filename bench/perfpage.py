@@ -33,7 +33,7 @@ PAGE = ROOT / "docs" / "performance.md"
 GIB, MIB = 1 << 30, 1 << 20
 
 # The sections of the page, in order; every row names one of them.
-AREAS = ("Data plane", "Compiler", "Big models", "Executor", "Generation", "KV caches",
+AREAS = ("Data plane", "Compiler", "Big models", "Executor", "Generation", "Serving", "KV caches",
          "Partition and prediction", "Recovery", "Model zoo", "GPU (H100)")
 
 # Result files named <bench>.<machine>[.<label>].json: the machine a suffix stands for.
@@ -292,6 +292,33 @@ def generate(d: dict, area: str = "Generation", where: str = "") -> list[Row]:
     return rows
 
 
+def serve(d: dict) -> list[Row]:
+    """bench/serve.py: `tvmpipe serve` at 1, 4 and 16 concurrent clients (requests/s, TTFT, ITL),
+    and its tokens/s against offline generation of the same prompts in the same run."""
+    area = "Serving"
+    lv = d["levels"]
+    at = " / ".join(str(x["clients"]) for x in lv)
+    what = f"{d['decoder']} step, K = {d['stages']}, {d['backend']}, {d['new_tokens']} new tokens a request"
+    rows = [Row(area, f"requests/s and tokens/s at {at} clients ({what})",
+                slash((x["requests_per_s"] for x in lv), ".1f") + " requests/s; "
+                + slash((x["tokens_per_s"] for x in lv), ".0f") + " tokens/s",
+                "same tokens as offline", all(x["same_tokens_as_offline"] for x in lv)),
+            Row(area, f"time to first token p50 / p99 at {at} clients",
+                slash((x["ttft_ms_p50"] for x in lv), ".0f") + " ms; p99 " + slash((x["ttft_ms_p99"] for x in lv), ".0f")
+                + " ms"),
+            Row(area, f"inter-token latency p50 / p99 at {at} clients",
+                slash((x["itl_ms_p50"] for x in lv), ".1f") + " ms; p99 " + slash((x["itl_ms_p99"] for x in lv), ".1f")
+                + " ms")]
+    sbs = d["side_by_side"]
+    target = d["target"]["server_over_offline_at_16"]
+    rows.append(Row(area, f"server tokens/s against offline generation of the same {sbs['requests']} prompts, "
+                    f"{sbs['clients']} clients (bare socket clients; httpx clients beside)",
+                    f"{span(sbs['server_tokens_per_s_runs'])} vs {span(sbs['offline_tokens_per_s_runs'])} tokens/s "
+                    f"({sbs['ratio']:.2f}x; httpx clients {span(sbs['server_httpx_clients_tokens_per_s_runs'])} "
+                    f"tokens/s, {sbs['ratio_httpx_clients']:.2f}x)", f">= {target:g}x (issue 46)", sbs["ratio"] >= target))
+    return rows
+
+
 def generate_gpu_host(d: dict) -> list[Row]:
     """bench/generate.py run on the GPU host's CPUs (simulated stages, no GPU): a core per process."""
     cpus = d.get("machine", {}).get("cpus")
@@ -505,6 +532,7 @@ EXTRACTORS = (
     Extractor("bigmodel.json", bigmodel),
     Extractor("reference_cpu.json", reference_cpu),
     Extractor("generate.json", generate),
+    Extractor("serve.json", serve),
     Extractor("kv_memory.json", kv_memory),
     Extractor("planner.json", planner),
     Extractor("predict.json", predict),

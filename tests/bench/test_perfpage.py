@@ -52,8 +52,8 @@ def test_every_result_file_has_exactly_one_extractor_that_reads_it(bench):
 def test_a_result_file_without_an_extractor_is_refused_by_name(bench, tmp_path):
     perfpage, _ = bench
     shutil.copy(ROOT / "bench" / "results" / "replay.json", tmp_path / "replay.json")
-    (tmp_path / "serve.json").write_text(json.dumps({"rows": []}))
-    with pytest.raises(perfpage.PerfPageError, match=r"bench/results/serve\.json: no extractor"):
+    (tmp_path / "unknown_bench.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(perfpage.PerfPageError, match=r"bench/results/unknown_bench\.json: no extractor"):
         perfpage.collect(tmp_path)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "perfpage.py"), "--check",
                         "--out", str(tmp_path / "page.md")], capture_output=True, text=True, timeout=120)
