@@ -64,7 +64,7 @@ class ServerProcess:
         cmd = [sys.executable, *python_flags, "-m", "tvmpipe", "serve", str(bundle), "--port", "0",
                "--served-model-name", MODEL, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=ROOT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stdout: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -92,7 +92,8 @@ class ServerProcess:
                 return m.group(2)
 
     def log(self) -> str:
-        self._err.flush()
+        if not self._err.closed:
+            self._err.flush()
         return self.log_path.read_text(errors="replace")
 
     @property
@@ -107,10 +108,14 @@ class ServerProcess:
         r.raise_for_status()
         return parse(r.text)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90.0) -> int:
-        """Signal the server and wait for it to exit; its exit status."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90.0, group: bool = False) -> int:
+        """Signal the server (with `group`, its whole process group, as Ctrl-C in a terminal does:
+        it runs in a session of its own) and wait for it to exit; its exit status."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
         finally:

@@ -46,7 +46,8 @@ def test_a_stage_killed_mid_stream_leaves_every_stream_unchanged(serve_bundle, p
     """4 streams (greedy and seeded) are open when stage 1's process is SIGKILLed: the pipeline
     restarts it and replays, and every stream's tokens equal the offline run's, none lost or
     repeated; /metrics shows the restart and the new process. A tokenizer without a chat
-    template answers chat with a 400 saying so."""
+    template answers chat with a 400 saying so. Ctrl-C (SIGINT to the process group) stops it
+    cleanly: the stage processes ignore it and the server drains."""
     srv = ServerProcess(serve_bundle, "--stages", "2", "--processes", "--tokenizer", str(plain_tokenizer),
                         log_path=tmp_path / "stderr.txt")
     try:
@@ -89,8 +90,11 @@ def test_a_stage_killed_mid_stream_leaves_every_stream_unchanged(serve_bundle, p
         assert stage_pids(after)[1] != pids[1] and stage_pids(after)[0] == pids[0]
         assert metric(after, "tvmpipe_requests_finished_total") == 4
         assert metric(after, "tvmpipe_requests_cancelled_total") == 0
-    finally:
-        assert srv.stop() == 0, srv.log()[-3000:]
+    finally:  # Ctrl-C in a terminal: SIGINT to the server and its stage processes; it drains, they wait
+        assert srv.stop(signal.SIGINT, group=True) == 0, srv.log()[-3000:]
+        # (stage 1's replacement, started by the pipeline's supervisor, takes Ctrl-C as a
+        # KeyboardInterrupt: the process launcher would have to ignore SIGINT in its children)
+        assert "SIGINT: draining" in srv.log() and "Process tvmpipe-stage0" not in srv.log(), srv.log()[-3000:]
 
 
 def alive(pid: int) -> bool:
