@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.executor.sampler import Sampling
 from tvmpipe.generation.requests import Request
+from tvmpipe.generation.text import TextError
 from tvmpipe.serve.protocol import DEFAULT_COMPLETION_TOKENS, ApiError, Ask, bad_request, from_generation_error, resolve_max_tokens
 
 if TYPE_CHECKING:
@@ -68,8 +69,6 @@ class Service:
 
     def prompt_ids(self, ask: Ask) -> list[int]:
         """The prompt's token ids: given as ids, encoded, or the chat rendered by the template."""
-        from tvmpipe.generation.text import TextError
-
         if not ask.chat and isinstance(ask.prompt, list):
             return list(ask.prompt)
         codec = self.codec
