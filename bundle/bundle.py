@@ -39,6 +39,7 @@ PARAMS_SUFFIXES = (".safetensors", ".npz", ".params")
 MAX_GENERATED_PARAM_BYTES = 4 << 30
 REQUIRED_FILES = ("graph.json", "kernels.cu", "kernels.json", "ops.json")
 TOKENIZER_DIR = "tokenizer"  # where write_bundle puts a checkpoint's tokenizer files
+TOKENIZER_FILE = "tokenizer.json"  # what makes that directory a tokenizer
 _UNREADABLE = object()
 _KERNEL_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 
@@ -286,6 +287,9 @@ def _check_files(path: Path, m: Manifest, verify_checksums: bool, problems: list
             problems.append(Problem(str(path / "bundle.json"), "", f"files.{name}", "no sha256 for this bundle file"))
     if m.tokenizer is not None and not (path / m.tokenizer).is_dir():
         problems.append(Problem(str(path / m.tokenizer), "", "", "the tokenizer directory bundle.json names is missing"))
+    elif m.tokenizer is not None and not (path / m.tokenizer / TOKENIZER_FILE).is_file():
+        problems.append(Problem(str(path / m.tokenizer / TOKENIZER_FILE), "", "",
+                                "missing: the tokenizer directory bundle.json names holds no tokenizer.json"))
     for name, want in m.files.items():
         f = path / name
         if not f.is_file():

@@ -112,7 +112,16 @@ def open_checkpoint(source: str | Path, decode: bool) -> Checkpoint:
     arch = _architecture(path, config, decode)
     tensors = _open_weights(path)
     return Checkpoint(path=path, config=config, architecture=arch, tensors=tensors, dtype=_dtype(path, config, tensors),
-                      tokenizer_files=[path / n for n in TOKENIZER_FILES if (path / n).is_file()])
+                      tokenizer_files=tokenizer_files(path))
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The tokenizer files of TOKENIZER_FILES the directory has, where it has a tokenizer.json: a
+    bundle's tokenizer directory is a tokenizer (the text layer reads tokenizer.json first), so a
+    checkpoint without one (save_pretrained's generation_config.json alone) gives none."""
+    if not (path / TOKENIZER_FILES[0]).is_file():
+        return []
+    return [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
 
 
 def _read_config(path: Path) -> dict[str, Any]:

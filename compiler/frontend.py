@@ -129,7 +129,7 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
                      seq_len: int | None) -> Imported:
     """A Hugging Face checkpoint directory (compiler/checkpoint.py): with `decode` (a max context)
     its decode step, else its forward pass over `seq_len` tokens; in `dtype` (default: the
-    checkpoint's own, half precision imported as such: compiler/halfimport.py). The model is built
+    checkpoint's own, half precision imported as such: compiler/importops.py). The model is built
     without its weights (compiler/hfmodel.py): each weight is bound as a placeholder read from the
     checkpoint when the bundle is written."""
     import torch
@@ -165,7 +165,7 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
                                   f"{type(exc).__name__}: {one_line(exc)}") from None
         source["seq_len"] = length
         model = ckpt.name
-    imp = _from_exported(ep, model, source, files=built.sources_by_name(module), native=want)
+    imp = _from_exported(ep, model, source, files=built.sources_by_name(module), native=want, decompose=spec is None)
     imp.mod = norms_in_float32(imp.mod, imp.const_names, imp.weights, want)
     imp.dtype, imp.batch = want, batch
     if spec is not None:
@@ -230,15 +230,17 @@ def _class_name(ep: Any) -> str | None:
 
 
 def _from_exported(ep: Any, model: str, source: dict[str, Any], files: dict[str, Any] | None = None,
-                   native: str | None = None) -> Imported:
+                   native: str | None = None, decompose: bool = True) -> Imported:
     """Import a torch.export program. `files` (a checkpoint's: {parameter name: CheckpointTensor})
     gives the weights by name instead of the program's own (unwritten) tensors; with them the
-    program imports in its own precision (`native`, halfimport.py). Without, a half-precision
-    program is imported in float32 (_as_float32) and converted back after folding."""
+    program imports in its own precision (`native`: importops.py), and, with `decompose` False (a
+    decode step: compiler/decoders.py's ops, each checked), as traced, without the second trace
+    of `run_decompositions()`. Without `files`, a half-precision program is imported in float32
+    (_as_float32) and converted back after folding."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    from tvmpipe.compiler import halfimport, lift
+    from tvmpipe.compiler import importops, lift
 
     state: list = []
     sources: dict[str, Any] = {}
@@ -248,13 +250,13 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any], files: dict[str,
             ep, sources = _as_float32(ep, model)
         convert = None
     else:
-        convert = halfimport.CONVERTERS if native in ("bfloat16", "float16") else None
+        convert = importops.converters(native or "float32", decompose)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             # what from_exported_program does first; in-place buffer updates are listed only after it
-            ep = ep.run_decompositions()
-            lifted = lift.lift_mutated_buffers(ep, model) if lift.mutates(ep) else None
+            ep = ep.run_decompositions() if decompose else ep
+            lifted = lift.lift_mutated_buffers(ep, model) if decompose and lift.mutates(ep) else None
             if lifted is None:
                 mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                             run_ep_decomposition=False, custom_convert_map=convert)

@@ -31,9 +31,13 @@ _LAYOUT = ("relax.reshape", "relax.permute_dims")  # ops that only move values
 
 
 def _axes(call: Any) -> tuple[int, ...] | None:
-    """A permute_dims' axes (a reshape's result is its type)."""
-    axes = getattr(call.attrs, "axes", None) if call.attrs is not None else None
-    return None if axes is None else tuple(int(a) for a in axes)
+    """A permute_dims' axes, None meaning all reversed as Relax reads it (a reshape's result is its type)."""
+    if call.op.name != "relax.permute_dims":
+        return None
+    axes = call.attrs.axes
+    if axes is None:
+        return tuple(range(len(call.args[0].ty.shape.values)))[::-1]
+    return tuple(int(a) for a in axes)
 
 
 def _value(arg: Any) -> np.ndarray | None:

@@ -138,7 +138,7 @@ def _norm_in_float32(binding: Any, op: Any, args: list[Any], target: str, names:
 
 
 def norms_in_float32(mod: Any, names: ConstNames, weights: LazyWeights | None, target: str) -> Any:
-    """A program imported in `target` precision itself (compiler/halfimport.py) with the ops TVM
+    """A program imported in `target` precision itself (compiler/importops.py) with the ops TVM
     cannot legalize in bfloat16 (F32_ONLY_BF16) computed in float32 between casts; nothing else changes."""
     from tvm import relax
 
