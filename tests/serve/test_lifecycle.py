@@ -110,12 +110,14 @@ def alive(pid: int) -> bool:
 
 
 def test_sigterm_drains_then_exits(serve_bundle, tmp_path):
-    """A server without a tokenizer (token ids in, token ids out) holding 2 short streams and 14
-    long ones gets SIGTERM: new connections are refused, a request on an open connection is 503
-    and /health says draining; the short streams finish whole; the long ones still running after
-    --drain-timeout (1.5 s) end with an error event and [DONE]; the process exits 0 within the
-    bound and its stage processes are gone."""
-    drain = 1.5
+    """A server without a tokenizer (token ids in, token ids out) holding 2 short streams and 30
+    long ones (1650 tokens: seconds of work at any speed this machine reaches) gets SIGTERM: new
+    connections are refused, a request on an open connection is 503 and /health says draining;
+    the short streams finish whole; the long ones still running after --drain-timeout (1 s) end
+    with an error event and [DONE]; the process exits 0 within the bound and its stage processes
+    are gone."""
+    drain = 1.0
+    longs = 30
     srv = ServerProcess(serve_bundle, "--stages", "2", "--processes", "--drain-timeout", str(drain),
                         log_path=tmp_path / "stderr.txt")
     pids = stage_pids(srv.metrics())
@@ -126,11 +128,12 @@ def test_sigterm_drains_then_exits(serve_bundle, tmp_path):
     t_signal = [0.0]
 
     async def run():
-        got = [[] for _ in range(16)]
+        got = [[] for _ in range(2 + longs)]
         started = [asyncio.Event() for _ in range(2)]
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=httpx.Limits(max_connections=20)) as c:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=2 + longs)) as c:
             tasks = [asyncio.ensure_future(read_stream(c, short, got[i], started[i])) for i in range(2)]
-            tasks += [asyncio.ensure_future(read_stream(c, long, got[i])) for i in range(2, 16)]
+            tasks += [asyncio.ensure_future(read_stream(c, long, got[i])) for i in range(2, 2 + longs)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             t_signal[0] = time.time()
             srv.proc.send_signal(signal.SIGTERM)
