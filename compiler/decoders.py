@@ -405,7 +405,8 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int 
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= max_context:
         raise SourceError(f"--chunk must be an integer from 1 to the max context {max_context}, got {chunk!r}")
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if _is_gpt2(model) and limit is not None and max_context > limit:
+    learned = _is_gpt2(model) or getattr(model.config, "model_type", None) == "opt"  # a table of positions
+    if learned and limit is not None and max_context > limit:
         raise SourceError(f"--max-context {max_context} exceeds the model's {limit} learned positions")
     window = getattr(model.config, "sliding_window", None)
     if window and getattr(model.config, "use_sliding_window", True) and window < max_context:
