@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tvmpipe.app.connect import open_cluster, pick_backend, pipeline_kwargs
+from tvmpipe.app.decoding import open_decode_pipeline
 from tvmpipe.app.options import ClusterOptions
 from tvmpipe.app.prompts import Prompt
 from tvmpipe.bundle import Bundle
@@ -70,7 +70,6 @@ class GenerationRun:
         `on_text(i, piece)`: new text of prompt i as its tokens arrive (with a codec);
         `on_done(finished)`: a sequence ended. A pipeline that fails beyond its restarts ends the
         run with `error` set; what finished before is kept."""
-        from tvmpipe.cluster.driver import Pipeline
         from tvmpipe.generation import Generator
 
         t0 = time.time()
@@ -78,38 +77,36 @@ class GenerationRun:
         if self.codec is not None:
             streams = {i: self.codec.text_stream(self.stop, stop_token_ids=p.request.stop_tokens)
                        for i, p in enumerate(self.prompts)}
-        with open_cluster(self.options, self.plan.num_stages) as cluster:
-            self.backend = pick_backend(self.options.backend, cluster.gpus)
-            kw = pipeline_kwargs(self.options, cluster, self.backend, self.plan.num_stages)
-            with Pipeline(self.bundle, self.plan, slots=self.slots, logits=False, **kw) as pipe:  # tokens only
-                t1 = time.time()
-                self.startup_s = t1 - t0
-                on_start()
-                gen = Generator(pipe)
-                results: dict[int, SequenceResult] = {}
-                try:
-                    for ev in gen.generate([p.request for p in self.prompts], in_flight=self.in_flight,
-                                           results=results):
-                        stream = streams.get(ev.seq)
-                        if stream is not None:
-                            step = stream.push(ev.token)
-                            if step.text:
-                                on_text(ev.seq, step.text)
-                            if step.finished and not ev.done:  # a stop string: the sequence ends here
-                                gen.scheduler.cancel(ev.seq, "stop")
-                            elif ev.done and not step.finished:
-                                tail = stream.finish()
-                                if tail:
-                                    on_text(ev.seq, tail)
-                        if ev.seq in results:  # ended with this token (or cancelled by its stop string)
-                            self._finish(ev.seq, results[ev.seq], streams, on_done)
-                except GenerationError as exc:
-                    self.error = str(exc)
-                self.wall_s = time.time() - t1
-                self.restarts = sum(pipe.restarts)
-                self.pipe_slots = pipe.slots
-                self.batch, self.chunk = pipe.topology.batch, pipe.topology.chunk
-                self.metrics = stage_metrics(pipe)
+        with open_decode_pipeline(self.options, self.bundle, self.plan, slots=self.slots) as opened:
+            pipe, self.backend = opened.pipe, opened.backend
+            t1 = time.time()
+            self.startup_s = t1 - t0
+            on_start()
+            gen = Generator(pipe)
+            results: dict[int, SequenceResult] = {}
+            try:
+                for ev in gen.generate([p.request for p in self.prompts], in_flight=self.in_flight,
+                                       results=results):
+                    stream = streams.get(ev.seq)
+                    if stream is not None:
+                        step = stream.push(ev.token)
+                        if step.text:
+                            on_text(ev.seq, step.text)
+                        if step.finished and not ev.done:  # a stop string: the sequence ends here
+                            gen.scheduler.cancel(ev.seq, "stop")
+                        elif ev.done and not step.finished:
+                            tail = stream.finish()
+                            if tail:
+                                on_text(ev.seq, tail)
+                    if ev.seq in results:  # ended with this token (or cancelled by its stop string)
+                        self._finish(ev.seq, results[ev.seq], streams, on_done)
+            except GenerationError as exc:
+                self.error = str(exc)
+            self.wall_s = time.time() - t1
+            self.restarts = sum(pipe.restarts)
+            self.pipe_slots = pipe.slots
+            self.batch, self.chunk = pipe.topology.batch, pipe.topology.chunk
+            self.metrics = stage_metrics(pipe)
 
     def _finish(self, i: int, result: SequenceResult, streams: dict[int, TextStream],
                 on_done: Callable[[Finished], None]) -> None:

@@ -11,16 +11,12 @@ parses and prints; the server is tvmpipe.serve (docs/serving.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import Iterator
 
 from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, add_cluster_args, cluster_options, number
-from tvmpipe.core.errors import TvmpipeError
 
 _NON_NEGATIVE_PORT = number(int, 0, what="a port number")
 
@@ -93,9 +89,7 @@ def serve_command(args: argparse.Namespace) -> int:
               f"can use the model (set {API_KEY_ENV})", file=sys.stderr)
     sock = bind(args.host, args.port)  # a busy port fails here, before any stage starts
     try:
-        with contextlib.ExitStack() as stack:
-            with _stages_ignore_sigint(options.processes):
-                opened = stack.enter_context(open_decode_pipeline(options, bundle, plan, slots=args.slots))
+        with open_decode_pipeline(options, bundle, plan, slots=args.slots) as opened:
 
             def ready(url: str, rows: int) -> None:
                 print(f"tvmpipe serve: {model} on {url}/v1 ({plan.num_stages} stage(s), backend {opened.backend}, "
@@ -106,23 +100,6 @@ def serve_command(args: argparse.Namespace) -> int:
             return serve(opened.pipe, codec, settings, sock, on_ready=ready)
     finally:
         sock.close()
-
-
-@contextlib.contextmanager
-def _stages_ignore_sigint(processes: bool) -> Iterator[None]:
-    """With --processes the stages are this process's children, in the terminal's process group:
-    Ctrl-C would interrupt them too, mid-step, instead of letting the server drain. Started while
-    SIGINT is ignored, they keep ignoring it (Python leaves an inherited SIG_IGN alone); the server
-    stops them when it is done. (A stage the pipeline restarts later is started by its supervisor
-    thread with the server's handler in place, so it does take Ctrl-C.)"""
-    if not processes:
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _loopback(host: str) -> bool:

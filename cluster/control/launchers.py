@@ -13,6 +13,7 @@ to decide whether a stage must be restarted.
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import threading
 import traceback
 from dataclasses import dataclass
@@ -88,7 +89,12 @@ def _serve(conn, spec: StageSpec, shipment: list[Shipment]) -> None:
     """Child process main: build the worker, then answer control calls until told to stop or the
     parent goes away (EOF on the pipe), so a crashed driver never leaves workers behind.
     `shipment` is [] (the bundle is read in place) or [the stage's Shipment], handed over in a
-    list so the worker can drop the last reference once it is unpacked."""
+    list so the worker can drop the last reference once it is unpacked.
+
+    SIGINT is ignored: a worker shares the terminal's process group with its driver, and Ctrl-C is
+    for the driver to act on (a server drains, a run keeps what completed); it stops its workers,
+    and a worker whose driver is gone sees EOF on the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = StageWorker(spec, local_bundle(shipment, spec.index))
     except BaseException as exc:  # report any build failure to the parent instead of dying silently
