@@ -87,21 +87,8 @@ class Checkpoint:
 
     @property
     def name(self) -> str:
-        return self.path.name
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the weights as the checkpoint stores them."""
-        return sum(t.nbytes for t in self.tensors.values())
-
-    @property
-    def tied(self) -> bool:
-        """Whether the config ties the LM head to the input embedding (transformers' default: yes)."""
-        return bool(self.config.get("tie_word_embeddings", True))
-
-
-def is_checkpoint_dir(source: str | Path) -> bool:
-    return Path(source).is_dir()
+        """The directory's own name (`tvmpipe compile .` too)."""
+        return self.path.resolve().name
 
 
 def open_checkpoint(source: str | Path, decode: bool) -> Checkpoint:

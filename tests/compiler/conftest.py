@@ -41,21 +41,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def checkpoint_bundle(tmp_path_factory: pytest.TempPathFactory, checkpoint):
-    """checkpoint_bundle(family, decode=True) -> `tvmpipe compile DIR [--decode --max-context 24]`
-    of checkpoint(family) (the forward pass over 8 tokens without decode), compiled once per session."""
+    """checkpoint_bundle(family, decode=True, batch=1, chunk=1) -> `tvmpipe compile DIR [--decode
+    --max-context 24 --batch B --chunk C]` of checkpoint(family) (the forward pass over 8 tokens
+    without decode), compiled once per session."""
     from tests.support.checkpoints import DECODE_CONTEXT, FORWARD_LENGTH
 
-    cache: dict[tuple[str, bool], object] = {}
+    cache: dict[tuple[str, bool, int, int], object] = {}
 
-    def get(family: str, decode: bool = True):
-        if (family, decode) not in cache:
+    def get(family: str, decode: bool = True, batch: int = 1, chunk: int = 1):
+        key = (family, decode, batch, chunk)
+        if key not in cache:
             from tvmpipe.compiler.export import export
             from tvmpipe.compiler.progress import Progress
 
             out = tmp_path_factory.mktemp(f"ckpt_bundle_{family}_{'decode' if decode else 'forward'}") / "b"
-            export(str(checkpoint(family)), progress=Progress(stream=None),
-                   **({"decode": DECODE_CONTEXT} if decode else {"seq_len": FORWARD_LENGTH})).write(out)
-            cache[family, decode] = out
-        return cache[family, decode]
+            kind = {"decode": DECODE_CONTEXT, "chunk": chunk} if decode else {"seq_len": FORWARD_LENGTH}
+            export(str(checkpoint(family)), progress=Progress(stream=None), batch=batch, **kind).write(out)
+            cache[key] = out
+        return cache[key]
 
     return get

@@ -64,6 +64,21 @@ def test_a_checkpoint_decode_step_gives_transformers_tokens(family, checkpoint, 
     assert greedy_decode(bundle, PROMPT, NEW).tokens[0] == want
 
 
+def test_batch_and_chunk_apply_to_a_checkpoint_decode_step(checkpoint, checkpoint_bundle):
+    """--batch 2 --chunk 3 on qwen2's checkpoint: two prompts a micro-batch, 3 prompt tokens a step;
+    each row gives transformers' tokens."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    bundle = checkpoint_bundle("qwen2", batch=2, chunk=3)
+    b = load_bundle(bundle)
+    assert b.graph.entry_of("input_ids").shape == (2, 3) and b.generation.count == "count"
+    prompts = [PROMPT, [60, 2, 100, 7, 41]]
+    model = load_transformers(checkpoint("qwen2"), "float32")
+    assert greedy_decode(bundle, prompts, NEW).tokens == [transformers_generate(model, p, NEW) for p in prompts]
+
+
 def _generate_cli(bundle, stages: int, where: list[str], prompts: list[list[int]], new: int) -> list[list[int]]:
     """`tvmpipe generate BUNDLE --stages K WHERE --prompt-ids ... --json`, as a user runs it."""
     args = [sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(stages), *where,
