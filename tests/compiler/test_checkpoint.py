@@ -79,6 +79,24 @@ def test_batch_and_chunk_apply_to_a_checkpoint_decode_step(checkpoint, checkpoin
     assert greedy_decode(bundle, prompts, NEW).tokens == [transformers_generate(model, p, NEW) for p in prompts]
 
 
+def test_dtype_builds_a_checkpoint_in_another_precision(checkpoint, tmp_path):
+    """--dtype float32 on llama's bf16 checkpoint: a float32 bundle (each weight widened as it is
+    written) with the tokens of transformers' from_pretrained(dtype=float32) of the same directory."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    ckpt = checkpoint("llama")
+    export(str(ckpt), progress=Progress(stream=None), decode=24, dtype="float32").write(tmp_path / "b")
+    b = load_bundle(tmp_path / "b")
+    assert b.manifest.dtype == "float32" and b.manifest.source["dtype"] == "bfloat16"
+    assert {b.graph.entry_of(n).dtype for n in b.param_names if b.param_nbytes(n) >= 4096} == {"float32"}
+    want = transformers_generate(load_transformers(ckpt, "float32"), PROMPT, NEW)
+    assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
+
+
 def _generate_cli(bundle, stages: int, where: list[str], prompts: list[list[int]], new: int) -> list[list[int]]:
     """`tvmpipe generate BUNDLE --stages K WHERE --prompt-ids ... --json`, as a user runs it."""
     args = [sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(stages), *where,
