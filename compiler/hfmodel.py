@@ -56,8 +56,9 @@ def _default_dtype(dtype: Any) -> Iterator[None]:
 
 
 def build_model(ckpt: Checkpoint, dtype: str) -> CheckpointModel:
-    """The checkpoint's model with `dtype` parameters (float32, or the checkpoint's half precision),
-    every parameter an unwritten `torch.empty` whose value is the checkpoint tensor beside it."""
+    """The checkpoint's model with `dtype` parameters (float32, float16 or bfloat16: the checkpoint's
+    own, or --dtype's), every parameter an unwritten `torch.empty` whose value is the checkpoint
+    tensor beside it (cast to `dtype` as it is written, where they differ)."""
     import torch
 
     from tvmpipe.compiler import zoo
