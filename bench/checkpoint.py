@@ -170,11 +170,8 @@ def bench_one(name: str, dtype: str, work: Path, max_context: int, env: dict, sp
           f"(target {rec['compile_target_gib']}), bundle weights {rec['bundle_over_checkpoint']}x the checkpoint's",
           flush=True)
     print(f"[{name} {dtype}] tvmpipe generate --stages 4 --local ...", flush=True)
-    # bf16 hidden states cross stages over shared memory: TCP frames cannot carry bf16 yet
-    # (cluster/wire/frames.py, reported), and the run would stall
-    shm = ["--transport", "shm"] if dtype == "bfloat16" else []
     g = monitored(["timeout", "900", sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", "4",
-                   "--local", *shm, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json"], env)
+                   "--local", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json"], env)
     try:
         doc = json.loads(g["stdout"][g["stdout"].index("{"):])
     except ValueError:
@@ -187,7 +184,7 @@ def bench_one(name: str, dtype: str, work: Path, max_context: int, env: dict, sp
     held = [s.get("weight_bytes") or 0 for s in stages]
     rec.update(k4_heaviest_stage_target_gib=gib(max(held, default=0) + 0.45 * GIB),
                k4_within_heaviest_stage_target=bool(actors) and max(actors[:4]) <= max(held, default=0) + 0.45 * GIB)
-    rec.update(k4_tokens=[s["tokens"] for s in doc["sequences"]], k4_wall_s=round(g["wall_s"], 1), k4_transport=shm[1:] or ["auto"],
+    rec.update(k4_tokens=[s["tokens"] for s in doc["sequences"]], k4_wall_s=round(g["wall_s"], 1),
                k4_stage_peak_rss_gib=[gib(x) for x in actors[:4]],
                k4_stage_weight_gib=[gib(s.get("weight_bytes") or 0) for s in stages],
                k4_stage_target_gib=gib(target), k4_within_target=bool(actors) and max(actors[:4]) <= target)

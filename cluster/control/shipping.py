@@ -69,12 +69,18 @@ def stage_param_names(bundle: Bundle, start: int, end: int) -> list[str]:
     return [n for n in bundle.param_names if n in used]
 
 
-def whole_files(path: str | Path) -> dict[str, bytes]:
-    """A bundle directory's (or bare graph's) files as bytes: the legacy ship path."""
+def bundle_files(path: str | Path) -> list[tuple[str, Path]]:
+    """A bundle directory's files by their names inside it ('tokenizer/tokenizer.json' for one in a
+    subdirectory), in a fixed order; a bare graph.json alone."""
     path = Path(path)
     if path.is_file():
-        return {path.name: path.read_bytes()}
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+        return [(path.name, path)]
+    return [(p.relative_to(path).as_posix(), p) for p in sorted(path.rglob("*")) if p.is_file()]
+
+
+def whole_files(path: str | Path) -> dict[str, bytes]:
+    """A bundle directory's (or bare graph's) files as bytes: the legacy ship path."""
+    return {name: p.read_bytes() for name, p in bundle_files(path)}
 
 
 def build_shipment(bundle: Bundle | str | Path, stages: Iterable[tuple[int, int]], indices: Iterable[int] = ()) -> Shipment:
@@ -99,7 +105,7 @@ def build_shipment(bundle: Bundle | str | Path, stages: Iterable[tuple[int, int]
     for n in names:  # exactly these tensors are read (and verified) from the bundle
         r = rel[n]
         lazy.read_into(n, buf[len(head) + r.begin:len(head) + r.end])
-    files = {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file() and p.name != m.params_file}
+    files = {name: p.read_bytes() for name, p in bundle_files(path) if name != m.params_file}
     sums = m.params_sha256 or {}
     key = _digest([hashlib.sha256(files[f]).hexdigest() for f in sorted(files)] + [f"{n}:{sums.get(n, '')}" for n in names])
     return Shipment(files=files, weights_name=m.params_file, weights=buf, tensors=tuple(names), key=key,
@@ -123,12 +129,22 @@ def _whole(path: Path, indices: Iterable[int]) -> Shipment:
 
 def whole_files_digest(path: Path) -> str:
     h = hashlib.sha256()
-    for p in sorted(Path(path).iterdir()) if Path(path).is_dir() else [Path(path)]:
-        if p.is_file():
-            h.update(p.name.encode())
-            h.update(str(p.stat().st_size).encode())
-            h.update(str(p.stat().st_mtime_ns).encode())
+    for name, p in bundle_files(path):
+        h.update(name.encode())
+        h.update(str(p.stat().st_size).encode())
+        h.update(str(p.stat().st_mtime_ns).encode())
     return h.hexdigest()
+
+
+def _write(root: Path, name: str, data: bytes) -> None:
+    """One shipped file under `root`, its subdirectory made first; a name that would leave `root`
+    (absolute, or through '..') is refused: it came from the driver, but a bug there must not write
+    outside the node's copy."""
+    target = (root / name).resolve()
+    if Path(name).is_absolute() or ".." in Path(name).parts or root.resolve() not in target.parents:
+        raise ValueError(f"shipped file name {name!r} is not inside the bundle")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
 
 
 def _digest(parts: list[str]) -> str:
@@ -253,7 +269,7 @@ def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> Unpacked:
         fd = _locked(final, fcntl.LOCK_SH)  # before the directory exists: a sweep never sees it unlocked
         final.mkdir(mode=0o700)
         for name, data in shipment.items():
-            Path(final, name).write_bytes(data)
+            _write(final, name, data)
         path = str(final) if len(shipment) > 1 else str(Path(final, next(iter(shipment))))
         return Unpacked(path, False, Lease(final, fd))
     final = Path(tempfile.gettempdir(), f"{SHIP_PREFIX}{shipment.key}")
@@ -266,7 +282,7 @@ def unpack(shipment: Shipment | dict[str, bytes], owner: str) -> Unpacked:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         for name, data in shipment.files.items():
-            (tmp / name).write_bytes(data)
+            _write(tmp, name, data)
         if shipment.weights is not None:
             with open(tmp / shipment.weights_name, "wb") as f:
                 mv = memoryview(shipment.weights)

@@ -185,8 +185,8 @@ class Encoder:
         for pad, arr in zip(self._pads, arrays):
             if pad:
                 parts.append(pad)
-            if arr.nbytes:
-                parts.append(memoryview(arr.reshape(-1)).cast("B"))
+            if arr.nbytes:  # its bytes, whatever the dtype (a buffer of ml_dtypes' bfloat16 has no format)
+                parts.append(memoryview(arr.reshape(-1).view(np.uint8)))
         return parts
 
 

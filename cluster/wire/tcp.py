@@ -507,8 +507,8 @@ class Link:
                 n += frame.slot[2]  # the tensor bytes it carried through shared memory
             elif frame.kind == "ipc":
                 n += sum([a.nbytes for a in frame.tensors.values()])  # copied device to device
-        except (OSError, FrameError) as exc:
-            error = exc
+        except Exception as exc:  # noqa: BLE001 - a socket error or a frame the codec refuses: the link dies,
+            error = exc           # reported once; never a dead sender thread with the link left busy
         with self._lock:
             self._busy = False
             self._settled.notify_all()

@@ -305,3 +305,36 @@ def test_worker_rejects_a_bad_frame_and_reports_it(bundles):
     finally:
         worker.close()
         driver.close()
+
+
+def test_a_bfloat16_tensor_crosses_a_tcp_link_and_a_frame_the_codec_refuses_kills_only_the_link(monkeypatch):
+    """bf16 checkpoints' boundary tensors go stage to stage over TCP like any other dtype (the codec's
+    memoryview cast refused bfloat16: "cannot include dtype 'E' in a buffer"); and a frame the sender
+    cannot encode, whatever the error, ends its link with one on_error report instead of killing the
+    sender thread with the link left busy (what made that run hang rather than fail)."""
+    import ml_dtypes
+
+    rec = Recorder()
+    listener = rec.listener()
+    errors: queue.Queue = queue.Queue()
+    try:
+        link = Link(listener.address, Frame("hello", "run", 0, 0, 0), SECRET, errors.put, inline_bytes=0)
+        half = (np.arange(4096, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16).reshape(64, 64)
+        link.put(Frame("data", "run", 0, 0, 0, {3: half}, {3: "hidden"}))  # queued: the sender thread sends it
+        kind, _, got = rec.next()
+        assert kind == "frame" and got.tensors[3].dtype == half.dtype and np.array_equal(got.tensors[3], half)
+        encode = frames.Encoder.encode
+
+        def refuse(self, frame):
+            if frame.seq == 1:
+                raise ValueError("cannot include dtype 'E' in a buffer")
+            return encode(self, frame)
+
+        monkeypatch.setattr(frames.Encoder, "encode", refuse)
+        link.put(Frame("data", "run", 0, 1, 0, {3: half}, {3: "hidden"}))
+        assert "cannot include dtype" in str(errors.get(timeout=10))
+        link.put(Frame("data", "run", 0, 2, 0, {3: half}, {3: "hidden"}))  # dropped: the link is dead
+        assert link.counts(wait_s=2) == (link.bytes_sent, 1) and errors.empty()
+        link.close(flush=False)
+    finally:
+        listener.close()

@@ -290,3 +290,35 @@ def test_weights_a_filesystem_cannot_map_are_read_instead(stack: Path, monkeypat
     feed = random_feed(read.program, 0)
     out, want = read.run(feed), mapped.run(feed)
     assert out.keys() == want.keys() and all(np.array_equal(out[k], want[k]) for k in out)
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["weights-slice", "whole-files"])
+def test_a_shipment_carries_the_bundles_tokenizer_directory(stack: Path, tmp_path: Path, streamed: bool):
+    """A compiled checkpoint's bundle holds its tokenizer files in tokenizer/ (bundle.json
+    `tokenizer`, checksummed in `files`): a node's copy must hold them too, or it does not load."""
+    import hashlib
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, models
+
+    from tvmpipe.cluster.control.shipping import whole_files
+
+    src = tmp_path / "with_tokenizer"
+    shutil.copytree(stack, src)
+    (src / "tokenizer").mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(src / "tokenizer" / "tokenizer.json"))
+    doc = json.loads((src / "bundle.json").read_text())
+    doc["tokenizer"] = "tokenizer"
+    doc["files"]["tokenizer/tokenizer.json"] = hashlib.sha256((src / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
+    (src / "bundle.json").write_text(json.dumps(doc))
+    ship = build_shipment(load_bundle(src), [(0, 4)], [0]) if streamed else whole_files(src)
+    made = unpack(ship, "tok")
+    try:
+        got = load_bundle(made.path, partial_weights=streamed)
+        assert got.tokenizer_dir is not None
+        assert (got.tokenizer_dir / "tokenizer.json").read_bytes() == (src / "tokenizer" / "tokenizer.json").read_bytes()
+    finally:
+        made.lease.release()
+    with pytest.raises(ValueError, match="not inside the bundle"):
+        unpack({"../escape.json": b"{}", "graph.json": b"{}"}, "bad")
