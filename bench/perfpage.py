@@ -33,7 +33,7 @@ PAGE = ROOT / "docs" / "performance.md"
 GIB, MIB = 1 << 30, 1 << 20
 
 # The sections of the page, in order; every row names one of them.
-AREAS = ("Data plane", "Compiler", "Big models", "Executor", "Generation", "Serving", "KV caches",
+AREAS = ("Data plane", "Compiler", "Big models", "Your own checkpoint", "Executor", "Generation", "Serving", "KV caches",
          "Partition and prediction", "Recovery", "Model zoo", "GPU (H100)")
 
 # Result files named <bench>.<machine>[.<label>].json: the machine a suffix stands for.
@@ -319,6 +319,36 @@ def serve(d: dict) -> list[Row]:
     return rows
 
 
+def checkpoint(d: dict) -> list[Row]:
+    """bench/checkpoint.py: Llama-architecture checkpoints (save_pretrained, random weights, real
+    configs from 135M to 1.1B, bf16 and fp32) compiled with `tvmpipe compile DIR --decode` and run
+    as 4 stages: compile peak memory, bundle size, each stage's memory; the reference loop against
+    transformers' generate."""
+    area = "Your own checkpoint"
+    runs = list(d["runs"].values())
+    names = " / ".join(f"{r['model']} {'bf16' if r['dtype'] == 'bfloat16' else 'fp32'}" for r in runs)
+    rows = [Row(area, f"compile peak RSS ({names}; target 1.5x the checkpoint + 1 GiB)",
+                slash((r["compile_peak_rss_gib"] for r in runs), ".2f") + " GiB for "
+                + slash((r["checkpoint_gib"] for r in runs), ".2f") + " GiB checkpoints; compile "
+                + slash((r["compile_s"] for r in runs), ".0f") + " s",
+                "<= 1.5x checkpoint + 1 GiB", all(r["compile_within_target"] for r in runs)),
+            Row(area, f"bundle weights against the checkpoint's ({names}; a tied embedding stored once)",
+                slash((r["bundle_over_checkpoint"] for r in runs), ".4f") + "x", "<= 1.02x",
+                all(r["bundle_over_checkpoint"] <= 1.02 for r in runs))]
+    for r in runs:
+        rows.append(Row(area, f"{r['model']} {r['dtype']}: each stage's peak RSS at K = 4 (weights/4 + 0.45 GiB)",
+                        slash(r["k4_stage_peak_rss_gib"], ".2f") + f" GiB (target {r['k4_stage_target_gib']:.2f})",
+                        "<= weights/4 + 0.45 GiB", r["k4_within_target"]))
+    for r in runs:
+        sp = r.get("speed")
+        if sp:
+            rows.append(Row(area, f"{r['model']} {r['dtype']}: single-process reference loop against transformers' "
+                            "generate, same tokens, this CPU",
+                            f"{sp['reference']['tokens_per_s']:.1f} vs {sp['transformers']['tokens_per_s']:.1f} tokens/s",
+                            "same tokens", sp["same_tokens"]))
+    return rows
+
+
 def generate_gpu_host(d: dict) -> list[Row]:
     """bench/generate.py run on the GPU host's CPUs (simulated stages, no GPU): a core per process."""
     cpus = d.get("machine", {}).get("cpus")
@@ -533,6 +563,7 @@ EXTRACTORS = (
     Extractor("reference_cpu.json", reference_cpu),
     Extractor("generate.json", generate),
     Extractor("serve.json", serve),
+    Extractor("checkpoint.json", checkpoint),
     Extractor("kv_memory.json", kv_memory),
     Extractor("planner.json", planner),
     Extractor("predict.json", predict),
