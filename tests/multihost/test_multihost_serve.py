@@ -1,25 +1,23 @@
-"""`tvmpipe serve` as a job on the 4-host bed: the driver process a Ray job runs on the head node
-(`tvmpipe serve BUNDLE --address auto`, as `ray job submit -- tvmpipe serve ...` starts it; see
-test_job_ships_the_bundle_by_itself for the same entry point as `python -m tvmpipe.job`), its two
-stages spread over two worker hosts (STRICT_SPREAD; the bundle exists only on the head and is
-shipped), listening on the head's bridge address behind an API key. Clients on another host talk to
-it over the bed's network with the official `openai` client: plain and streamed completions equal
-the single-process greedy loop, a missing key is 401, and SIGTERM ends the job cleanly."""
+"""`tvmpipe serve` as a Ray job on the 4-host bed: `ray job submit -- tvmpipe serve BUNDLE --address
+auto ...` against the head's job API runs the server on the head node, its two stages spread over
+two worker hosts (STRICT_SPREAD; the bundle exists only on the head and is shipped), listening on the
+head's bridge address behind an API key. Clients on another host talk to it over the bed's network
+with the official `openai` client: plain and streamed completions equal the single-process greedy
+loop, a missing key is 401; `ray job stop` (SIGTERM) drains it and the job ends stopped."""
 
 from __future__ import annotations
 
 import json
-import queue
 import re
 import shutil
-import signal
-import tempfile
-import threading
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from raybed import RayBed
+from raybed import DASHBOARD_PORT, RAY, RayBed
 from tvmpipe.executor.decode_loop import greedy_decode
 
 pytest.importorskip("tvm")
@@ -60,18 +58,23 @@ def test_serve_as_a_job_across_hosts(bed: RayBed, zoo_decoder, tmp_path: Path):
     if not bundle.exists():
         shutil.copytree(bundle_dir, bundle)
     url = f"http://{bed.head.address}:{PORT}"
-    err = tempfile.TemporaryFile("w+")
-    proc = bed.popen("-m", "tvmpipe", "serve", str(bundle), "--address", "auto", "--stages", "2",
-                     "--placement", "STRICT_SPREAD", "--gpus-per-stage", "1", "--backend", "reference",
-                     "--host", bed.head.address, "--port", str(PORT), "--served-model-name", "bed-gpt2",
-                     "--api-key", KEY, stderr=err)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+    jobs = ["--address", f"http://{bed.head.address}:{DASHBOARD_PORT}"]
+    tvmpipe = str(Path(sys.executable).with_name("tvmpipe"))
+    job = f"serve-{uuid.uuid4().hex[:8]}"
+    submitted = bed.head.run(RAY, "job", "submit", *jobs, "--no-wait", "--submission-id", job, "--", tvmpipe, "serve",
+                             str(bundle), "--address", "auto", "--stages", "2", "--placement", "STRICT_SPREAD",
+                             "--gpus-per-stage", "1", "--backend", "reference", "--host", bed.head.address, "--port",
+                             str(PORT), "--served-model-name", "bed-gpt2", "--api-key", KEY, env=bed.env, timeout=120)
+    assert submitted.returncode == 0, (submitted.stdout + submitted.stderr)[-3000:]
+
+    def logs() -> str:
+        return bed.head.run(RAY, "job", "logs", *jobs, job, env=bed.env, timeout=60).stdout
+
     try:
-        ready = lines.get(timeout=240)
-        err.seek(0)
-        assert ready and re.match(rf"tvmpipe serve: bed-gpt2 on {re.escape(url)}/v1 \(2 stage", ready), \
-            f"{ready}\n{err.read()[-3000:]}"
+        deadline = time.time() + 240
+        while not re.search(rf"tvmpipe serve: bed-gpt2 on {re.escape(url)}/v1 \(2 stage", logs()):
+            assert time.time() < deadline, logs()[-3000:]
+            time.sleep(2)
         client = bed.python("-c", CLIENT, url, KEY, json.dumps(PROMPTS), str(N), host=bed.workers[2], timeout=300)
         assert client.returncode == 0, (client.stdout + client.stderr)[-3000:]
         out = json.loads(client.stdout.strip().splitlines()[-1])
@@ -81,13 +84,8 @@ def test_serve_as_a_job_across_hosts(bed: RayBed, zoo_decoder, tmp_path: Path):
         assert out["no_key"] == 401 and out["health"] == {"status": "ok"}
         hosts = out["stage_hosts"]  # each stage's data listener: on its own worker host
         assert len(hosts) == 2 and len(set(hosts)) == 2 and bed.head.address not in hosts, hosts
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
-        err.seek(0)
-        log = err.read()
-        assert "SIGTERM: draining" in log, log[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        err.close()
+        bed.head.run(RAY, "job", "stop", *jobs, job, env=bed.env, timeout=120)
+    status = bed.head.run(RAY, "job", "status", *jobs, job, env=bed.env, timeout=60).stdout
+    assert "STOPPED" in status, status[-2000:]
+    assert "SIGTERM: draining" in logs(), logs()[-3000:]
