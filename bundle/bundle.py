@@ -39,7 +39,15 @@ PARAMS_SUFFIXES = (".safetensors", ".npz", ".params")
 MAX_GENERATED_PARAM_BYTES = 4 << 30
 REQUIRED_FILES = ("graph.json", "kernels.cu", "kernels.json", "ops.json")
 TOKENIZER_DIR = "tokenizer"  # where write_bundle puts a checkpoint's tokenizer files
-TOKENIZER_FILE = "tokenizer.json"  # what makes that directory a tokenizer
+# An HF-style tokenizer directory, as a checkpoint holds it and generation/text.py reads it: the
+# tokenizer.json makes it one; the others are kept where present (the compiler copies these names).
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE,
+                   GENERATION_CONFIG_FILE)
 _UNREADABLE = object()
 _KERNEL_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tvmpipe.bundle.bundle import TOKENIZER_FILES
 from tvmpipe.bundle.dtypes import np_dtype
 from tvmpipe.bundle.errors import BundleError
 from tvmpipe.bundle.weights import TensorInfo, WeightsFile
@@ -27,10 +28,6 @@ from tvmpipe.compiler.errors import SourceError
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# What generation needs from the directory besides the weights (the run-time text layer reads an
-# HF-style tokenizer directory: tokenizer.json, tokenizer_config.json, generation_config.json).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 # Weights tvmpipe does not read (pickles, other frameworks): refused with what to do instead.
 OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 OTHER_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

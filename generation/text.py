@@ -48,17 +48,11 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 from tokenizers import AddedToken, Tokenizer
+from tvmpipe.bundle.bundle import (CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE,
+                                   TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
 from tvmpipe.core.errors import TvmpipeError
 
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
-GENERATION_CONFIG_FILE = "generation_config.json"
-SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
-# What a tokenizer directory may hold, for whoever copies one (the optional ones where present).
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE,
-                   SPECIAL_TOKENS_MAP_FILE)
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens, which chat templates see as variables.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -135,7 +135,7 @@ def test_the_bundle_carries_the_tokenizer_files(checkpoint, checkpoint_bundle):
     every bundle file, and bundle.json says where: a local transformers tokenizer loads from there."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.bundle.errors import BundleError
-    from tvmpipe.compiler.checkpoint import TOKENIZER_FILES
+    from tvmpipe.bundle.bundle import TOKENIZER_FILES
 
     ckpt, bundle = checkpoint("llama"), checkpoint_bundle("llama")
     b = load_bundle(bundle)
