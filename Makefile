@@ -44,7 +44,7 @@ test: $(VENV)/.dev multihost-deps bytecode
 
 # Every bench script (each writes its bench/results/*.json), then the page made from those files.
 bench: $(VENV)/.dev bytecode
-	for b in bench/*.py; do case $$b in bench/perfpage.py|bench/stamp.py|bench/gpu_gate.py) continue;; esac; \
+	for b in bench/*.py; do case $$b in bench/perfpage.py|bench/stamp.py|bench/gpu_gate.py|bench/real_bundles.py) continue;; esac; \
 	  $(BIN)/python $$b || exit 1; done
 	$(MAKE) perf-page
 

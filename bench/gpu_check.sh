@@ -20,6 +20,12 @@
 #             sequences in flight, time to first token chunked and not
 #   generate  bench/generate.py --no-published on .gpu/bundles/decode_fixture: issue 24's sweep of
 #             simulated stages (no GPU) on this host's cores, a core per stage process
+#   decode_real  (only when GPU_CHECK_STEPS names it) bench/decode_real.py on .gpu/bundles/real: 135M and
+#             1.1B Llama decode steps (fp16, T 512 and 2048, batch 1 and 8), weights written here:
+#             tokens/s at K = 1, 2 with graph replay against the device-copy bandwidth floor and
+#             transformers' generate on this GPU, the step's time by kernel category, T 2048 over 512
+#             (issue 47). Its own call, after the setup steps (it needs ~300 s and a 9th file):
+#             GPU_CHECK_STEPS=env,wheels,pycuda,tvmpipe,decode_real
 # A failed step does not stop the later ones; each has a time budget and the whole run stays under
 # GPU_CHECK_BUDGET_S (default 560 s, inside the tool's 600 s). Results: bench/results/gpu_check.json
 # (summary), executor_gpu.json, gpu_pipeline.json, ipc_gpu.json, upload_gpu.json, decode_gpu.json,
@@ -36,6 +42,7 @@ PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 SHIM=${GPU_CHECK_SHIM:-/tmp/tvmpipe-shim}
 ONLY=${GPU_CHECK_STEPS:-}  # a comma-separated subset of the steps (tests/bench runs some on the CPU)
+OPT_IN=",decode_real,"  # steps that run only when GPU_CHECK_STEPS names them
 PIPELINE_ARGS=${GPU_CHECK_PIPELINE_ARGS:---stages 1,2,3,4 --graphs both --micro-batches 200}
 IPC_ARGS=${GPU_CHECK_IPC_ARGS:---mb 4,64 --iters 50}
 EXECUTOR_ARGS=${GPU_CHECK_EXECUTOR_ARGS:---repeat 200}
@@ -45,6 +52,8 @@ DECODE_BATCH_BUNDLE=${GPU_CHECK_DECODE_BATCH_BUNDLE:-.gpu/bundles/gpt2_decode_b4
 DECODE_CHUNK_BUNDLE=${GPU_CHECK_DECODE_CHUNK_BUNDLE:-.gpu/bundles/gpt2_decode_c8}
 DECODE_ARGS=${GPU_CHECK_DECODE_ARGS:---stages 1,2 --in-flight 1,2,4 --new 24}
 GENERATE_BUNDLE=${GPU_CHECK_GENERATE_BUNDLE:-.gpu/bundles/decode_fixture}
+REAL=${GPU_CHECK_REAL:-.gpu/bundles/real}
+DECODE_REAL_ARGS=${GPU_CHECK_DECODE_REAL_ARGS:-}
 GENERATE_ARGS=${GPU_CHECK_GENERATE_ARGS:---stages 1,2,3,4}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}
 BUDGET=${GPU_CHECK_BUDGET_S:-560}
@@ -99,6 +108,7 @@ STEP_END=$DEADLINE
 step() {  # step NAME BUDGET_S FUNCTION: FUNCTION in a subshell with errexit; record status and time
   local name=$1 budget=$2 fn=$3 start left rc
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
+  if [ -z "$ONLY" ] && [[ "$OPT_IN" == *",$name,"* ]]; then return 0; fi
   start=$(date +%s)
   left=$((DEADLINE - start))
   if [ "$left" -lt 15 ]; then
@@ -361,6 +371,18 @@ s_generate() {  # issue 24's sweep (simulated 1 ms / 0.1 ms stages, no GPU) on t
   return "$rc"
 }
 
+s_decode_real() {  # issue 47: real-size Llama decode steps against the bandwidth floor and transformers
+  local rc=0 left
+  [ -f "$REAL/prep.json" ] || { echo "no real-size bundles at $REAL (run bench/gpu_prep.sh and carry .gpu)"; return 1; }
+  rm -f bench/results/decode_real.json
+  left=$((STEP_END - $(date +%s) - 20))  # the bench stops starting bundles then, and writes what ran
+  # shellcheck disable=SC2086  # DECODE_REAL_ARGS is a list of options
+  tmo "$PY" bench/decode_real.py "$REAL" --work "$WORK/real" --budget-s "$((left > 30 ? left : 30))" $DECODE_REAL_ARGS \
+    --require-gpu --out bench/results/decode_real.json || rc=$?
+  [ -s bench/results/decode_real.json ] && cp bench/results/decode_real.json "$OUT/"
+  return "$rc"
+}
+
 step env 30 s_env
 step wheels 60 s_wheels
 step pycuda 240 s_pycuda
@@ -372,6 +394,7 @@ step ipc 60 s_ipc
 step upload 90 s_upload
 step decode 90 s_decode
 step generate 150 s_generate
+step decode_real 480 s_decode_real
 
 # ---- summary ------------------------------------------------------------------------------------
 FAILED=0
@@ -437,6 +460,15 @@ if de:
                                "same_tokens_as_batch_1", "tokens_per_s", "itl_ms_p50", "max_hop_bytes_per_step",
                                "cache_bytes_per_slot")
          if k in r} for r in de.get("rows", [])]}
+dr = load("bench/results/decode_real.json")
+if dr:
+    summary["decode_real"] = {"complete": dr.get("complete"), "all_exact": dr.get("all_exact"),
+                              "copy_gbps": (dr.get("copy") or {}).get("gbps"), "verdicts": dr.get("verdicts"),
+                              "rows": [{"model": m, "bundle": n, **{k: r.get(k) for k in (
+                                  "stages", "in_flight", "tokens_per_s", "step_ms", "floor_fraction")}}
+                                       for m, d in (dr.get("models") or {}).items()
+                                       for n, b in d.get("bundles", {}).items() for r in b.get("runs", [])],
+                              "not_run": dr.get("not_run")}
 ge = load("bench/results/generate_gpu_host.json")
 if ge:
     summary["generate"] = {"cpus": ge["machine"]["cpus"], "target": ge["target"], "rows": [

@@ -9,7 +9,10 @@
 #    generated weights (--omit-params: params.generated = {"seed": 0}) so they stay small; and
 #    .gpu/bundles/gpt2_decode, GPT-2's decode step (tiny config, seeded weights, max context 64),
 #    gpt2_decode_b4, the same step for static batches of 4, and gpt2_decode_c8, the same step taking
-#    prompts 8 tokens a step (chunked prefill), for the `decode` step;
+#    prompts 8 tokens a step (chunked prefill), for the `decode` step; and .gpu/bundles/real, the
+#    real-size Llama decode steps of the `decode_real` step (bench/real_bundles.py: SmolLM-135M's and
+#    TinyLlama-1.1B's configurations, fp16, T 512 and 2048, batch 1 and 8, weights left out and
+#    written on the GPU host; GPU_PREP_REAL_MODELS= skips them, ~6 min on 2 cores);
 # 3. checks the sizes against the device tool's 64 MiB working-tree limit and prints the exact `run`
 #    call that does the whole check (bench/gpu_check.sh) there, also saved as .gpu/run-call.json.
 # Both folders are git-ignored; the run call carries them. Re-run this in every new session: they
@@ -102,6 +105,16 @@ say "compiling gpt2 --decode --batch 4 -> .gpu/bundles/gpt2_decode_b4 (the same 
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --batch 4 -o .gpu/bundles/gpt2_decode_b4 --force --quiet
 say "compiling gpt2 --decode --chunk 8 -> .gpu/bundles/gpt2_decode_c8 (the same weights, prompts 8 tokens a step)"
 "$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --chunk 8 -o .gpu/bundles/gpt2_decode_c8 --force --quiet
+# The real-size decode steps (issue 47): checkpoints in $tmp (not carried), bundles without weights
+REAL_MODELS=${GPU_PREP_REAL_MODELS-135m,1.1b}
+if [ -n "$REAL_MODELS" ]; then
+  say "compiling real-size decode steps ($REAL_MODELS; ${GPU_PREP_REAL_COMBOS:-512x1,2048x1,512x8,2048x8}) -> .gpu/bundles/real"
+  rm -rf .gpu/bundles/real
+  "$PY" bench/real_bundles.py prepare --out .gpu/bundles/real --models "$REAL_MODELS" \
+    --combos "${GPU_PREP_REAL_COMBOS:-512x1,2048x1,512x8,2048x8}" --work "$tmp/real"
+else
+  say "GPU_PREP_REAL_MODELS is empty: no real-size decode steps (the decode_real step then fails)"
+fi
 "$PY" - <<'EOF'
 import json, numpy as np
 from tvmpipe.bundle import load_bundle
@@ -177,6 +190,14 @@ assert len(call["command"]) <= 2000
 open(".gpu/run-call.json", "w").write(json.dumps(call, indent=1) + "\n")
 print(json.dumps(call))
 EOF
+REAL_CMD='GPU_CHECK_STEPS=env,wheels,pycuda,tvmpipe,decode_real PYTHONUNBUFFERED=1 bash bench/gpu_check.sh'
+"$PY" - "$REAL_CMD" <<'EOF'
+import json, sys
+call = {"command": sys.argv[1], "carry": [".whl", ".gpu"], "timeout_s": 600}
+open(".gpu/run-call-decode-real.json", "w").write(json.dumps(call, indent=1) + "\n")
+print(json.dumps(call))
+EOF
+say "the second line is the decode_real step's own call (issue 47; .gpu/run-call-decode-real.json)"
 say "next (a session whose task has a GPU): call the device tool's run with the JSON above, then copy"
 say "the returned gpu_check.json and the step files (executor_gpu, gpu_pipeline, ipc_gpu, upload_gpu, generate_gpu_host,"
 say "decode_gpu .json) into bench/results/, named with the GPU model and driver (docs/gpu-validation.md)."

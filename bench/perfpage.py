@@ -549,10 +549,39 @@ def decode_gpu(d: dict) -> list[Row]:
     return rows
 
 
+def decode_real(d: dict) -> list[Row]:
+    """bench/decode_real.py (issue 47): the largest real-size model's batch-1 decode step on the
+    device against the bandwidth floor and transformers' generate, and the static context's cost:
+    one row, its three targets judged by the bench (`verdicts`)."""
+    v = d["verdicts"]
+    floor, over, ctx = v["floor"], v["over_transformers"], v["context_cost"]
+    if floor is None:  # a run cut short before the largest model's batch-1 step
+        return [Row("GPU (H100)", "Real-size Llama decode (bench/decode_real.py)", "the batch-1 step was not measured "
+                    f"(not run: {', '.join(d.get('not_run') or []) or 'see its errors'})", "", None)]
+    model = floor["model"]
+    rec = min((r for r in d["models"][model]["bundles"].values() if r["batch"] == 1), key=lambda r: r["max_context"])
+    run = next(r for r in rec["runs"] if r["stages"] == 1 and r["in_flight"] == 1)
+    sdpa = [x for x in (over or {}).get("rows", []) if x["model"] == model and x["batch"] == 1
+            and x["attn_implementation"] == "sdpa"]
+    cost = [x for x in (ctx or {}).get("rows", []) if x["model"] == model and x["batch"] == 1]
+    parts = [f"{run['tokens_per_s']:.0f} tokens/s, {100 * floor['fraction']:.0f} % of the floor "
+             f"({d['copy']['gbps']:.0f} GB/s device copy)"]
+    parts.append(f"{sdpa[0]['ratio']:.2f}x transformers" if sdpa else "transformers not measured")
+    if cost:
+        parts.append(f"T {cost[0]['contexts'][1]} {cost[0]['ratio']:.2f}x T {cost[0]['contexts'][0]}")
+    verdicts = [x["met"] for x in (floor, over, ctx) if x is not None]
+    return [Row("GPU (H100)", f"{model.upper()} Llama decode, fp16, batch 1, K = 1, CUDA graphs (T {rec['max_context']}): "
+                "tokens/s, share of the bandwidth floor, over transformers' generate; static context's cost",
+                "; ".join(parts), f">= {100 * floor['target']:.0f} % of the floor, >= {d['targets']['over_transformers']:g}x "
+                f"transformers, <= {d['targets']['largest_over_smallest_context']:g}x",
+                all(verdicts) if len(verdicts) == 3 else None)]
+
+
 @dataclass(frozen=True)
 class Extractor:
     pattern: str  # fnmatch over the file name in bench/results
     rows: Callable[[dict], list[Row]]
+    awaiting: str = ""  # no such file yet: the run that makes the first one (tests/bench/test_perfpage.py)
 
 
 EXTRACTORS = (
@@ -578,6 +607,7 @@ EXTRACTORS = (
     Extractor("upload_gpu.h100-580*.json", upload_gpu),
     Extractor("decode_gpu.h100-580*.json", decode_gpu),
     Extractor("generate_gpu_host.h100-580*.json", generate_gpu_host),
+    Extractor("decode_real.*.json", decode_real, awaiting="issue 47's GPU call (docs/gpu-validation.md, decode_real)"),
 )
 
 
@@ -689,6 +719,9 @@ def collect(results: Path = RESULTS) -> list[Placed]:
         ext = extractor_for(path.name)
         try:
             doc = json.loads(path.read_text())
+            if isinstance(doc, dict) and doc.get("fake"):
+                raise PerfPageError(f"bench/results/{path.name}: made over the fake PyCUDA (tests/fakecuda), not on a "
+                                    "GPU: its figures mean nothing")
             rows = ext.rows(doc)
         except (ValueError, KeyError, TypeError, StopIteration, ZeroDivisionError) as e:
             raise PerfPageError(f"bench/results/{path.name}: cannot read it with {ext.rows.__name__}(): "

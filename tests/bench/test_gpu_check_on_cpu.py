@@ -1,7 +1,9 @@
 """bench/gpu_check.sh on the CPU, over the strict fake PyCUDA (tests/fakecuda): the tvmpipe step on
 its fallback package shim, `pytest -m gpu` (every GPU test must run and pass, from outside the repo
 so the repo's tvmpipe/ folder cannot shadow the shim: issue 12, defect 6), the executor bench and the
-pipeline bench on the cuda backend with and without graph replay. A copy of the tree, so no result file is touched."""
+pipeline bench on the cuda backend with and without graph replay; then the IPC, upload, decode and
+generate steps; then the decode_real step (issue 47) on a tiny Llama laid out as bench/real_bundles.py
+lays out the real ones. A copy of the tree, so no result file is touched."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 from tests.support.fake_cuda import fake_env
@@ -125,3 +129,82 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     assert rows_in["row_admission"] and sum(rows_in["state_bytes_per_stage"]) == rows_in["cache_bytes_per_slot"]
     assert len(set(rows_in["prompt_tokens"])) > 1 and rows_in["sequences"] > rows_in["batch"]
     assert [x for x in full["rows"] if x["batch"] == 1 and "chunk" not in x][-1]["edge_paths"]["0->1"] == "cuda-ipc"
+
+
+def test_gpu_check_decode_real_step_on_fake_cuda(tmp_path):
+    """The decode_real step (issue 47), end to end on the fake: bench/real_bundles.py's layout for a
+    tiny Llama (T 16 and 32 at batch 1, T 16 at batch 2; compiled here, in this process, without
+    weights, the compiled constants beside each bundle), the weights written by the step, K = 1, 2
+    pipelines with graph replay and the caches on the device, the profile split into matmuls,
+    attention, cache updates and the rest, the reference backend's tokens, transformers' generate
+    (on the CPU here), and the performance page's row from the step's JSON, refused as the fake's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import perfpage
+        import real_bundles
+
+        real = tmp_path / "real"
+        prep = real_bundles.prepare(real, ["tiny"], [(16, 1), (32, 1), (16, 2)], tmp_path / "ckpt", children=False)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    layers = real_bundles.TINY["num_hidden_layers"]
+    assert prep["models"]["tiny"]["reference"]["logits_std"] > 0  # materialized and stepped on the reference
+    assert (real / "tiny" / "config.json").is_file() and (real / "tiny" / "T16_b2.constants.npz").is_file()
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))
+    python = image_python(tmp_path / "image")
+    env = {**os.environ, **fake_env(tmp_path / "cache", [real])}
+    env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
+               GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_SHIM=str(tmp_path / "shim"),
+               GPU_CHECK_STEPS="tvmpipe,decode_real", GPU_CHECK_FORCE_SHIM="1", GPU_CHECK_REAL=str(real),
+               GPU_CHECK_DECODE_REAL_ARGS="--sequences 2 --copy-mib 4 --profile-repeat 2 --reference-sequences 2")
+    r = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh")], cwd=tree, env=env, capture_output=True,
+                       text=True, timeout=500)
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert r.returncode == 0 and summary["passed"], r.stdout[-4000:]
+    assert [s["name"] for s in summary["steps"]] == ["tvmpipe", "decode_real"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["decode_real.json", "gpu_check.json", "gpu_check.log"]
+    doc = json.loads((tmp_path / "out" / "decode_real.json").read_text())
+    assert doc["fake"] and doc["complete"] and doc["all_exact"] and doc["copy"]["gbps"] > 0
+    m = doc["models"]["tiny"]
+    bundles = m["bundles"]
+    assert {n: [(x["stages"], x["in_flight"]) for x in b["runs"]] for n, b in bundles.items()} == \
+        {"T16_b1": [(1, 1), (2, 1), (2, 2)], "T32_b1": [(1, 1)], "T16_b2": [(1, 1), (2, 1), (2, 2)]}
+    for b in bundles.values():
+        assert b["weight_bytes"] > 0 and 0 < b["floor_step_ms"] < b["static_floor_step_ms"]
+        for x in b["runs"]:  # the caches on the device: whole slots (one buffer a pair), split over the stages
+            held = sum(x["state_bytes_per_stage"])
+            assert len(x["state_bytes_per_stage"]) == x["stages"] and held % b["cache_bytes"] == 0
+            assert b["cache_bytes"] <= held <= x["stages"] * b["cache_bytes"]
+            assert x["tokens"] == x["sequences"] * doc["new_tokens"] and x["floor_fraction"] > 0
+            assert ("cuda-ipc" in x["edge_paths"]) == (x["stages"] > 1)
+        p = b["profile"]
+        assert p["nodes"] == {"matmul": 7 * layers + 1, "attention": 6 * layers, "cache_update": 2 * layers,
+                              "rest": p["nodes"]["rest"]}, p["nodes"]
+        assert p["launches_per_step"] > 0 and all(p["us"][c] > 0 for c in p["us"]) and p["over_floor"]
+    assert bundles["T16_b1"]["same_tokens_k2_as_k1"] and bundles["T16_b2"]["same_tokens_k2_as_k1"]
+    assert bundles["T16_b2"]["tokens_vs_batch_1"]["differ"] == 0  # the fake computes as the reference does
+    assert bundles["T32_b1"]["tokens_vs_smallest_context"]["differ"] == 0
+    ref = m["reference"]  # two sequences, every token compared, and not one token repeated
+    assert ref["differ"] == 0 and [len(x["reference"]) for x in ref["sequences"]] == [doc["new_tokens"]] * 2
+    assert len({t for x in ref["sequences"] for t in x["reference"]}) > 1
+    assert [(x["batch"], x["contexts"]) for x in m["context_cost"]] == [(1, [16, 32])]
+    hf = doc["transformers"]["models"]["tiny"]
+    assert {(x["attn_implementation"], x["batch"]) for x in hf} == {(a, b) for a in ("sdpa", "eager") for b in (1, 2)}
+    assert all(x["how"] == "generate" and x["tokens"] == x["sequences"] * doc["new_tokens"] for x in hf)
+    assert {(x["batch"], x["attn_implementation"]) for x in m["vs_transformers"]} == {(b, a) for a in ("sdpa", "eager")
+                                                                                       for b in (1, 2)}
+    v = doc["verdicts"]
+    assert v["floor"]["model"] == "tiny" and all(isinstance(v[k]["met"], bool) for k in v)
+    assert {(x["bundle"], x["stages"]) for x in summary["decode_real"]["rows"]} >= {("T16_b1", 1), ("T16_b1", 2)}
+    # the performance page reads the step's JSON (one row), and refuses it as the fake's
+    (row,) = perfpage.decode_real(doc)
+    assert row.metric.startswith("TINY Llama decode") and "tokens/s" in row.value and isinstance(row.met, bool)
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(tmp_path / "out" / "decode_real.json", results / "decode_real.fake.json")
+    with pytest.raises(perfpage.PerfPageError, match="made over the fake PyCUDA"):
+        perfpage.collect(results)
