@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in models' weights (default 0)")
     p.add_argument("--omit-params", action="store_true",
                    help="leave the weights out; the bundle says they are generated from --seed on load "
-                        "(tvmpipe.bundle.params.generate_params, not the built-in model's weights)")
+                        "(tvmpipe.bundle.params.generate_params, not the built-in model's weights); for models whose "
+                        "every param is a float weight: refused for decode steps and integer constants")
     p.add_argument("--decode", action="store_true",
                    help=f"compile one decode step of the decoder SOURCE ({', '.join(DECODERS)}: tiny "
                         "transformers configs, weights from --seed; or a checkpoint directory of one of these "

@@ -368,8 +368,35 @@ def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH,
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CompileError(f"{out} already exists (pass --force to replace it)")
+    if omit_params and decode is not None:  # known before the export: refused before it is paid for
+        raise CompileError(_omit_decode(source))
     exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
                       decode=decode, chunk=chunk, seq_len=seq_len, generation=generation)
+    if omit_params:
+        check_omittable(exported)
     with progress.step("write", str(out)):
         path = exported.write(out, params_seed=seed if omit_params else None, overwrite=overwrite)
     return path
+
+
+def _omit_decode(model: str) -> str:
+    return (f"{model}: --omit-params does not apply to a decode step: its params hold compiled constants (cache "
+            "positions, the attention mask's fill value) that generated values would replace; compile it with "
+            "its params")
+
+
+def check_omittable(exported: Exported) -> None:
+    """Refuse `--omit-params` where generated values would change what the model computes, not only
+    its weights: generate_params zeroes integer params (index tensors) and draws every float one at
+    random, so a decode step's compiled constants (cache positions, the attention mask's fill value)
+    would run the same kernels as a different model. Those bundles ship their params."""
+    if exported.state:
+        raise CompileError(_omit_decode(exported.model))
+    params = exported.params
+    specs = params.specs() if isinstance(params, GraphParams) else \
+        [(n, str(a.dtype), tuple(a.shape)) for n, a in params.items()]
+    for name, dtype, shape in specs:
+        if not dtype.startswith(("float", "bfloat")):
+            raise CompileError(f"{exported.model}: --omit-params would generate param '{name}' ({dtype} "
+                               f"{list(shape)}), a constant the model computes with (generated integers are "
+                               "zeros); compile it with its params")

@@ -283,6 +283,10 @@ def test_options_that_do_not_apply_are_refused(tmp_path, capsys, checkpoint):
         capsys, str(checkpoint("qwen2")), "--decode", "--token-input", "x", "-o", str(tmp_path / "out"))
     assert "--seq-len 300 exceeds the model's 256 positions" in _compile_cli(
         capsys, str(checkpoint("gpt2")), "--seq-len", "300", "-o", str(tmp_path / "out"))
+    # generated params would replace a decode step's compiled constants (cache positions, the mask's fill)
+    assert "--omit-params does not apply to a decode step" in _compile_cli(
+        capsys, str(checkpoint("qwen2")), "--decode", "--omit-params", "-o", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 # ---- memory: the checkpoint is streamed into the bundle, never held whole ------------------------

@@ -171,3 +171,28 @@ def test_bad_options(tmp_path, kw, message):
     with pytest.raises(CompileError, match=message):
         compile_quiet("mlp", tmp_path / "out", **kw)
     assert_nothing_written(tmp_path, set())
+
+
+def test_omit_params_is_refused_where_generated_values_would_change_the_model(tmp_path):
+    """generate_params zeroes integer params: an index tensor the model gathers with would become all
+    zeros, a different model behind the same kernels. --omit-params refuses, naming the param, and
+    writes nothing; the same program compiles with its params."""
+    import torch
+
+    from tvmpipe.compiler.errors import CompileError
+
+    class Gather(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+            self.register_buffer("idx", torch.tensor([3, 1, 2, 0, 7, 6, 5, 4]))
+
+        def forward(self, x):
+            return torch.index_select(x @ self.w, 1, self.idx)
+
+    pt2 = tmp_path / "gather.pt2"
+    torch.export.save(torch.export.export(Gather(), (torch.randn(2, 8),)), pt2)
+    with pytest.raises(CompileError, match=r"--omit-params would generate param '\w+' \(int64 \[8\]\)"):
+        compile_quiet(pt2, tmp_path / "out", omit_params=True)
+    assert_nothing_written(tmp_path, {"gather.pt2"})
+    assert compile_quiet(pt2, tmp_path / "out").is_dir()
