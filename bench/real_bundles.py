@@ -58,7 +58,9 @@ def combo_name(t: int, b: int) -> str:
 
 def is_weight(dtype: str, shape: tuple[int, ...]) -> bool:
     """A param whose value the GPU host generates: a float matrix (or more dimensions)."""
-    return dtype.startswith(("float", "bfloat")) and len(shape) >= 2
+    from tvmpipe.bundle.dtypes import is_float
+
+    return is_float(dtype) and len(shape) >= 2
 
 
 # ---- here: checkpoints and bundles ---------------------------------------------------------------

@@ -37,6 +37,12 @@ def np_dtype(name: str) -> np.dtype:
     return DTYPES[name]
 
 
+def is_float(name: str) -> bool:
+    """Whether dtype `name` holds real numbers: float16/32/64 and bfloat16 (whose NumPy dtype, from
+    ml_dtypes, has kind 'V', not 'f': ask this, not `np_dtype(name).kind`)."""
+    return name.startswith(("float", "bfloat"))
+
+
 def is_known(name: object) -> bool:
     return isinstance(name, str) and (name in DTYPES or name == "uint1")
 

@@ -171,7 +171,7 @@ def generate_params(graph: Graph, names: list[str], seed: int) -> dict[str, np.n
         e = graph.entry_of(name)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         dt = dtypes.np_dtype(e.dtype)
-        if dt.kind == "f":
+        if dtypes.is_float(e.dtype):
             shape = e.shape
             fan = max(shape[0], math.prod(shape[1:])) if len(shape) >= 2 else 0
             scale = 1.0 / math.sqrt(fan) if fan else 0.1

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tvmpipe.bundle.bundle import TOKENIZER_FILES
-from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.dtypes import is_float, np_dtype
 from tvmpipe.bundle.errors import BundleError
 from tvmpipe.bundle.weights import TensorInfo, WeightsFile
 from tvmpipe.compiler.decoders import CAUSAL_LM
@@ -188,7 +188,7 @@ def _dtype(path: Path, config: dict[str, Any], tensors: dict[str, CheckpointTens
         return raw.replace("torch.", "")
     sizes: dict[str, int] = {}
     for t in tensors.values():
-        if t.dtype.startswith(("float", "bfloat")):
+        if is_float(t.dtype):
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
     if not sizes:
         raise SourceError(f"{path}: the checkpoint has no floating-point tensors")

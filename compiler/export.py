@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from tvmpipe.bundle.dtypes import is_float
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
 from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError, one_line
 from tvmpipe.compiler.lazyweights import GraphParams, materialize_folded
@@ -396,7 +397,7 @@ def check_omittable(exported: Exported) -> None:
     specs = params.specs() if isinstance(params, GraphParams) else \
         [(n, str(a.dtype), tuple(a.shape)) for n, a in params.items()]
     for name, dtype, shape in specs:
-        if not dtype.startswith(("float", "bfloat")):
+        if not is_float(dtype):
             raise CompileError(f"{exported.model}: --omit-params would generate param '{name}' ({dtype} "
                                f"{list(shape)}), a constant the model computes with (generated integers are "
                                "zeros); compile it with its params")

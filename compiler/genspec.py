@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tvmpipe.bundle.dtypes import is_float
 from tvmpipe.compiler.errors import SourceError
 
 INT_DTYPES = ("int64", "int32")
@@ -132,7 +133,7 @@ def _logits(program: str, outputs: list[Tensor], state_outputs: set[int], batch:
                               f"{'is a cache (a state output)' if index < len(outputs) else 'does not exist'}; "
                               f"its other outputs are {', '.join(map(str, free)) or 'none'}")
         return index
-    cands = [i for i in free if outputs[i].dtype.startswith(("float", "bfloat")) and len(outputs[i].shape) in (2, 3)
+    cands = [i for i in free if is_float(outputs[i].dtype) and len(outputs[i].shape) in (2, 3)
              and outputs[i].shape[0] == batch]
     if len(cands) == 1:
         return cands[0]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.bundle.dtypes import is_float, np_dtype
 from tvmpipe.executor.checks import check_names
 from tvmpipe.executor.errors import InputError
 from tvmpipe.executor.program import EntrySpec
@@ -40,7 +40,7 @@ def random_array(spec: EntrySpec, seed: int, key: str, int_high: int = 2) -> np.
     only on (seed, key), so adding an input never changes the others."""
     rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
     dt = np_dtype(spec.dtype)
-    if dt.kind == "f":
+    if is_float(spec.dtype):
         return rng.standard_normal(spec.shape).astype(dt)
     if dt.kind == "b":
         return rng.integers(0, 2, spec.shape).astype(dt)

@@ -163,3 +163,21 @@ def test_generated_integer_params_are_zero(graph_json):
     out = generate_params(parse_graph(g), ["data1", "data2"], seed=0)
     assert out["data1"].dtype == np.int64 and not out["data1"].any()
     assert out["data2"].dtype == np.float32 and out["data2"].any()
+
+
+def test_generated_bfloat16_params_and_inputs_are_random_floats(graph_json):
+    """bfloat16 (ml_dtypes: NumPy kind 'V', not 'f') is drawn like the other floats: a bf16 bundle
+    shipped without weights gets weights, not zeros, and its random inputs are normal draws, not 0/1."""
+    from tvmpipe.bundle import parse_graph
+    from tvmpipe.bundle.dtypes import np_dtype
+    from tvmpipe.bundle.graph import EntrySpec
+    from tvmpipe.executor.inputs import random_array
+
+    g = graph_json("dlr_4in2out_nnvm")
+    g["attrs"].pop("dtype")
+    g["attrs"]["dltype"][1][0] = "bfloat16"
+    out = generate_params(parse_graph(g), ["data1", "data2"], seed=0)
+    w = out["data1"].astype(np.float32)  # 2 values: before, zeros
+    assert out["data1"].dtype == np_dtype("bfloat16") and w.std() > 0 and not set(w.tolist()) <= {0.0, 1.0}
+    x = random_array(EntrySpec((64,), "bfloat16"), seed=0, key="x").astype(np.float32)
+    assert (x < 0).any() and len(np.unique(x)) > 2  # before: integers 0 and 1
