@@ -112,7 +112,21 @@ def stdout_reserved(reserve: bool) -> Iterator[None]:
         os.close(saved)
 
 
+# The generation layer names the fields it checks (core.errors.FieldError); this command's names for them
+FIELD_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+               "max_new_tokens": "--max-new-tokens", "stop_tokens": "--stop-token", "stop": "--stop"}
+
+
 def generate_command(args: argparse.Namespace) -> int:
+    from tvmpipe.core.errors import FieldError
+
+    try:
+        return _generate(args)
+    except FieldError as exc:  # one line, naming the option
+        raise TvmpipeError(exc.render(FIELD_FLAGS)) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where
     from tvmpipe.app.decoding import bundle_codec
     from tvmpipe.app.generating import GenerationRun
@@ -141,14 +155,13 @@ def generate_command(args: argparse.Namespace) -> int:
     stops = list(args.stop_token) + ([] if codec is None or args.ignore_eos else list(codec.stop_token_ids))
     prompts = make_prompts(entries, layout, codec=codec, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
                            sampling=Sampling(args.temperature, args.top_k, args.seed, args.top_p),
-                           system=args.system)
+                           system=args.system, stop=args.stop)
     output = JsonLines(args.output) if args.output else None
     if output is not None:  # a rerun: what the output holds is done
         have = {r.get("id") for r in output.records if isinstance(r, dict)}
         prompts = [p for p in prompts if p.id not in have]
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
-    run = GenerationRun(bundle, plan, options, prompts, codec=codec, stop=list(args.stop), slots=args.slots,
-                        in_flight=args.in_flight)
+    run = GenerationRun(bundle, plan, options, prompts, codec=codec, slots=args.slots, in_flight=args.in_flight)
     with stdout_reserved(args.json or output is not None):
         if prompts:
             _execute(run, args, output)

@@ -1,14 +1,15 @@
 """One generation run, the flow `tvmpipe generate` takes for prompts on its command line and for
 batch jobs over a prompts file.
 
-    run = GenerationRun(bundle, plan, options, prompts, codec=codec, stop=["\\n\\n"])
+    run = GenerationRun(bundle, plan, options, prompts, codec=codec)
     run.execute(on_text=..., on_done=...)   # open/join the cluster, start the stages, generate
     run.done, run.error                     # kept as far as the run got, also when it failed
 
 Down through the layers: the prompts arrive checked (app/prompts.py), the pipeline is opened as every
 run opens it (app/connect.py), the generation layer schedules the sequences (Generator), and the text
-layer turns each sequence's tokens into text as they arrive (TextStream: no broken characters, stop
-strings never shown; a stop string ends its sequence).
+engine's output processor turns each sequence's tokens into text as they arrive (no broken
+characters, stop strings never shown; a stop string ends its sequence): the same Engine that
+`tvmpipe serve` runs on a thread, here driven step by step.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from tvmpipe.app.options import ClusterOptions
 from tvmpipe.app.prompts import Prompt
 from tvmpipe.bundle import Bundle
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.generation.requests import GenerationError, SequenceResult
-from tvmpipe.generation.text import TextCodec, TextStream
+from tvmpipe.generation.requests import SequenceResult
+from tvmpipe.generation.text import TextCodec
 from tvmpipe.partition import Plan
 
 
@@ -48,8 +49,7 @@ class GenerationRun:
     plan: Plan
     options: ClusterOptions
     prompts: list[Prompt]
-    codec: TextCodec | None = None
-    stop: list[str] = field(default_factory=list)  # stop strings (need the codec)
+    codec: TextCodec | None = None  # stop strings are each request's (Request.stop)
     slots: int | None = None
     in_flight: int | None = None
     done: list[Finished] = field(default_factory=list)  # in the order the sequences ended
@@ -70,53 +70,30 @@ class GenerationRun:
         `on_text(i, piece)`: new text of prompt i as its tokens arrive (with a codec);
         `on_done(finished)`: a sequence ended. A pipeline that fails beyond its restarts ends the
         run with `error` set; what finished before is kept."""
-        from tvmpipe.generation import Generator
+        from tvmpipe.generation.engine import Engine
 
         t0 = time.time()
-        streams: dict[int, TextStream] = {}
-        if self.codec is not None:
-            streams = {i: self.codec.text_stream(self.stop, stop_token_ids=p.request.stop_tokens)
-                       for i, p in enumerate(self.prompts)}
         with open_decode_pipeline(self.options, self.bundle, self.plan, slots=self.slots) as opened:
             pipe, self.backend = opened.pipe, opened.backend
             t1 = time.time()
             self.startup_s = t1 - t0
             on_start()
-            gen = Generator(pipe)
-            results: dict[int, SequenceResult] = {}
+            engine = Engine(pipe, self.codec, in_flight=self.in_flight)
             try:
-                for ev in gen.generate([p.request for p in self.prompts], in_flight=self.in_flight,
-                                       results=results):
-                    stream = streams.get(ev.seq)
-                    if stream is not None:
-                        step = stream.push(ev.token)
-                        if step.text:
-                            on_text(ev.seq, step.text)
-                        if step.finished and not ev.done:  # a stop string: the sequence ends here
-                            gen.scheduler.cancel(ev.seq, "stop")
-                        elif ev.done and not step.finished:
-                            tail = stream.finish()
-                            if tail:
-                                on_text(ev.seq, tail)
-                    if ev.seq in results:  # ended with this token (or cancelled by its stop string)
-                        self._finish(ev.seq, results[ev.seq], streams, on_done)
-            except GenerationError as exc:
-                self.error = str(exc)
+                for out in engine.generate([p.request for p in self.prompts]):
+                    if out.text:
+                        on_text(out.index, out.text)
+                    if out.result is not None:
+                        finished = Finished(self.prompts[out.index], out.result, out.result.text)
+                        self.done.append(finished)
+                        on_done(finished)
+            except TvmpipeError as exc:
+                self.error = f"generation failed after {len(self.done)} of {len(self.prompts)} sequence(s) finished: {exc}"
             self.wall_s = time.time() - t1
             self.restarts = sum(pipe.restarts)
             self.pipe_slots = pipe.slots
             self.batch, self.chunk = pipe.topology.batch, pipe.topology.chunk
             self.metrics = stage_metrics(pipe)
-
-    def _finish(self, i: int, result: SequenceResult, streams: dict[int, TextStream],
-                on_done: Callable[[Finished], None]) -> None:
-        stream = streams.get(i)
-        text = None if stream is None else stream.text
-        if stream is not None and stream.reason == "stop_string":
-            result.finish = "stop"  # also where the token that completed it was the last one allowed
-        finished = Finished(self.prompts[i], result, text)
-        self.done.append(finished)
-        on_done(finished)
 
     @property
     def generated_tokens(self) -> int:

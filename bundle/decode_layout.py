@@ -125,7 +125,10 @@ def take_fed(driver_tokens: np.ndarray, fed: Sequence[int], draws: np.ndarray, s
     """The token input of a step that takes fed-back draws (`spec`: [B, 1], or [B, C] for a step of
     up to C tokens a row): each row marked `fed` takes its draw as its first token (a fed row's only
     real one), the others keep the driver's. The token stage's merge, and the driver's before a
-    replay."""
+    replay. A negative draw (a row that drew nothing: its logits were not finite, executor.sampler)
+    is fed as token 0, so that the step never indexes an embedding out of its range; that row's
+    sequence has ended, and its output is not read."""
+    draws = np.maximum(draws, 0)
     if len(fed) == math.prod(spec.shape) and all(fed):  # one token a row, every row fed
         return draws.astype(spec.dtype).reshape(spec.shape)
     rows = np.array(driver_tokens, dtype=spec.dtype).reshape(len(fed), -1)  # a copy

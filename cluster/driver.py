@@ -20,6 +20,15 @@ completion either way. Outputs are accepted only for
 the next sequence numbers, so each is delivered exactly once and in order. A stage that fails more
 than `max_restarts` times ends the run with a `PipelineError` naming it and its last error, carrying
 the outputs that did complete.
+
+With `replay="none"` (the default of a decode step, whose steps the generation layer replays
+itself: it holds every sequence's tokens) nothing is replayed: every incomplete micro-batch is
+delivered *lost* (`StepResult.lost`), and a step that takes the draws of a lost one is computed on
+a placeholder token and delivered lost too. A step that raised on a stage that is alive (its
+`WorkerStatus.error_seq`) is delivered with its `error`, and the stage is re-wired, not restarted:
+a restart is for a stage that died, hung or broke, never for what one micro-batch holds. Only a
+stage whose steps keep failing (STEP_ERRORS_BEFORE_RESTART in a row with nothing completed
+between) is taken for broken and restarted. The driver keeps no draws once they are delivered.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
-from tvmpipe.bundle.decode_layout import FED, FROM, STEP_NAME, no_step, take_fed
+from tvmpipe.bundle.decode_layout import FED, FEED_NEXT, FROM, STEP_NAME, no_step
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.wire import cudaipc, shm
 from tvmpipe.cluster.wire.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
@@ -50,7 +59,8 @@ from tvmpipe.executor.checks import check_inputs
 from tvmpipe.partition import Plan, checked_plan
 
 Outputs = list[np.ndarray]
-REPLAY_MODES = ("upstream", "driver")
+REPLAY_MODES = ("upstream", "driver", "none")
+STEP_ERRORS_BEFORE_RESTART = 3  # a live stage whose steps fail this many times in a row is taken for broken
 
 
 @dataclass(frozen=True)
@@ -83,11 +93,16 @@ class PipelineError(TvmpipeError):
 class StepResult:
     """A completed micro-batch, as receive() returns it: `seq`, its `outputs` (the graph's heads;
     None for state and dropped heads), and on a decode pipeline `drawn`, the token each row drew on
-    the sampling stage (0 where a row drew nothing; bundle.decode_layout), else None."""
+    the sampling stage (0 where a row drew nothing, executor.sampler.NOT_FINITE where its logits
+    were not finite; bundle.decode_layout), else None. With replay="none", `lost` says the
+    micro-batch was cut off by a fault (no outputs: its caller submits it again if it wants it),
+    and `error` is the error its own computation raised (then it is lost too)."""
 
     seq: int
-    outputs: Outputs
+    outputs: Outputs | None
     drawn: list[int] | None = None
+    lost: bool = False
+    error: str | None = None
 
 
 @dataclass
@@ -98,6 +113,7 @@ class _Signal:
     stage: int
     message: str
     completed: int = -1  # a stall: micro-batches completed when it was noticed
+    seq: int = -1  # an error frame's micro-batch
 
 
 class Pipeline:
@@ -123,7 +139,7 @@ class Pipeline:
                  backend_opts: dict[str, Any] | None = None, window: int | None = None,
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
-                 ship_bundle: bool = False, replay: str = "upstream", transport: str = "auto",
+                 ship_bundle: bool = False, replay: str | None = None, transport: str = "auto",
                  slots: int | None = None, logits: bool = True):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = checked_plan(self.bundle, plan)  # K: equal cuts keeping state pairs whole
@@ -137,6 +153,8 @@ class Pipeline:
         if self.bundle.state and self.slots < 1:
             raise TvmpipeError(f"slots must be >= 1, got {self.slots}")
         self._state_losses = 0  # restarts of a stage that held state (state_losses)
+        if replay is None:  # a decode step's draws are fed back: the generation layer replays its steps
+            replay = "none" if self.topology.layout is not None else "upstream"
         if replay not in REPLAY_MODES:
             raise TvmpipeError(f"replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
         self.replay = replay
@@ -177,9 +195,18 @@ class Pipeline:
         self._admitted: set[int] = set()  # stages connected in this epoch (one connection each)
         self._next_from: dict[int, int] = {}  # stage -> next micro-batch it must send in this epoch
         self._results: dict[int, Outputs] = {}
-        # a decode pipeline's draws per completed micro-batch (one per row): delivered with its outputs
-        # (receive()), and kept a while for the replays of steps that take them (_settle_fed_back)
+        # a decode pipeline's draws per completed micro-batch (one per row), until receive() delivers them
         self._drawn: dict[int, list[int]] = {}
+        # replay="none": micro-batches cut off by a fault -> the error their own computation raised
+        # (None: lost), until delivered; and every micro-batch lost lately, which later steps may name
+        # as the source of their fed-back draws (bounded: a step takes draws at most a window back)
+        self._lost: dict[int, str | None] = {}
+        self._lost_seqs: set[int] = set()
+        self._doomed: set[int] = set()
+        self._failed_steps: dict[int, str] = {}  # replay="none": seq -> the error its step raised, this recovery  # submitted after a fault, taking a lost micro-batch's draws
+        self.step_errors: list[str] = []  # steps that failed on a live stage (replay="none")
+        self._step_errors_in_row = [0] * self.topology.num_stages  # since the last completed micro-batch
+        self._errors_in_row = False
         self.submit_times: dict[int, float] = {}
         self.done_times: dict[int, float] = {}
         self._last_progress = time.time()
@@ -234,8 +261,13 @@ class Pipeline:
         return self._submit_checked(self.check_inputs(inputs))
 
     def get(self, timeout: float | None = None) -> Outputs:
-        """The outputs of the next micro-batch in submission order (blocking)."""
-        return self.receive(timeout).outputs
+        """The outputs of the next micro-batch in submission order (blocking); a PipelineError for
+        one lost to a fault (replay="none": submit it again)."""
+        result = self.receive(timeout)
+        if result.lost:
+            raise PipelineError(f"micro-batch {result.seq} was lost to a fault"
+                                + (f": {result.error}" if result.error else " (replay='none' does not replay it)"))
+        return result.outputs
 
     def receive(self, timeout: float | None = None) -> StepResult:
         """The next micro-batch in submission order, once complete (blocking): its sequence number,
@@ -246,7 +278,9 @@ class Pipeline:
                 if self._delivered < self._completed:
                     seq = self._delivered
                     self._delivered += 1
-                    return StepResult(seq, self._results.pop(seq), self._drawn.get(seq))
+                    if seq in self._lost:
+                        return StepResult(seq, None, None, True, self._lost.pop(seq))
+                    return StepResult(seq, self._results.pop(seq), self._drawn.pop(seq, None))
                 if self._fatal is not None:
                     raise self._fatal_with_results()
                 if self._delivered >= self._submitted:
@@ -398,11 +432,28 @@ class Pipeline:
                 self._last_progress = time.time()
             seq = self._submitted
             self._submitted += 1
+            if self._lost_seqs:
+                arrays = self._unfeed_lost(seq, arrays)
             self._inputs[seq] = arrays
             self.submit_times[seq] = time.time()
         with self._wire_lock:
             self._pump()
         return seq
+
+    def _unfeed_lost(self, seq: int, arrays: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """A step submitted after a fault that takes the draws of a micro-batch the fault cut off
+        (_cond held): those draws never come, so it takes the placeholder tokens the caller sent
+        and is delivered lost (the caller rebuilds from what it received)."""
+        step = self.topology.step_entry
+        if step is None or step not in arrays or int(arrays[step][FROM]) not in self._lost_seqs:
+            return arrays
+        tag = arrays[step].copy()
+        tag[FROM] = -1
+        tag[FED] = 0
+        tag[FEED_NEXT] = 0
+        self._doomed.add(seq)
+        self._lost_seqs.add(seq)  # and a step that takes its draws is lost in turn
+        return {**arrays, step: tag}
 
     def _pump(self) -> None:
         """Send, in order, every submitted micro-batch not yet sent in this epoch (_wire_lock held)."""
@@ -433,7 +484,7 @@ class Pipeline:
 
     def _on_frame(self, peer: Peer, frame: Frame) -> None:
         if frame.kind == "error":
-            self._signals.put(_Signal(peer.epoch, peer.stage, frame.error or "unspecified error"))
+            self._signals.put(_Signal(peer.epoch, peer.stage, frame.error or "unspecified error", seq=frame.seq))
             return
         if frame.kind != "data":
             raise FrameError(f"stage {peer.stage} sent a {frame.kind} frame to the driver")
@@ -453,14 +504,17 @@ class Pipeline:
                 seq = self._completed
                 parts = self._partial.pop(seq)
                 inputs = self._inputs.pop(seq)
-                self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
-                                      else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
-                if self.topology.sampler is not None:
-                    self._drawn[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
-                    # kept while a reader may still ask: receive() for a result not yet taken (at most
-                    # a window behind), a replay's _settle_fed_back for a step's token (drawn at most a
-                    # window before the replay's first micro-batch); twice that, and a few, as margin
-                    self._drawn.pop(seq - 4 * self.window - 8, None)
+                if seq in self._doomed:  # it took the draws of a lost micro-batch: computed on a placeholder
+                    self._doomed.discard(seq)
+                    self._lost[seq] = None
+                else:
+                    self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
+                                          else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
+                    if self.topology.sampler is not None:
+                        self._drawn[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
+                if self._errors_in_row:
+                    self._step_errors_in_row = [0] * self.topology.num_stages
+                    self._errors_in_row = False
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
                 if len(self.done_times) > TIMELINE_KEPT:
@@ -584,19 +638,30 @@ class Pipeline:
                 return
 
     def _diagnose(self, signal: _Signal) -> dict[int, str]:
-        """Which stages must be restarted, and why: dead or unresponsive, failed, or stuck."""
+        """Which stages must be restarted, and why: dead or unresponsive, failed, or stuck. With
+        replay="none", a live stage whose own step raised is not among them: that step is noted in
+        `_failed_steps` (seq -> error) and delivered with its error, unless the stage's steps have
+        failed STEP_ERRORS_BEFORE_RESTART times in a row (then it is taken for broken)."""
         failed: dict[int, str] = {}
         busy: dict[int, WorkerStatus] = {}
+        self._failed_steps = {}
         for i, st in enumerate(self.launcher.call_all("status")):
             if isinstance(st, WorkerError):
                 failed[i] = st.message
             elif st.error:
-                failed[i] = st.error
+                if (self.replay == "none" and st.error_seq is not None
+                        and self._step_errors_in_row[i] + 1 < STEP_ERRORS_BEFORE_RESTART):
+                    self._failed_steps[st.error_seq] = st.error
+                    self._step_errors_in_row[i] += 1
+                    self._errors_in_row = True
+                    self.step_errors.append(f"stage {i}: {st.error}")
+                else:
+                    failed[i] = st.error
             elif st.busy_seq is not None:
                 busy[i] = st
-        if not failed and signal.stage >= 0:
+        if not failed and not self._failed_steps and signal.stage >= 0:
             failed[signal.stage] = signal.message  # it reported a fault it did not survive cleanly
-        if not failed and busy:  # a stall: the stage that has been computing longest holds it up
+        if not failed and not self._failed_steps and busy:  # a stall: the stage computing longest holds it up
             i = max(busy, key=lambda j: busy[j].busy_for_s)
             failed[i] = (f"micro-batch {busy[i].busy_seq} has run for {busy[i].busy_for_s:.1f} s "
                          f"({signal.message})")
@@ -628,9 +693,13 @@ class Pipeline:
 
     def _recover(self, signal: _Signal) -> None:
         while True:
-            failed = self._diagnose(signal) or self._held_up_by(signal)
-            if not failed:  # progress resumed, or a second look is due
+            failed = self._diagnose(signal)
+            if not failed and not self._failed_steps:
+                failed = self._held_up_by(signal)
+            if not failed and not self._failed_steps:  # progress resumed, or a second look is due
                 return
+            for stage in failed:
+                self._step_errors_in_row[stage] = 0
             for stage, why in failed.items():
                 # The host matters on a multi-node cluster: a dead node or a cut link is what to look at.
                 host = self._addresses[stage][0] if stage < len(self._addresses) else "?"
@@ -646,16 +715,19 @@ class Pipeline:
                 signal = _Signal(self._epoch, exc.stage, exc.message)
 
     def _rewire(self, restart: list[int]) -> None:
-        """New epoch: drop the data plane, restart `restart`, wire again, replay what is incomplete."""
+        """New epoch: drop the data plane, restart `restart`, wire again, replay what is incomplete
+        (replay="none": deliver it lost instead, with the errors of the steps that raised)."""
         with self._wire_lock:
             with self._cond:
                 self._epoch += 1
-                epoch, first = self._epoch, self._completed
+                epoch = self._epoch
+                if self.replay == "none":
+                    self._cut_off()
+                first = self._completed
                 self._first = first
                 self._partial.clear()
                 self._admitted.clear()
                 self._sent = first
-                self._settle_fed_back(first)
             self._close_links()
             self._listener.drop_connections()
             if any(i in self.topology.stateful for i in restart):
@@ -672,24 +744,21 @@ class Pipeline:
                 self._last_progress = time.time()
             self._pump()
 
-    def _settle_fed_back(self, first: int) -> None:
-        """Before a replay (_cond held): a step that takes the tokens of a micro-batch that completed
-        gets them from the driver instead, in the rows that take them (they are not sent on the
-        feedback edge again)."""
-        if self.topology.feedback is None:
-            return
-        step = self.topology.step_entry
-        token_in = self.topology.layout.token
-        spec = self.topology.specs[token_in]
-        for n in range(first, self._submitted):
-            arrays = self._inputs.get(n)
-            m = int(arrays[step][FROM]) if arrays is not None else -1
-            if 0 <= m < first:
-                tag = arrays[step].copy()
-                tokens = take_fed(arrays[token_in], tag[FED], np.array(self._drawn[m]), spec)
-                tag[FROM] = -1
-                tag[FED] = 0  # no row is fed back any more
-                self._inputs[n] = {**arrays, step: tag, token_in: tokens}
+    def _cut_off(self) -> None:
+        """replay="none" (_cond held): every incomplete micro-batch completes lost, carrying the
+        error its own step raised if it did; the caller resubmits what it wants. They are
+        remembered a while as lost, for the steps submitted after this that would take their
+        draws (_unfeed_lost)."""
+        for n in range(self._completed, self._submitted):
+            self._lost[n] = self._failed_steps.get(n)
+            self._lost_seqs.add(n)
+            self._inputs.pop(n, None)
+            self._doomed.discard(n)
+            self.done_times[n] = time.time()
+        self._completed = self._submitted
+        low = self._submitted - 4 * self.window - 8  # a step takes draws at most a window back
+        self._lost_seqs = {n for n in self._lost_seqs if n >= low}
+        self._notify()
 
     def _resume_points(self, first: int, restart: list[int], paused: list[Any]) -> list[int]:
         """Where each stage computes from in the new epoch (see the module docstring).
@@ -728,7 +797,8 @@ class Pipeline:
         output leaves the pipeline once, through get() or through one raised error."""
         f = self._fatal
         first = self._delivered
-        completed = [self._results.pop(s) for s in range(first, self._completed)]
+        completed = [self._results.pop(s) for s in range(first, self._completed) if s in self._results]
+        self._lost.clear()
         self._delivered = self._completed
         return PipelineError(str(f), f.stage, f.last_error, completed, first)
 

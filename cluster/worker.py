@@ -193,6 +193,7 @@ class StageWorker:
         # restarted after a fault takes again without this stage, or any before it, recomputing
         self._retained: deque[tuple[int, dict[int, np.ndarray]]] = deque()
         self._error: str | None = None
+        self._error_seq: int | None = None  # the micro-batch whose own computation raised `_error`
         self._peer_errors: list[str] = []
         self._expected = 0  # frames a micro-batch needs: one per producer, fed-back tokens apart
         # Token stage: seq -> the token drawn from that micro-batch (fed back), until a step takes it
@@ -277,6 +278,7 @@ class StageWorker:
             self._listener.secret = wiring.secret or None
             self._next_seq = wiring.first_seq
             self._error = None
+            self._error_seq = None
             self._peer_errors = []
 
     def pause(self) -> Progress:
@@ -371,7 +373,8 @@ class StageWorker:
             return WorkerStatus(stage=self.index, pid=os.getpid(), epoch=self._wiring.epoch if self._wiring else None,
                                 next_seq=self._next_seq, busy_seq=busy[0] if busy else None,
                                 busy_for_s=time.time() - busy[1] if busy else 0.0,
-                                error=self._error, peer_errors=list(self._peer_errors), paths=self.paths(),
+                                error=self._error, error_seq=self._error_seq, peer_errors=list(self._peer_errors),
+                                paths=self.paths(),
                                 devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def paths(self) -> dict[int, str]:
@@ -592,6 +595,7 @@ class StageWorker:
             with self._lock:
                 self._busy = None
                 self._error = message
+                self._error_seq = seq
             self._report(seq, message)
             return
         if passed:

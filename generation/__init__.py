@@ -4,13 +4,15 @@
     events = Generator(pipe).generate([[5, 17, 3]], max_new_tokens=8)
 
 Modules:
-  requests   Request (checked once where it enters), SequenceResult, TokenEvent, GenerationError
-  scheduler  Scheduler: continuous batching over a Pipeline's public verbs (submit, receive,
-             in_flight, state_losses), per-row admission, chunked prefill, replays after faults
-  generator  Generator: generate / generate_all over a prompt set
-  engine     Engine: a scheduler on its own thread, for servers: requests in, token streams out
+  requests   Request (checked once where it enters), FinishReason, SequenceResult, TokenEvent, GenerationError
+  scheduler  Scheduler: continuous batching; `schedule()` plans the steps, `update()` takes one back;
+             per-row admission, chunked prefill, lost steps fed again, failures kept to their requests
+  core       EngineCore: the scheduler and the pipeline's I/O (submit the plan, receive a step)
+  output     OutputProcessor: text, stop strings and finish reasons of every request (RequestOutput)
+  engine     Engine: a request's whole life (core + output processor), synchronous; EngineThread:
+             the same Engine on a thread of its own, for servers (streams, cancel, drain)
+  generator  Generator: token-level generate / generate_all over a prompt set
   text       tokenizer.json through `tokenizers`, streaming detokenization, stop strings, chat templates
-  jobs       batch jobs: a prompts .jsonl in, one line per finished sequence out, resumable
 
 The names below are imported on first use, so `import tvmpipe.generation.text` needs no numpy-heavy
 layer below it.
@@ -22,9 +24,12 @@ from tvmpipe.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Generator": "generator",
-    "Scheduler": "scheduler",
-    "Engine": "engine", "Stream": "engine", "QueueFull": "engine", "EngineClosed": "engine",
+    "Scheduler": "scheduler", "PlannedStep": "scheduler",
+    "EngineCore": "core",
+    "OutputProcessor": "output", "RequestOutput": "output",
+    "Engine": "engine", "EngineThread": "engine", "Stream": "engine", "QueueFull": "engine", "EngineClosed": "engine",
     "Request": "requests", "SequenceResult": "requests", "TokenEvent": "requests", "GenerationError": "requests",
+    "FinishReason": "requests",
     "make_requests": "requests", "layout_of": "requests",
     "Sampling": "tvmpipe.executor.sampler",
 }

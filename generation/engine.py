@@ -1,18 +1,22 @@
-"""Engine: the scheduler on its own thread, so that requests arrive and leave at any time.
+"""Engine: a request's whole life, from a checked Request to its last RequestOutput.
 
-A server (tvmpipe.serve) hands each request to `submit` from whatever thread or event loop it runs
-on and reads the returned `Stream`; the engine thread admits it into the running pipeline as soon as
-a row frees (continuous batching: requests are never served one after another), steps the scheduler,
-and pushes each token to its stream. `cancel` (a client that went away, or a stop string the server
-saw in the text) frees the row at the next step. The engine holds at most `rows + max_waiting`
-requests at once (`QueueFull` past it: every row busy and `max_waiting` requests queued for one),
-and `drain` stops taking new requests and lets the running ones finish within a bound.
+    engine = Engine(pipe, codec)              # the engine core (scheduler + pipeline I/O) and the output processor
+    engine.add(request)                       # any number
+    while engine.has_work:
+        for out in engine.step():             # text, tokens, and on the last output the finish reason
+            ...
 
-Only the engine thread touches the scheduler and the pipeline's submit/receive; other threads talk
-to it through a locked inbox. The thread also collects the steps still in flight once every
-sequence has ended (steps submitted ahead for a sequence that then stopped): left unread, they
-would look like a stalled pipeline to the driver's supervisor, which restarts stages that hold up
-progress.
+`Engine` is synchronous: `tvmpipe generate` drives it on its own thread. `EngineThread` runs the
+same Engine on a thread of its own for servers: requests arrive from any thread or event loop
+(`submit` returns a Stream of RequestOutputs), `cancel` ends one (a client that went away), at most
+`rows + max_waiting` are held (QueueFull past it), and `drain` stops taking new ones and lets the
+running ones finish within a bound. Only the engine thread touches the Engine; other threads talk
+to it through a locked inbox.
+
+What one request causes ends that request alone: a stop string or a detokenizer error (the output
+processor), logits that are not finite or a step that fails twice (the scheduler), a client gone
+(cancel). Only the pipeline failing for good (PipelineError: a stage past its restarts) fails every
+open request and closes the engine.
 """
 
 from __future__ import annotations
@@ -25,13 +29,69 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.generation.requests import Request, SequenceResult, TokenEvent
-from tvmpipe.generation.scheduler import Scheduler
+from tvmpipe.generation.core import EngineCore
+from tvmpipe.generation.output import OutputProcessor, RequestOutput
+from tvmpipe.generation.requests import FinishReason, Request, SequenceResult
 
 if TYPE_CHECKING:
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation.text import TextCodec
 
-EventCallback = Callable[[TokenEvent | None], None]
+OutputCallback = Callable[["RequestOutput | None"], None]
+
+
+class Engine:
+    """The engine core on `pipe` and the output processor (text through `codec`, None: tokens
+    only). Keywords as Scheduler's (`in_flight`, `row_admission`, `logits_log`, `results`)."""
+
+    def __init__(self, pipe: "Pipeline", codec: "TextCodec | None" = None, **scheduler_kw):
+        self.core = EngineCore(pipe, **scheduler_kw)
+        self.pipe = pipe
+        self.layout = self.core.layout
+        self.codec = codec
+        self.output = OutputProcessor(codec, self.core.cancel)
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work
+
+    @property
+    def busy(self) -> bool:
+        return self.core.busy
+
+    def add(self, request: Request, index: int | None = None) -> int:
+        index = self.core.add(request, index)
+        self.output.add(index, request)
+        return index
+
+    def cancel(self, index: int, why: FinishReason = FinishReason.CANCELLED) -> None:
+        """End a request now; its last output comes from the next step."""
+        self.core.cancel(index, why)
+
+    def cancel_all(self, why: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> list[RequestOutput]:
+        """End every request now, and return their last outputs."""
+        self.core.scheduler.cancel_all(why, error)
+        return self.output.process((), self.core.take_finished())
+
+    def collect(self) -> list[RequestOutput]:
+        """The last outputs of requests that ended without a step (cancelled while queued)."""
+        return self.output.process((), self.core.take_finished())
+
+    def step(self) -> list[RequestOutput]:
+        """One step of the core, and what it made of each request."""
+        events = self.core.step()
+        out = self.output.process(events, self.core.take_finished())
+        stopped = self.core.take_finished()  # ended by their text (stop strings) above: already out
+        if stopped:
+            out += self.output.process((), stopped)
+        return out
+
+    def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        """Run `requests` (indexed in order) to the end, yielding every output."""
+        for r in requests:
+            self.add(r)
+        while self.has_work:
+            yield from self.step()
 
 
 class QueueFull(TvmpipeError):
@@ -52,11 +112,13 @@ class EngineStats:
     max_waiting: int
     submitted: int  # requests accepted
     rejected: int  # requests refused with QueueFull
-    finished: int  # sequences ended, for any reason (cancelled ones included)
-    cancelled: int  # ended by cancel() with why "cancelled" (a client that went away, a drain)
+    finished: int  # sequences ended, for any reason (cancelled and failed ones included)
+    cancelled: int  # ended by cancel() (a client that went away, a drain)
+    failed_requests: int  # ended alone with an error (FinishReason.ERROR)
     generated_tokens: int
     restarts: int  # stage restarts the pipeline went through
     stage_restarts: tuple[int, ...]
+    step_errors: int  # steps that raised on a live stage (each retried or ended its requests)
     draining: bool
     failed: str | None  # why the pipeline failed for good (the engine takes nothing more)
 
@@ -69,19 +131,18 @@ class EngineStats:
 
 
 class Stream:
-    """The tokens of one request, as they are drawn. Iterating blocks for the next TokenEvent and
-    ends after the last; `result` is then the SequenceResult (its `finish` says why it ended), or
-    `error` the message of a failure. `on_event` (given to Engine.submit) is called on the engine
-    thread for each event and once more with None at the end: a server bridges it into its event
-    loop."""
+    """The outputs of one request as they come. Iterating blocks for the next RequestOutput and
+    ends after the last; `result` is then its SequenceResult, or `error` the message of a pipeline
+    failure. `on_output` (given to EngineThread.submit) is called on the engine thread for each
+    output and once more with None at the end: a server bridges it into its event loop."""
 
-    def __init__(self, index: int, request: Request, on_event: EventCallback | None = None):
+    def __init__(self, index: int, request: Request, on_output: OutputCallback | None = None):
         self.index = index
         self.request = request
         self.result: SequenceResult | None = None
         self.error: str | None = None
-        self.on_event = on_event
-        self._events: deque[TokenEvent] = deque()
+        self.on_output = on_output
+        self._outputs: deque[RequestOutput] = deque()
         self._done = False
         self._cond = threading.Condition()
 
@@ -89,82 +150,85 @@ class Stream:
     def done(self) -> bool:
         return self._done
 
-    def _push(self, event: TokenEvent) -> None:
+    def _push(self, output: RequestOutput) -> None:
         with self._cond:
-            self._events.append(event)
+            self._outputs.append(output)
+            if output.result is not None:
+                self.result = output.result
             self._cond.notify_all()
-        self._call(event)
+        self._call(output)
 
-    def _end(self, result: SequenceResult | None, error: str | None = None) -> None:
+    def _end(self, error: str | None = None) -> None:
         with self._cond:
             if self._done:
                 return
-            self.result, self.error, self._done = result, error, True
+            self.error, self._done = error, True
             self._cond.notify_all()
         self._call(None)
 
-    def _call(self, event: TokenEvent | None) -> None:
+    def _call(self, output: RequestOutput | None) -> None:
         """The callback, which must never stop the engine thread: one that raises (its event loop
         closed under it) is dropped, and the stream stays readable by iteration."""
-        if self.on_event is None:
+        if self.on_output is None:
             return
         try:
-            self.on_event(event)
+            self.on_output(output)
         except Exception as exc:  # noqa: BLE001 - the caller's code; the engine serves everyone else
-            print(f"tvmpipe engine: the event callback of request {self.index} failed and was dropped "
+            print(f"tvmpipe engine: the output callback of request {self.index} failed and was dropped "
                   f"({type(exc).__name__}: {exc})", file=sys.stderr)
-            self.on_event = None
+            self.on_output = None
 
-    def __iter__(self) -> Iterator[TokenEvent]:
+    def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             with self._cond:
-                while not self._events and not self._done:
+                while not self._outputs and not self._done:
                     self._cond.wait()
-                if self._events:
-                    event = self._events.popleft()
+                if self._outputs:
+                    output = self._outputs.popleft()
                 else:
                     return
-            yield event
+            yield output
 
     def wait(self, timeout: float | None = None) -> SequenceResult | None:
-        """Block until the sequence ends; its result (None on failure or timeout)."""
+        """Block until the request ends; its result (None on a pipeline failure or timeout)."""
         with self._cond:
             self._cond.wait_for(lambda: self._done, timeout)
             return self.result
 
 
-class Engine:
-    """Serve requests on `pipe` (a Pipeline of a decode-step bundle) from any thread.
+class EngineThread:
+    """An Engine on its own thread, serving requests from any thread.
 
     `max_waiting`: requests that may wait for a row while every row is busy; one more is refused
-    with QueueFull. `in_flight` and `row_admission`: as Scheduler's."""
+    with QueueFull. Other keywords as Engine's."""
 
-    def __init__(self, pipe: "Pipeline", *, max_waiting: int = 64, in_flight: int | None = None,
-                 row_admission: bool = True):
+    def __init__(self, pipe: "Pipeline", codec: "TextCodec | None" = None, *, max_waiting: int = 64,
+                 in_flight: int | None = None, row_admission: bool = True):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise TvmpipeError(f"--max-waiting must be an integer >= 0, got {max_waiting!r}")
+        self.engine = Engine(pipe, codec, in_flight=in_flight, row_admission=row_admission)
         self.pipe = pipe
-        self.scheduler = Scheduler(pipe, in_flight=in_flight, row_admission=row_admission)
-        self.layout = self.scheduler.layout
-        self.rows = self.scheduler.groups * self.scheduler.batch
+        self.layout = self.engine.layout
+        s = self.engine.core.scheduler
+        self.rows = s.groups * s.batch
         self.max_waiting = max_waiting
         self._lock = threading.Condition()
         self._inbox: deque[Stream] = deque()
-        self._cancels: deque[tuple[int, str]] = deque()
+        self._cancels: deque[int] = deque()
         self._streams: dict[int, Stream] = {}  # every request accepted and not ended yet
         self._next = 0
         self._draining = False
         self._closed = False
         self._failed: str | None = None
-        self._finished = self._cancelled = self._tokens = self._rejected = 0
+        self._finished = self._cancelled = self._errors = self._tokens = self._rejected = 0
         self._running = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="tvmpipe-engine")
         self._thread.start()
 
     # ---- any thread ---------------------------------------------------------------------------------
-    def submit(self, request: Request, on_event: EventCallback | None = None) -> Stream:
-        """Queue a checked request (requests.Request.checked); its Stream, whose `on_event` is set
-        before the engine can see it (so no event is missed). QueueFull when every row is busy and
+    def submit(self, request: Request, on_output: OutputCallback | None = None) -> Stream:
+        """Queue a checked request (requests.Request.checked); its Stream, whose `on_output` is set
+        before the engine can see it (so no output is missed). QueueFull when every row is busy and
         `max_waiting` requests wait already, EngineClosed when draining, closed or failed."""
         with self._lock:
             if self._failed is not None:
@@ -175,28 +239,28 @@ class Engine:
                 self._rejected += 1
                 raise QueueFull(f"all {self.rows} sequence rows are busy and {self.max_waiting} requests already "
                                 "wait for one")
-            stream = Stream(self._next, request, on_event)
+            stream = Stream(self._next, request, on_output)
             self._next += 1
             self._streams[stream.index] = stream
             self._inbox.append(stream)
             self._lock.notify_all()
         return stream
 
-    def cancel(self, index: int, why: str = "cancelled") -> None:
-        """End request `index` now, its result's `finish` being `why` ("cancelled": the client went
-        away; "stop": the caller saw a stop string): its row frees at the next step. A request
-        that already ended: nothing."""
+    def cancel(self, index: int) -> None:
+        """End request `index` now (the client went away): its row frees at the next step, and its
+        last output has finish CANCELLED. A request that already ended: nothing."""
         with self._lock:
             if index in self._streams:
-                self._cancels.append((index, why))
+                self._cancels.append(index)
                 self._lock.notify_all()
 
     def stats(self) -> EngineStats:
         with self._lock:
             restarts = tuple(self.pipe.restarts)
             return EngineStats(self._running, len(self._streams) - self._running, self.rows, self.max_waiting,
-                               self._next, self._rejected, self._finished, self._cancelled, self._tokens,
-                               sum(restarts), restarts, self._draining, self._failed)
+                               self._next, self._rejected, self._finished, self._cancelled, self._errors,
+                               self._tokens, sum(restarts), restarts, len(getattr(self.pipe, "step_errors", ())),
+                               self._draining, self._failed)
 
     def drain(self, timeout: float) -> bool:
         """Take no new requests; wait up to `timeout` s for the running and queued ones to finish,
@@ -207,7 +271,7 @@ class Engine:
             self._lock.notify_all()
             clean = self._lock.wait_for(lambda: not self._streams or self._failed is not None,
                                         max(0.0, deadline - time.time()))
-            self._cancels.extend((i, "cancelled") for i in self._streams)
+            self._cancels.extend(self._streams)
             self._lock.notify_all()
             self._lock.wait_for(lambda: not self._streams or self._failed is not None, 10.0)
         return clean
@@ -222,46 +286,48 @@ class Engine:
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
-        s = self.scheduler
+        engine = self.engine
         try:
             while True:
                 with self._lock:
-                    while not (self._closed or self._inbox or self._cancels or s.busy or s.steps):
+                    while not (self._closed or self._inbox or self._cancels or engine.has_work):
                         self._lock.wait()
                     if self._closed:
                         return
                     arrivals, self._inbox = list(self._inbox), deque()
                     cancels, self._cancels = list(self._cancels), deque()
                 for stream in arrivals:
-                    s.add(stream.request, stream.index)
-                for index, why in cancels:
-                    s.cancel(index, why)
-                # a step while sequences run; else the steps left in flight are collected
-                self._deliver(s.step() if s.busy or s.steps else [])
+                    engine.add(stream.request, stream.index)
+                for index in cancels:
+                    engine.cancel(index)
+                self._deliver(engine.step() if engine.has_work else engine.collect())
         except Exception as exc:  # the pipeline failed for good: every open stream ends with its error
             self._fail_all(str(exc) if isinstance(exc, TvmpipeError) else f"{type(exc).__name__}: {exc}")
 
-    def _deliver(self, events: list[TokenEvent]) -> None:
-        """Push each event to its stream; end the streams of the sequences that finished."""
-        s = self.scheduler
-        for event in events:
-            stream = self._streams.get(event.seq)
-            if stream is not None:
-                stream._push(event)
-        ended: list[tuple[Stream, SequenceResult]] = []
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its stream; end the streams whose request ended."""
+        ended: list[Stream] = []
+        tokens = 0
+        for out in outputs:
+            tokens += len(out.token_ids)
+            stream = self._streams.get(out.index)
+            if stream is None:
+                continue
+            stream._push(out)
+            if out.finish is not None:
+                ended.append(stream)
         with self._lock:
-            while s.finished:
-                r = s.finished.popleft()
+            for stream in ended:
+                self._streams.pop(stream.index, None)
                 self._finished += 1
-                self._cancelled += r.finish == "cancelled"
-                stream = self._streams.pop(r.index, None)
-                if stream is not None:
-                    ended.append((stream, r))
-            self._tokens += len(events)
-            self._running = sum(len(g.running) for g in s.active.values())
+                finish = stream.result.finish if stream.result is not None else None
+                self._cancelled += finish == FinishReason.CANCELLED
+                self._errors += finish == FinishReason.ERROR
+            self._tokens += tokens
+            self._running = self.engine.core.scheduler.running
             self._lock.notify_all()
-        for stream, r in ended:
-            stream._end(r)
+        for stream in ended:
+            stream._end()
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -271,4 +337,4 @@ class Engine:
             self._running = 0
             self._lock.notify_all()
         for stream in streams:
-            stream._end(None, why)
+            stream._end(why)

@@ -12,13 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import enum
+
 import numpy as np
 
 from tvmpipe.bundle.decode_layout import DecodeLayout, decode_layout
-from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.executor.sampler import Sampling
 
-FINISH_REASONS = ("length", "stop", "context", "cancelled")
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended: the one set of reasons, from the scheduler to every front end.
+
+    LENGTH: max new tokens; STOP: a stop token (kept as its last token) or a stop string (cut
+    before it); CONTEXT: the cache is full; CANCELLED: its caller gave it up (a client gone, a
+    drain); ERROR: this sequence failed alone (its logits were not finite, its step raised twice,
+    its text could not be decoded): `SequenceResult.error` says why, and the others run on."""
+
+    LENGTH = "length"
+    STOP = "stop"
+    CONTEXT = "context"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class GenerationError(TvmpipeError):
@@ -51,18 +69,22 @@ class Request:
     sampling: Sampling = Sampling()
     stop_tokens: frozenset[int] = frozenset()
     key: int = 0
+    stop: tuple[str, ...] = ()  # stop strings: the output processor ends the sequence where one appears
 
     @classmethod
     def checked(cls, prompt: Sequence[int], max_new_tokens: int, layout: DecodeLayout, *,
                 sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), key: int = 0,
-                what: str = "prompt") -> "Request":
-        """A request whose every field fits `layout` (one-line errors naming `what` and the field)."""
+                what: str = "prompt", stop: Sequence[str] = ()) -> "Request":
+        """A request whose every field fits `layout` (FieldErrors naming the field; prompt errors
+        name `what`)."""
         return cls(check_prompt(prompt, layout, what), check_max_new_tokens(max_new_tokens),
-                   sampling.check(layout.vocab_size), check_stop_tokens(stop_tokens, layout.vocab_size), key)
+                   sampling.check(layout.vocab_size), check_stop_tokens(stop_tokens, layout.vocab_size), key,
+                   check_stop_strings(stop))
 
 
 def check_prompt(prompt: Sequence[int], layout: DecodeLayout, what: str = "prompt") -> tuple[int, ...]:
-    """A non-empty list of token ids inside the vocabulary, no longer than the context."""
+    """A non-empty list of token ids inside the vocabulary, no longer than the context (errors name
+    `what`: "prompt", "prompt 3", "in.jsonl line 7")."""
     p = list(prompt)
     if not p:
         raise TvmpipeError(f"{what} is empty")
@@ -77,7 +99,7 @@ def check_prompt(prompt: Sequence[int], layout: DecodeLayout, what: str = "promp
 
 def check_max_new_tokens(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise TvmpipeError(f"--max-new-tokens must be an integer >= 1, got {n!r}")
+        raise FieldError("max_new_tokens", f"must be an integer >= 1, got {n!r}")
     return int(n)
 
 
@@ -86,50 +108,68 @@ def check_stop_tokens(tokens: Iterable[int], vocab: int) -> frozenset[int]:
     stops = set()
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-            raise TvmpipeError(f"--stop-token {t!r} is outside the vocabulary 0..{vocab - 1}")
+            raise FieldError("stop_tokens", f"{t!r} is outside the vocabulary 0..{vocab - 1}")
         stops.add(int(t))
     return frozenset(stops)
 
 
+def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
+    """Stop strings: non-empty strings, each once, in order."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise FieldError("stop", f"must be non-empty strings, got {s!r}")
+    return tuple(dict.fromkeys(stop))
+
+
 def make_requests(prompts: Sequence[Sequence[int]], max_new_tokens: int, layout: DecodeLayout, *,
-                  sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = ()) -> list[Request]:
+                  sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (),
+                  stop: Sequence[str] = ()) -> list[Request]:
     """The requests of a prompt set: prompt i keyed i, every other field shared (checked once)."""
     if not prompts:
         raise TvmpipeError("no prompts: give at least one (--prompt-ids 5,17,3)")
     checked = [check_prompt(p, layout, f"prompt {i}") for i, p in enumerate(prompts)]
     n = check_max_new_tokens(max_new_tokens)
     stops = check_stop_tokens(stop_tokens, layout.vocab_size)
+    strings = check_stop_strings(stop)
     sampling.check(layout.vocab_size)
-    return [Request(p, n, sampling, stops, i) for i, p in enumerate(checked)]
+    return [Request(p, n, sampling, stops, i, strings) for i, p in enumerate(checked)]
 
 
 @dataclass
 class SequenceResult:
-    """One sequence: its prompt, the tokens generated, and why it stopped ("length": max new
-    tokens, "stop": a stop token (kept as the last token), "context": the cache is full,
-    "cancelled": its caller gave it up)."""
+    """One sequence: its prompt, the tokens generated, why it stopped (FinishReason), its text
+    when the engine has a tokenizer (cut before a stop string), and the error of one that failed."""
 
     index: int
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
-    finish: str | None = None
+    finish: FinishReason | None = None
     first_token_s: float | None = None  # seconds from admission to the first generated token
     token_times: list[float] = field(default_factory=list)  # wall clock of each generated token
     replays: int = 0  # times its caches were rebuilt after a stage restart
+    text: str | None = None  # the output processor's (generation.output), with a tokenizer
+    error: str | None = None  # why it failed (finish ERROR)
 
     def to_json(self) -> dict:
-        return {"prompt": list(self.prompt), "tokens": list(self.tokens), "finish": self.finish}
+        out = {"prompt": list(self.prompt), "tokens": list(self.tokens),
+               "finish": None if self.finish is None else self.finish.value}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """Sequence `seq` generated `token`, its `index`-th; `finish` says why it was the last (None:
-    more follow), and `done` is whether it was."""
+    more follow), and `done` is whether it was. A sequence that ends without a token (cancelled,
+    or failed: FinishReason.ERROR) has no last event: its SequenceResult says so."""
 
     seq: int
     token: int
     index: int
-    finish: str | None = None
+    finish: FinishReason | None = None
 
     @property
     def done(self) -> bool:

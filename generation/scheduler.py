@@ -25,40 +25,64 @@ and stopping; a step submitted after a sequence stopped is wasted for that row.
   the next requests take its slot.
 - Requests arrive at any time (`add`) and can be given up (`cancel`): the row is freed at the next
   step, and the steps of that row still in flight are ignored.
-- Faults: when a stage holding caches restarts (`state_losses` moves), every group in flight lost its
-  caches there. Results of steps submitted before are dropped, and each sequence replays its history
-  (prompt + tokens so far) from position 0 before it continues; tokens already generated are kept,
-  not drawn again, so the streams equal those of a run without the fault.
+- The scheduler decides and the engine core does the I/O: `schedule(next_seq, room)` returns the
+  steps to submit (a `StepPlan`: each step's inputs and the sequence number it will get), and
+  `update(result)` takes the oldest step's `StepResult` back and returns the tokens it drew.
+- Faults. The pipeline replays nothing of a decode step (replay="none"): a step cut off by a fault
+  comes back `lost`. The scheduler owns every sequence's tokens (prompt + generated, its `hist`),
+  so it is the one that feeds them again: a group whose step was lost rolls each row back to the
+  position after its last step that came back, and feeds from there (the caches up to that point
+  are intact; what the lost steps wrote is written again with the same values). When a stage
+  holding caches restarted (`state_losses` moves), every group rebuilds its caches from position 0.
+  Tokens already generated are kept, not drawn again, so the streams equal those of a run without
+  the fault. Results of steps submitted before a group rolled back are ignored (its `epoch`).
+- Failure isolation. A row whose logits were not finite (its draw is executor.sampler.NOT_FINITE)
+  ends alone with FinishReason.ERROR. A step that raised comes back with its `error`: the group
+  rolls back and tries once more; an error that comes back on that retry belongs to the group's
+  sequences, which end with ERROR, and every other sequence runs on.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from tvmpipe.bundle.decode_layout import NO_SAMPLING, SLOT_NAME, STEP_NAME, encode_step, row_ints
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.generation.requests import Request, SequenceResult, TokenEvent, layout_of
+from tvmpipe.executor.sampler import NOT_FINITE
+from tvmpipe.generation.requests import FinishReason, Request, SequenceResult, TokenEvent, layout_of
 
 if TYPE_CHECKING:
-    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.cluster.driver import Pipeline, StepResult
 
 EMPTY_ROW = row_ints(0, -1, False, NO_SAMPLING)  # padding at position 0: nothing fed back or drawn
 FED_FROM_KEPT = 4096  # steps whose fed-back source is remembered for the timeline (fed_from)
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """One micro-batch to submit: the sequence number the pipeline gives it (steps are submitted in
+    plan order) and its inputs by name."""
+
+    seq: int
+    inputs: dict[str, np.ndarray]
+
+
 class _Row:
     """One sequence of a group: its request and result, every token fed or to feed (prompt, then
-    generated), and the position its next step feeds."""
+    generated), the position its next step feeds, and the position after its last step that came
+    back (where it rolls back to when later steps are lost)."""
 
     def __init__(self, index: int, request: Request, now: float):
         self.request = request
         self.r = SequenceResult(index, list(request.prompt))
         self.hist = list(request.prompt)
         self.pos = 0
+        self.confirmed = 0
         self.admitted = now
         self.sampling = request.sampling.tag_ints()  # the step tag's per-row sampling, made once
 
@@ -67,20 +91,23 @@ class _Group:
     """The sequences of one static batch, one per row (None: an empty row), in one slot; every step
     of the group is one micro-batch that advances each running row by its own width."""
 
-    def __init__(self, rows: list[_Row | None], slot: int, epoch: int):
+    def __init__(self, rows: list[_Row | None], slot: int, losses: int):
         self.rows = rows
         self.key = next(x.r.index for x in rows if x is not None)  # its first sequence's index
         self.slot = slot
-        self.epoch = epoch  # the pipeline's state_losses when its caches were (re)started
+        self.losses = losses  # the pipeline's state_losses when its caches were (re)started
+        self.epoch = 0  # moves when it rolls back or rebuilds: results of older steps are ignored
         self.outstanding = 0  # its steps in flight
         self.queued = False  # in the scheduler's ready queue
         self.last: tuple[int, int, bool] | None = None  # (micro-batch, epoch, draws fed back) of its latest step
         self.running = [(i, x) for i, x in enumerate(rows) if x is not None]  # (row, sequence) not finished
+        self.strikes = 0  # failed steps not yet passed by a step that came back
+        self.failed_at = -1  # the furthest position of the step that failed
 
 
 class _Step:
     """A submitted micro-batch: its group, per running row (row, sequence, the position after the
-    step's last token), and the epoch it was submitted in."""
+    step's last token), and the group's epoch it was submitted in."""
 
     __slots__ = ("group", "carried", "epoch", "seq")
 
@@ -89,25 +116,30 @@ class _Step:
 
 
 class Scheduler:
-    """Continuous batching over `pipe` (a Pipeline of a decode-step bundle).
+    """Continuous batching over `pipe` (a Pipeline of a decode-step bundle, replay="none").
 
         s = Scheduler(pipe)
-        s.add(request)                 # any time; returns the sequence's index
-        while s.busy:
-            for event in s.step():     # submits what is ready, waits for one step's draws
-                ...                    # s.cancel(event.seq) stops a sequence early
+        s.add(request)                                  # any time; returns the sequence's index
+        for step in s.schedule(pipe.submitted, pipe.window - pipe.in_flight):
+            pipe.submit(step.inputs)                    # the engine core does the pipeline's I/O
+        events = s.update(pipe.receive())               # the oldest step in flight
+        s.cancel(index)                                 # any time: ends a sequence early
 
-    `in_flight`: sequences in flight (default: all the slots hold); `row_admission`: a queued request
-    takes a finished sequence's row at once where the caches reset a row at a time (False: a group's
-    rows are admitted together); `logits_log`: per sequence, the logits of each step by position
-    (needs a pipeline built with logits=True). Finished sequences go into `finished` (a queue the
-    caller empties) and, if given, `results` (index -> SequenceResult).
+    (generation.core.EngineCore is that loop.) `in_flight`: sequences in flight (default: all the
+    slots hold); `row_admission`: a queued request takes a finished sequence's row at once where the
+    caches reset a row at a time (False: a group's rows are admitted together); `logits_log`: per
+    sequence, the logits of each step by position (needs a pipeline built with logits=True).
+    Finished sequences go into `finished` (a queue the caller empties) and, if given, `results`
+    (index -> SequenceResult).
     """
 
     def __init__(self, pipe: "Pipeline", *, in_flight: int | None = None, row_admission: bool = True,
                  logits_log: dict | None = None, results: dict | None = None):
         self.pipe = pipe
         self.layout = layout_of(pipe.bundle)
+        if getattr(pipe, "replay", "none") != "none":
+            raise TvmpipeError(f"generation needs a pipeline built with replay='none' (its default for a decode "
+                               f"step), not {pipe.replay!r}: the scheduler feeds lost steps again itself")
         self.batch = self.layout.batch
         self.chunk = self.layout.chunk
         if in_flight is None:
@@ -126,6 +158,8 @@ class Scheduler:
         self.finished: deque[SequenceResult] = deque()  # finished since the caller last took them
         self.per_row = row_admission and pipe.topology.row_reset
         self.fed_back = pipe.topology.feedback is not None
+        self.num_stages = pipe.topology.num_stages
+        self.window = pipe.window
         specs = pipe.topology.specs
         self._tok_spec, self._pos_spec = specs[self.layout.token], specs[self.layout.position]
         self._count_spec = specs[self.layout.count] if self.layout.count is not None else None
@@ -140,8 +174,6 @@ class Scheduler:
         self._rows: dict[int, tuple[_Group | None, _Row]] = {}  # index -> where the sequence is, until it ends
         self._next_index = 0
         self._seen_losses = pipe.state_losses
-        while pipe.in_flight:  # steps of an earlier scheduler abandoned mid-way: drop them
-            pipe.receive()
 
     # ---- the caller's verbs ------------------------------------------------------------------------
     @property
@@ -149,44 +181,70 @@ class Scheduler:
         """Whether any sequence is queued or running."""
         return bool(self.queue or self.active)
 
+    @property
+    def running(self) -> int:
+        """Sequences in a row of the pipeline now."""
+        return sum(len(g.running) for g in self.active.values())
+
     def add(self, request: Request, index: int | None = None) -> int:
         """Queue a checked request (requests.Request); returns its sequence index (`index`, or the
         next free one)."""
         index = self._next_index if index is None else index
+        if index in self._rows:
+            raise TvmpipeError(f"sequence {index} is already queued or running")
         self._next_index = max(self._next_index, index + 1)
         row = _Row(index, request, time.time())
         self.queue.append(row)
         self._rows[index] = (None, row)
         return index
 
-    def cancel(self, index: int, why: str = "cancelled") -> None:
+    def cancel(self, index: int, why: FinishReason = FinishReason.CANCELLED,
+               error: str | None = None) -> SequenceResult | None:
         """End sequence `index` now (its result keeps the tokens so far): a queued one leaves the
-        queue, a running one frees its row at the group's next step. Unknown or finished: nothing."""
+        queue, a running one frees its row at the group's next step. Its result; None if unknown or
+        finished already."""
         where = self._rows.get(index)
         if where is None:
-            return
+            return None
         g, x = where
         if g is None:
             self.queue.remove(x)
-            self._end(x, why)
-            return
-        i = next(i for i, y in g.running if y is x)
-        self._finish(g, i, x, why, time.time())
+            self._end(x, why, error)
+        else:
+            i = next(i for i, y in g.running if y is x)
+            self._finish(g, i, x, why, time.time(), error)
+        return x.r
 
-    def step(self) -> list[TokenEvent]:
-        """Admit queued requests into free slots, submit every step that is ready while the window
-        has room, then wait for the next micro-batch and return the tokens it drew."""
+    def cancel_all(self, why: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> None:
+        """End every queued and running sequence (a drain that timed out, a failed pipeline)."""
+        for index in list(self._rows):
+            self.cancel(index, why, error)
+
+    def schedule(self, next_seq: int, room: int) -> list[PlannedStep]:
+        """Admit queued requests into free slots, then plan up to `room` steps, the first of which
+        the pipeline will number `next_seq` (the engine submits them in this order)."""
         self._admit()
         self._notice_restarts()
-        self._submit_ready()
-        if not self.steps:
-            raise TvmpipeError("the scheduler has nothing in flight")  # cannot happen: a bug
-        return self._receive()
+        return self._plan(next_seq, room)
 
-    def run(self) -> Iterator[TokenEvent]:
-        """Step until every sequence added so far has finished, yielding each token."""
-        while self.busy:
-            yield from self.step()
+    def update(self, result: "StepResult") -> list[TokenEvent]:
+        """The oldest step in flight came back: the tokens it drew (its rows' sequences that ended
+        go into `finished`)."""
+        step = self.steps.popleft()
+        if step.seq != result.seq:
+            raise TvmpipeError(f"the pipeline returned micro-batch {result.seq} where the scheduler expected {step.seq}")
+        g = step.group
+        g.outstanding -= 1
+        if self.active.get(g.key) is not g:  # finished while a stale or wasted step was in flight
+            if g.outstanding == 0:
+                self.free.append(g.slot)
+            return []
+        if step.epoch != g.epoch:
+            return []  # submitted before the group rolled back or rebuilt
+        if result.lost:
+            self._lost(g, step, result.error)
+            return []
+        return self._receive(g, step, result)
 
     # ---- admission ----------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -202,7 +260,7 @@ class Scheduler:
             self._want(g)
 
     def _notice_restarts(self) -> None:
-        """A stage holding caches restarted: every group rebuilds its own (_submit_ready)."""
+        """A stage holding caches restarted: every group rebuilds its own (_plan)."""
         losses = self.pipe.state_losses
         if losses != self._seen_losses:
             self._seen_losses = losses
@@ -214,51 +272,54 @@ class Scheduler:
             g.queued = True
             self.ready.append(g)
 
-    # ---- submitting steps ---------------------------------------------------------------------------
-    def _submit_ready(self) -> None:
-        """Submit every step whose tokens are known or in flight, round robin over groups, while the
-        window has room. The token stage runs steps in submission order, so a step that takes the
+    # ---- planning steps -----------------------------------------------------------------------------
+    def _plan(self, seq: int, room: int) -> list[PlannedStep]:
+        """Plan every step whose tokens are known or in flight, round robin over groups, while
+        there is room. The token stage runs steps in submission order, so a step that takes the
         draws of the step just before it would hold that stage up for a whole trip round the ring:
         such a step waits until as many other steps as there are stages (or groups, if fewer) were
         submitted after its predecessor."""
-        pipe = self.pipe
-        epoch = pipe.state_losses
-        spacing = min(len(self.active), pipe.topology.num_stages)
-        deferred = []
-        while pipe.in_flight < pipe.window and self.ready:
+        losses = self.pipe.state_losses
+        spacing = min(len(self.active), self.num_stages)
+        deferred, plan = [], []
+        while room > 0 and self.ready:
             g = self.ready.popleft()
             g.queued = False
             if self.active.get(g.key) is not g:
                 continue  # finished since it was queued
-            if g.epoch != epoch:  # its caches were lost: rebuild them from position 0
-                g.epoch, g.last = epoch, None
+            if g.losses != losses:  # its caches were lost: rebuild them from position 0
+                g.losses, g.last = losses, None
+                g.epoch += 1
                 for _, x in g.running:
-                    x.pos = 0
+                    x.pos = x.confirmed = 0
                     x.r.replays += 1
-            src = self._source(g, epoch)
+            src = self._source(g)
             if src is None:
-                continue  # nothing to feed yet (queued again after its step was submitted)
-            if src >= 0 and pipe.submitted - src < spacing:
+                continue  # nothing to feed yet (queued again when its step comes back)
+            if src >= 0 and seq - src < spacing:
                 deferred.append(g)
                 continue
             ns = self._widths(g)
             ds = self._draws(g, ns)
             fwd = self._forward(g, ns, ds)
-            seq = pipe.submit(self._feed(g, src, ns, ds, fwd))
+            plan.append(PlannedStep(seq, self._feed(g, src, ns, ds, fwd)))
             if src >= 0:
                 self.fed_from[seq] = src
                 self.fed_from.pop(seq - FED_FROM_KEPT, None)
-            self.steps.append(_Step(g, [(i, x, x.pos + ns[i]) for i, x in g.running], epoch, seq))
-            g.last = (seq, epoch, fwd)
+            self.steps.append(_Step(g, [(i, x, x.pos + ns[i]) for i, x in g.running], g.epoch, seq))
+            g.last = (seq, g.epoch, fwd)
             for i, x in g.running:
                 x.pos += ns[i]
             g.outstanding += 1
-            if self._source(g, epoch) is not None:
+            seq += 1
+            room -= 1
+            if self._source(g) is not None:
                 self._want(g)  # more to feed (prompts, history, or the tokens this step draws): back of the queue
         for g in deferred:
             self._want(g)
+        return plan
 
-    def _source(self, g: _Group, epoch: int) -> int | None:
+    def _source(self, g: _Group) -> int | None:
         """Where the tokens of g's next step come from: -1, every running row's is known; m, the
         draws of micro-batch m (g's latest step, still in flight, whose draws are fed back; a stop
         token it may draw makes the step a wasted one for that row); None: nothing to submit yet. A
@@ -272,7 +333,7 @@ class Scheduler:
             fed = fed or x.pos == n
         if not fed:
             return -1
-        if g.last is not None and g.last[1:] == (epoch, True):
+        if g.last is not None and g.last[1:] == (g.epoch, True):
             return g.last[0]
         return None
 
@@ -300,7 +361,7 @@ class Scheduler:
         pipeline has a token stage to feed (the feedback edge), a row draws a token that cannot end
         its sequence by length or context, and the window holds two steps of every group in flight
         (with fewer, the next step could not be submitted before this one completes anyway)."""
-        return (self.fed_back and 2 * len(self.active) <= self.pipe.window
+        return (self.fed_back and 2 * len(self.active) <= self.window
                 and any(0 <= ds[i] and ds[i] + 1 < x.request.max_new_tokens and x.pos + ns[i] < self.layout.max_context
                         for i, x in g.running))
 
@@ -329,39 +390,59 @@ class Scheduler:
             out[layout.count_name] = np.array(ns, dtype=self._count_spec.dtype).reshape(self._count_spec.shape)
         return out
 
-    # ---- receiving draws ----------------------------------------------------------------------------
-    def _receive(self) -> list[TokenEvent]:
-        """Wait for the oldest step in flight; its rows that drew a token get it."""
-        result = self.pipe.receive()
-        step = self.steps.popleft()
-        g = step.group
-        g.outstanding -= 1
-        if self.active.get(g.key) is not g:  # finished while a stale or wasted step was in flight
-            if g.outstanding == 0:
-                self.free.append(g.slot)
-            return []
-        if step.epoch != g.epoch or step.epoch != self.pipe.state_losses:
-            return []  # computed on caches a restart lost: the group rebuilds
+    # ---- steps coming back --------------------------------------------------------------------------
+    def _lost(self, g: _Group, step: _Step, error: str | None) -> None:
+        """g's step came back lost (a fault cut it off) or failed (`error`): roll g back to what came
+        back and feed from there; a failure where a failure came back before, with no step past it
+        between, ends the step's sequences (the error is theirs, not the pipeline's)."""
+        if error is not None:
+            furthest = max((p for _, _, p in step.carried), default=0)
+            if g.strikes and furthest <= g.failed_at:
+                now = time.time()
+                for i, x, _ in step.carried:
+                    if g.rows[i] is x:
+                        self._finish(g, i, x, FinishReason.ERROR, now, f"its step failed twice: {error}")
+                if self.active.get(g.key) is not g:
+                    return
+            else:
+                g.strikes += 1
+                g.failed_at = max(g.failed_at, furthest)
+        g.epoch += 1
+        g.last = None
+        for _, x in g.running:
+            x.pos = x.confirmed
+        self._want(g)
+
+    def _receive(self, g: _Group, step: _Step, result: "StepResult") -> list[TokenEvent]:
+        """Rows that drew a token get it; every row of the step is confirmed up to its position."""
         live = [(i, x, p) for i, x, p in step.carried if g.rows[i] is x]  # rows whose sequence runs on
+        if g.strikes and max((p for _, _, p in live), default=0) >= g.failed_at:
+            g.strikes = 0  # past the step that failed: it passed on its retry
+        for _, x, p in live:
+            x.confirmed = p
         if self.logits_log is not None:
             self._log_logits(result.outputs, live)
         drew = [(i, x) for i, x, p in live if p == len(x.hist)]  # the others' next tokens are known
-        if not drew:
-            return []  # prompt steps (or replayed ones)
-        now = time.time()
         events = []
-        for i, x in drew:
-            t = result.drawn[i]
-            if x.r.first_token_s is None:
-                x.r.first_token_s = now - x.admitted
-            x.r.tokens.append(t)
-            x.r.token_times.append(now)
-            x.hist.append(t)
-            why = ("stop" if t in x.request.stop_tokens else "length" if len(x.r.tokens) >= x.request.max_new_tokens
-                   else "context" if len(x.hist) > self.layout.max_context else None)
-            events.append(TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why))
-            if why:
-                self._finish(g, i, x, why, now)
+        if drew:
+            now = time.time()
+            for i, x in drew:
+                t = int(result.drawn[i])
+                if t == NOT_FINITE:
+                    self._finish(g, i, x, FinishReason.ERROR, now, "the model's logits for this sequence were not "
+                                 f"finite (NaN or inf) at generated token {len(x.r.tokens)}")
+                    continue
+                if x.r.first_token_s is None:
+                    x.r.first_token_s = now - x.admitted
+                x.r.tokens.append(t)
+                x.r.token_times.append(now)
+                x.hist.append(t)
+                why = (FinishReason.STOP if t in x.request.stop_tokens
+                       else FinishReason.LENGTH if len(x.r.tokens) >= x.request.max_new_tokens
+                       else FinishReason.CONTEXT if len(x.hist) > self.layout.max_context else None)
+                events.append(TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why))
+                if why:
+                    self._finish(g, i, x, why, now)
         if self.active.get(g.key) is g:
             self._want(g)  # its next step's tokens are known now, or in flight
         return events
@@ -374,10 +455,10 @@ class Scheduler:
             self.logits_log.setdefault(x.r.index, {})[p - 1] = np.array(logits if rows_of is None else rows_of[i],
                                                                         copy=True)
 
-    def _finish(self, g: _Group, i: int, x: _Row, why: str, now: float) -> None:
+    def _finish(self, g: _Group, i: int, x: _Row, why: FinishReason, now: float, error: str | None = None) -> None:
         """Row i's sequence ended; with per-row admission the next queued request takes the row at
         once (its first step resets that row of the slot), else the row idles until the group ends."""
-        self._end(x, why)
+        self._end(x, why, error)
         g.running = [(j, y) for j, y in g.running if y is not x]
         g.rows[i] = None
         if self.per_row and self.queue:
@@ -389,9 +470,12 @@ class Scheduler:
             del self.active[g.key]
             if g.outstanding == 0:
                 self.free.append(g.slot)
+        else:
+            self._want(g)  # a row admitted, or the others go on
 
-    def _end(self, x: _Row, why: str) -> None:
+    def _end(self, x: _Row, why: FinishReason, error: str | None = None) -> None:
         x.r.finish = why
+        x.r.error = error
         if self.results is not None:
             self.results[x.r.index] = x.r
         self.finished.append(x.r)

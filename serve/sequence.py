@@ -1,12 +1,10 @@
-"""One request's sequence, read from the server's event loop.
+"""One request's outputs, read from the server's event loop.
 
-The engine (generation.engine) draws tokens on its own thread and calls the stream's callback
-there; `ServedSequence` hands each event to the event loop through the loop's `Bridge` (into the
-sequence's asyncio.Queue) and turns tokens into text pieces with the tokenizer's TextStream: incremental
-detokenization, stop strings held back and never sent. A stop string ends the sequence at once
-(Engine.cancel with "stop": its row frees at the next step, and tokens already drawn after it are
-dropped). A reader that goes away (a client that disconnected) closes the sequence, which cancels
-it the same way.
+The engine (generation.engine.EngineThread) runs the request on its own thread, where the output
+processor turns tokens into text (stop strings held back and never sent, a stop string ending the
+sequence at once) and calls the stream's callback with each RequestOutput. `ServedSequence` hands
+them to the event loop through the loop's `Bridge` (into the sequence's asyncio.Queue). A reader
+that goes away (a client that disconnected) closes the sequence, which cancels it in the engine.
 """
 
 from __future__ import annotations
@@ -14,31 +12,30 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator
 
-from tvmpipe.generation.requests import Request, TokenEvent
+from tvmpipe.generation.output import RequestOutput
+from tvmpipe.generation.requests import FinishReason, Request
 
 if TYPE_CHECKING:
-    from tvmpipe.generation.engine import Engine, Stream
-    from tvmpipe.generation.text import TextCodec
+    from tvmpipe.generation.engine import EngineThread, Stream
 
 
 class Bridge:
-    """Events from the engine thread into one event loop's queues, with one wake-up of the loop for
-    all the events that arrive before it runs (a step's tokens for every sequence in it), not one
-    each: waking a loop writes to its self-pipe, a system call on the engine thread, between the
-    steps it submits."""
+    """Outputs from the engine thread into one event loop's queues, with one wake-up of the loop
+    for all the outputs that arrive before it runs (a step's tokens for every sequence in it), not
+    one each: waking a loop writes to its self-pipe, a system call on the engine thread, between
+    the steps it submits."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self._lock = threading.Lock()
-        self._pending: deque[tuple[asyncio.Queue, TokenEvent | None]] = deque()
+        self._pending: deque[tuple[asyncio.Queue, RequestOutput | None]] = deque()
         self._woken = False
 
-    def put(self, queue: asyncio.Queue, event: TokenEvent | None) -> None:  # any thread
+    def put(self, queue: asyncio.Queue, output: RequestOutput | None) -> None:  # any thread
         with self._lock:
-            self._pending.append((queue, event))
+            self._pending.append((queue, output))
             if self._woken:
                 return
             self._woken = True
@@ -48,89 +45,62 @@ class Bridge:
         with self._lock:
             pending, self._pending = self._pending, deque()
             self._woken = False
-        for queue, event in pending:
-            queue.put_nowait(event)
+        for queue, output in pending:
+            queue.put_nowait(output)
 
 
 class SequenceFailed(Exception):
-    """The sequence ended without finishing: the pipeline failed, or the server shut down
-    (`shutdown`) before it was done."""
+    """The request ended without finishing: it failed alone (`status` 500: its logits were not
+    finite, its step failed twice), the pipeline failed, or the server shut down (`shutdown`, 503)
+    before it was done."""
 
     def __init__(self, message: str, shutdown: bool = False):
         super().__init__(message)
         self.shutdown = shutdown
 
 
-@dataclass(frozen=True)
-class Piece:
-    """What one token adds to the response: its text (may be empty while characters or a possible
-    stop string are held), the token, and on the last piece why the sequence ended ("stop" or
-    "length", as OpenAI's finish_reason)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish: str | None = None
-
-
 class ServedSequence:
-    """Submit `request` to `engine` and read its pieces, its events coming through `bridge` (`async for piece in seq.pieces()`).
-    QueueFull / EngineClosed from the engine propagate from the constructor."""
+    """Submit `request` to `engine` and read its outputs, which come through `bridge` (`async for
+    out in seq.outputs()`). QueueFull / EngineClosed from the engine propagate from the
+    constructor."""
 
-    def __init__(self, engine: "Engine", bridge: Bridge, request: Request, codec: "TextCodec | None",
-                 stop: Sequence[str] = ()):
+    def __init__(self, engine: "EngineThread", bridge: Bridge, request: Request):
         self.engine = engine
         self.bridge = bridge
-        self.queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
-        self.text = codec.text_stream(stop, stop_token_ids=request.stop_tokens) if codec is not None else None
-        self.tokens: list[int] = []
-        self.finish: str | None = None
-        self.stream: "Stream" = engine.submit(request, on_event=self._on_event)
+        self.queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self.finish: FinishReason | None = None
+        self.stream: "Stream" = engine.submit(request, on_output=self._on_output)
 
     @property
     def index(self) -> int:
         return self.stream.index
 
-    def _on_event(self, event: TokenEvent | None) -> None:  # the engine thread
-        self.bridge.put(self.queue, event)
+    def _on_output(self, output: RequestOutput | None) -> None:  # the engine thread
+        self.bridge.put(self.queue, output)
 
-    async def pieces(self) -> AsyncIterator[Piece]:
-        """Each token's piece as it is drawn, the last one with its finish reason. Leaving the loop
-        early (a client gone) cancels the sequence; SequenceFailed if it ends unfinished."""
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Each step's output as it comes, the last one with its finish reason (STOP or LENGTH;
+        CONTEXT reads as LENGTH). Leaving the loop early (a client gone) cancels the sequence;
+        SequenceFailed if it ends unfinished."""
         try:
             while self.finish is None:
-                event = await self.queue.get()
-                if event is None:
-                    raise self._failure()
-                yield self._piece(event)
+                out = await self.queue.get()
+                if out is None:
+                    self.finish = FinishReason.ERROR
+                    raise SequenceFailed(f"generation failed: {self.stream.error or 'the request ended early'}")
+                if out.finish in (FinishReason.CANCELLED, FinishReason.ERROR):
+                    self.finish = out.finish
+                    if out.finish == FinishReason.CANCELLED:  # not by us: the server's drain gave it up
+                        raise SequenceFailed("the server shut down before this request finished", shutdown=True)
+                    raise SequenceFailed(f"generation failed: {out.error}")
+                self.finish = out.finish
+                yield out
         finally:
             self.close()
 
     def close(self) -> None:
         """Cancel the sequence unless it has ended (its row frees at the engine's next step)."""
         if self.finish is None:
-            self.finish = "cancelled"
+            self.finish = FinishReason.CANCELLED
             self.engine.cancel(self.index)
 
-    def _piece(self, event: TokenEvent) -> Piece:
-        self.tokens.append(event.token)
-        if self.text is None:
-            text, stopped = "", False
-        else:
-            step = self.text.push(event.token)
-            text, stopped = step.text, step.reason == "stop_string"
-            if event.finish and not step.finished:
-                text += self.text.finish()  # a length limit: what the detokenizer still held
-                stopped = stopped or self.text.reason == "stop_string"
-        if stopped:  # a stop string: the sequence ends here, whatever the engine draws after it
-            self.finish = "stop"
-            self.engine.cancel(self.index, "stop")
-        elif event.finish:
-            self.finish = "stop" if event.finish == "stop" else "length"
-        return Piece(text, (event.token,), self.finish)
-
-    def _failure(self) -> SequenceFailed:
-        self.finish = "failed"
-        stream = self.stream
-        if stream.result is not None and stream.result.finish == "cancelled":  # the server's drain gave it up
-            return SequenceFailed("the server shut down before this request finished", shutdown=True)
-        return SequenceFailed(f"generation failed: {stream.error or 'the sequence ended early'}")

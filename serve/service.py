@@ -20,7 +20,7 @@ from tvmpipe.generation.text import TextError
 from tvmpipe.serve.protocol import DEFAULT_COMPLETION_TOKENS, ApiError, Ask, bad_request, from_generation_error, resolve_max_tokens
 
 if TYPE_CHECKING:
-    from tvmpipe.generation.engine import Engine
+    from tvmpipe.generation.engine import EngineThread
     from tvmpipe.generation.text import TextCodec
     from tvmpipe.serve.metrics import StageInfo
 
@@ -29,19 +29,18 @@ SEED_RANGE = 2 ** 63  # the sampler's seeds: 0 .. 2^63 - 1
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready to submit: its prompt ids, the checked generation request, and the stop
-    strings the text stream watches for."""
+    """A request ready to submit: its prompt ids and the checked generation request (with its stop
+    strings, which the engine's output processor watches for)."""
 
     prompt_ids: list[int]
     request: Request
-    stop: tuple[str, ...]
 
 
 class Service:
     """What the routes serve: `model` (its name in /v1/models and in requests) on `engine`, with
     `codec` (None: no tokenizer; prompts are token ids and responses carry token ids, no text)."""
 
-    def __init__(self, engine: "Engine", codec: "TextCodec | None", model: str):
+    def __init__(self, engine: "EngineThread", codec: "TextCodec | None", model: str):
         self.engine = engine
         self.codec = codec
         self.model = model
@@ -107,7 +106,7 @@ class Service:
             stops += [t for t in self.codec.stop_token_ids if t not in stops]
         try:
             request = Request.checked(ids, n, self.layout, what=ask.prompt_param, stop_tokens=stops, key=0,
-                                      sampling=Sampling(ask.temperature, ask.top_k, seed, ask.top_p))
+                                      sampling=Sampling(ask.temperature, ask.top_k, seed, ask.top_p), stop=ask.stop)
         except TvmpipeError as exc:
-            raise from_generation_error(exc, ask.prompt_param) from None
-        return Prepared(ids, request, ask.stop)
+            raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
+        return Prepared(ids, request)

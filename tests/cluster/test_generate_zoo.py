@@ -182,31 +182,6 @@ def test_static_batches_on_the_strict_fake_cuda_driver(decoder, tmp_path, monkey
     assert not drv.violations
 
 
-def test_a_replayed_static_batch_step_takes_completed_draws_in_its_fed_rows_only(decoder):
-    """Before a replay, a step fed by a micro-batch that completed gets that micro-batch's draws
-    from the driver (Pipeline._settle_fed_back) in the rows that take them; a row fed by the driver
-    (a prompt token) keeps its token."""
-    from tvmpipe.bundle import load_bundle
-    from tvmpipe.bundle.decode_layout import RowTag, StepTag
-    from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.cluster.topology import build_topology
-
-    bundle, _ = decoder("gpt2", 2)
-    b = load_bundle(bundle)
-    topo = build_topology(b, 2)
-    assert topo.batch == 2
-    pipe = object.__new__(Pipeline)  # the bookkeeping only: no workers
-    pipe.topology, pipe.bundle, pipe._drawn, pipe._submitted = topo, b, {3: [42, 43]}, 6
-    tok, step = topo.inputs[b.generation.token], topo.step_entry
-    rows = (RowTag(0, 2, True), RowTag(1, -1, False))  # row 0 takes micro-batch 3's draw, row 1 its prompt token
-    pipe._inputs = {5: {tok: np.array([[0], [77]], dtype=np.int64), step: StepTag(3, rows, True).encode()}}
-    pipe._settle_fed_back(4)
-    settled = StepTag.decode(pipe._inputs[5][step])
-    assert pipe._inputs[5][tok].reshape(-1).tolist() == [42, 77]
-    assert settled.from_seq == -1 and not any(r.fed for r in settled.rows) and settled.feed_next
-    assert [(r.key, r.token_index) for r in settled.rows] == [(0, 2), (1, -1)]  # the rest of the tag is kept
-
-
 def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decoder):
     """One slot of two rows, five prompts: a short sequence finishes first and the next queued
     prompt takes its row while the long one goes on (its first token comes before the long one's

@@ -1,8 +1,8 @@
-"""The Engine (the scheduler on its own thread, for servers) on a real pipeline: the zoo's GPT-2
+"""The EngineThread (the Engine on its own thread, for servers) on a real pipeline: the zoo's GPT-2
 decode step (max context 20) as 2 stage processes on the reference backend.
 
 Requests submitted from several threads give the tokens of an offline Generator run of the same
-requests; the callback sees every event, then the end; cancel frees a row for a waiting request;
+requests; the callback sees every output, then the end; cancel frees a row for a waiting request;
 the bound on waiting requests; drain; close; and the steps left in flight once every sequence has
 ended are collected (left unread they would look like a stall to the driver's supervisor)."""
 
@@ -17,7 +17,8 @@ from tvmpipe.cluster.driver import Pipeline
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.executor.sampler import Sampling
 from tvmpipe.generation import Generator, Request, layout_of
-from tvmpipe.generation.engine import Engine, EngineClosed, QueueFull
+from tvmpipe.generation.engine import EngineClosed, EngineThread as Engine, QueueFull
+from tvmpipe.generation.requests import FinishReason
 
 pytest.importorskip("tvm")
 pytestmark = [pytest.mark.tvm]
@@ -60,20 +61,21 @@ def test_requests_from_many_threads_equal_an_offline_run(pipe, sampling):
 
         def submit(i: int) -> None:
             log = seen.setdefault(i, [])
-            streams[i] = engine.submit(reqs[i], on_event=log.append)
+            streams[i] = engine.submit(reqs[i], on_output=log.append)
 
         threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(reqs))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        got = [[e.token for e in s] for s in streams]  # iterating blocks until each ends
+        got = [[t for e in s for t in e.token_ids] for s in streams]  # iterating blocks until each ends
         assert got == want
         for i, s in enumerate(streams):
-            assert s.result.finish == "length" and s.result.tokens == want[i] and s.error is None
+            assert s.result.finish == FinishReason.LENGTH and s.result.tokens == want[i] and s.error is None
             wait_for(lambda: seen[i] and seen[i][-1] is None)
-            assert [e.token for e in seen[i][:-1]] == want[i] and [e.index for e in seen[i][:-1]] == list(range(8))
-            assert seen[i][-2].finish == "length" and all(e.finish is None for e in seen[i][:-2])
+            assert [t for e in seen[i][:-1] for t in e.token_ids] == want[i] and len(seen[i]) == 9
+            assert seen[i][-2].finish == FinishReason.LENGTH and seen[i][-2].result is s.result
+            assert all(e.finish is None for e in seen[i][:-2])
         stats = engine.stats()
         assert (stats.submitted, stats.finished, stats.cancelled, stats.generated_tokens) == (8, 8, 0, 64)
         assert stats.running == stats.waiting == 0 and stats.free_rows == 4
@@ -83,9 +85,8 @@ def test_requests_from_many_threads_equal_an_offline_run(pipe, sampling):
 
 def test_cancel_frees_a_row_for_a_waiting_request(pipe):
     """4 rows busy with long sequences and a fifth waiting: cancelling one (a client that went
-    away) ends it early with finish "cancelled", and the waiting one takes its row and runs to the
-    end while the others still run; a cancel with why "stop" (a stop string) ends with "stop" and
-    is not counted as cancelled."""
+    away) ends it early with finish CANCELLED, its last output saying so, and the waiting one
+    takes its row and runs to the end while the others still run."""
     reqs = requests(pipe, 16, prompts=[[5], [6], [7], [8], [9]])
     engine = Engine(pipe)
     try:
@@ -95,12 +96,11 @@ def test_cancel_frees_a_row_for_a_waiting_request(pipe):
         wait_for(lambda: engine.stats().running == 4)
         assert engine.stats().waiting == 1
         engine.cancel(streams[0].index)
-        engine.cancel(streams[1].index, "stop")
-        assert streams[4].wait(60).finish == "length"
+        assert streams[4].wait(60).finish == FinishReason.LENGTH
         for s in streams:
             s.wait(60)
-        assert streams[0].result.finish == "cancelled" and len(streams[0].result.tokens) < 16
-        assert streams[1].result.finish == "stop" and len(streams[1].result.tokens) < 16
+        assert streams[0].result.finish == FinishReason.CANCELLED and len(streams[0].result.tokens) < 16
+        assert list(streams[0])[-1].finish == FinishReason.CANCELLED
         # the waiting request did not wait for the others to end: they still ran when it got a row
         assert min(s.result.token_times[-1] for s in streams[2:4]) > streams[4].result.token_times[0]
         stats = engine.stats()
@@ -125,7 +125,7 @@ def test_the_wait_bound_and_drain(pipe):
         streams[0].wait(60)
         streams.append(engine.submit(reqs[6]))  # room again
         assert engine.drain(60) is True
-        assert all(s.result.finish == "length" and len(s.result.tokens) == 12 for s in streams)
+        assert all(s.result.finish == FinishReason.LENGTH and len(s.result.tokens) == 12 for s in streams)
         with pytest.raises(EngineClosed, match="shutting down"):
             engine.submit(reqs[0])
         assert engine.stats().draining
@@ -138,7 +138,7 @@ def test_the_wait_bound_and_drain(pipe):
         next(iter(streams[0]))
         assert engine.drain(0.0) is False
         assert all(s.done for s in streams)
-        assert any(s.result.finish == "cancelled" for s in streams)
+        assert any(s.result.finish == FinishReason.CANCELLED for s in streams)
         assert engine.stats().cancelled >= 1
     finally:
         engine.close()
@@ -153,7 +153,7 @@ def test_steps_left_in_flight_are_collected_when_idle(pipe):
         greedy = Generator(pipe).generate_all(requests(pipe, 10, prompts=[[5, 17, 3]]))[0].tokens
         stop = greedy[3]
         s = engine.submit(Request.checked([5, 17, 3], 10, layout, stop_tokens=[stop], key=0))
-        assert s.wait(60).finish == "stop" and s.result.tokens == greedy[:greedy.index(stop) + 1]
+        assert s.wait(60).finish == FinishReason.STOP and s.result.tokens == greedy[:greedy.index(stop) + 1]
         wait_for(lambda: pipe.in_flight == 0, 10)
     finally:
         engine.close()
@@ -164,18 +164,18 @@ def test_a_failing_callback_is_dropped_and_close_ends_open_streams(pipe):
     stream stays readable; close() ends the streams still open with an error."""
     engine = Engine(pipe)
     try:
-        def boom(event):
+        def boom(output):
             raise RuntimeError("event loop is closed")
 
         reqs = requests(pipe, 8, prompts=[[5], [6]])
-        s = engine.submit(reqs[0], on_event=boom)
-        assert [e.index for e in s] == list(range(8)) and s.on_event is None
-        assert engine.submit(reqs[1]).wait(60).finish == "length"
+        s = engine.submit(reqs[0], on_output=boom)
+        assert len([t for e in s for t in e.token_ids]) == 8 and s.on_output is None
+        assert engine.submit(reqs[1]).wait(60).finish == FinishReason.LENGTH
         long = engine.submit(requests(pipe, 19, prompts=[[7]])[0])
         next(iter(long))
     finally:
         engine.close()
-    assert long.done and (long.result.finish == "length" if long.result else long.error == "the engine was closed")
+    assert long.done and (long.result.finish == FinishReason.LENGTH if long.result else long.error == "the engine was closed")
     with pytest.raises(EngineClosed):
         engine.submit(reqs[0])
 
@@ -196,6 +196,6 @@ def test_static_batch_rows(zoo_decoder):
         try:
             assert engine.rows == 4
             streams = [engine.submit(r) for r in reqs]
-            assert [[e.token for e in s] for s in streams] == want
+            assert [[t for e in s for t in e.token_ids] for s in streams] == want
         finally:
             engine.close()
