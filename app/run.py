@@ -175,18 +175,30 @@ class CheckedRun:
 
     run: PipelineRun
     metrics: Any
-    mismatches: list[tuple[int, str]]
+    mismatches: list[tuple[int, str]]  # beyond the tolerance (`rtol`; 0: any difference)
     written: list[Path]
     check: str = "full"  # CHECKS: how the outputs were checked
+    rtol: float = 0.0  # 0: bit-identical required; else oracle.ACROSS_HOSTS_RTOL (see oracle_tolerance)
+    differences: Any = None  # oracle.Differences: bit-identical micro-batches, the largest difference
 
     @property
     def checked(self) -> str:
         """What was checked, in words, for the output."""
-        return CHECK_WORDS[self.check]
+        words = CHECK_WORDS[self.check]
+        if self.check == "none":
+            return words
+        if self.rtol:
+            words += (f", within rtol {self.rtol:g} of each output's scale (stages on a cluster this run joined "
+                      "may run other BLAS kernels than the driver's: docs/cluster.md)")
+        if self.differences is not None:
+            words += f"; {self.differences.words()}"
+        return words
 
     @property
     def identical(self) -> int:
         """Micro-batches whose every output is bit-identical to the oracle's."""
+        if self.differences is not None:
+            return self.differences.bit_identical
         return len(self.run.batches) - len({i for i, _ in self.mismatches})
 
     def summary(self, bundle_path: str) -> dict[str, Any]:
@@ -195,6 +207,8 @@ class CheckedRun:
                 "strategy": run.plan.strategy, "backend": run.backend, "cluster": run.cluster.description,
                 "micro_batches": len(run.batches), "window": run.window,
                 "match": None if self.check == "none" else not self.mismatches, "check": self.check,
+                "tolerance": None if self.check == "none" else (self.rtol or "bit-identical"),
+                "differences": self.differences.to_json() if self.differences is not None else None,
                 "mismatches": [m for _, m in self.mismatches[:20]], "metrics": self.metrics.to_json(),
                 "edge_paths": run.edge_paths,
                 "time_to_first_output_s": run.time_to_first_output, "startup_s": run.startup_s,
@@ -222,16 +236,31 @@ CHECK_WORDS = {
 }
 
 
+def oracle_tolerance(cluster: Any) -> float:
+    """0 (bit-identical required) where the stages run this machine's BLAS kernels in this process's
+    environment, as the oracle does: this run started them (--processes) or the Ray cluster they run
+    on (--local), and they inherit both. On a cluster it joined (--address) a stage may run on
+    another host, or under a Ray node started from another shell, and OpenBLAS picks its kernel per
+    CPU (or by OPENBLAS_CORETYPE): the sums round differently in the last bits there, so outputs must
+    be within oracle.ACROSS_HOSTS_RTOL (docs/cluster.md, "Checking outputs across hosts")."""
+    from tvmpipe.app.oracle import ACROSS_HOSTS_RTOL
+
+    if cluster is None or cluster.launcher == "process" or not cluster.grows:
+        return 0.0
+    return ACROSS_HOSTS_RTOL
+
+
 def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | None = None,
                 check: str = "streamed") -> CheckedRun:
-    """Execute `run`, compare every output with the single-process oracle, write the outputs
+    """Execute `run`, compare every output with the single-process oracle (bit for bit, or within
+    a tolerance on a cluster this run joined: oracle_tolerance), write the outputs
     (--save-outputs) and the timeline (--trace). When the run fails, the outputs that completed
     are still written before the error goes on. `check`: "full" runs the oracle on the whole
     model at once; "streamed" (default) runs the same graph one plan stage at a time in one
     process, so the check never holds more than the largest stage's weights; "none" skips it."""
     if check not in CHECKS:
         raise ValueError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
-    from tvmpipe.app.oracle import compare, reference_outputs
+    from tvmpipe.app.oracle import compare, differences, reference_outputs
     from tvmpipe.cluster.metrics import compute_metrics
 
     output_paths(save_outputs, trace)
@@ -243,13 +272,15 @@ def run_checked(run: PipelineRun, save_outputs: str | None = None, trace: str | 
             log.warning("kept the %d completed micro-batch(es) in %s", len(run.outputs), kept)
         raise
     metrics = compute_metrics(run.record)
-    mismatches = [] if check == "none" else compare(
-        run.outputs, reference_outputs(run.bundle.path, run.batches, run.backend,
-                                       stages=list(run.plan.stages) if check == "streamed" else None))
+    mismatches, diff, rtol = [], None, oracle_tolerance(run.cluster)
+    if check != "none":
+        want = reference_outputs(run.bundle.path, run.batches, run.backend,
+                                 stages=list(run.plan.stages) if check == "streamed" else None)
+        mismatches, diff = compare(run.outputs, want, rtol), differences(run.outputs, want)
     written = []
     if save_outputs:
         written.append(write_outputs(save_outputs, run.outputs))
     if trace:
         written += write_timeline(run.record, trace, Path(trace).with_suffix(".png"),
                                   title=f"{run.bundle.name}: {run.plan.num_stages} stages")
-    return CheckedRun(run, metrics, mismatches, written, check)
+    return CheckedRun(run, metrics, mismatches, written, check, rtol, diff)

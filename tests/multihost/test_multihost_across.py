@@ -4,7 +4,8 @@ The bundle exists only on the head (worker nodes see an empty directory at its p
 stages get it only because it is shipped through Ray. Each stage's data listener must sit on its
 own host's bridge address (never 0.0.0.0), frames must cross the bridge between the hosts'
 addresses (checked with `ss` inside each host while the pipeline is wired), and the outputs must
-equal the single-process run bit for bit.
+equal the single-process run bit for bit (the hosts run with the test's environment, so with its
+BLAS kernels: oraclecheck.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from oraclecheck import assert_matches_oracle
 from raybed import RayBed, drive
 from tvmpipe.bundle import load_bundle
 from tvmpipe.bundle.weights import DATA_ALIGN
@@ -82,7 +84,7 @@ def test_stages_one_per_host(bed: RayBed, tmp_path: Path, k: int, gpus: float):
     assert len(checked) == len(edges)
     want = reference_outputs(bundle_dir, random_micro_batches(load_bundle(bundle_dir), N, 5))
     got = np.load(out)
-    np.testing.assert_array_equal(got["output0"], np.stack([w[0] for w in want]))  # bit-identical
+    assert_matches_oracle(got["output0"], np.stack([w[0] for w in want]), bed.env)
 
 
 def test_edges_within_a_host_use_shared_memory_and_edges_between_hosts_tcp(bed: RayBed, tmp_path: Path):
@@ -102,7 +104,7 @@ def test_edges_within_a_host_use_shared_memory_and_edges_between_hosts_tcp(bed: 
         (paths, addrs)
     assert {"shm", "tcp"} <= set(paths.values()), (paths, addrs)  # both kinds of edge were there
     want = reference_outputs(bundle_dir, random_micro_batches(load_bundle(bundle_dir), N, 5))
-    np.testing.assert_array_equal(np.load(out)["output0"], np.stack([w[0] for w in want]))
+    assert_matches_oracle(np.load(out)["output0"], np.stack([w[0] for w in want]), bed.env)
 
 
 def test_bundle_not_shipped_is_missing_on_workers(bed: RayBed, tmp_path: Path):
@@ -126,7 +128,7 @@ def test_job_ships_the_bundle_by_itself(bed: RayBed, tmp_path: Path):
     assert metrics["cluster"]["nodes"] == 4, metrics["cluster"]
     assert not (run / "error.json").exists()
     want = reference_outputs(bed.head_only / "mlp", random_micro_batches(load_bundle(bed.head_only / "mlp"), 6, 2))
-    np.testing.assert_array_equal(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]))
+    assert_matches_oracle(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]), bed.env)
 
 
 def test_each_host_is_shipped_only_its_own_stages_weights(bed: RayBed, tmp_path: Path):
@@ -160,4 +162,4 @@ def test_each_host_is_shipped_only_its_own_stages_weights(bed: RayBed, tmp_path:
         assert own < w["read"] <= own + DATA_ALIGN, (i, w, own)
     assert sorted(end["shipped"].values()) == sorted(end["weights"][i]["shipped"] for i in away)
     want = reference_outputs(bundle_dir, random_micro_batches(bundle, 4, 1))
-    np.testing.assert_array_equal(np.load(out)["output0"], np.stack([x[0] for x in want]))
+    assert_matches_oracle(np.load(out)["output0"], np.stack([x[0] for x in want]), bed.env)

@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from netbed import NetBed
+from oraclecheck import assert_matches_oracle
 from sshbed import Machine, client_key, missing
 from tvmpipe.app.oracle import reference_outputs
 from tvmpipe.bundle import load_bundle
@@ -157,8 +158,9 @@ def test_what_listens_beyond_the_node_address_is_rays_own(cluster):
 
 
 def _check_run_dir(cluster, run: Path, n: int, seed: int) -> dict:
-    """The run directory on the head holds every file, no error, outputs equal to the oracle's,
-    and the three stages ran one per host."""
+    """The run directory on the head holds every file, no error, outputs equal to the oracle's
+    (within the tolerance across hosts: the machines compute in their SSH logins' environment, not
+    in this process's, so their BLAS may pick other kernels), and the three stages ran one per host."""
     assert not (run / "error.json").exists(), (run / "error.json").read_text()
     assert RUN_FILES <= {p.name for p in run.iterdir()}, sorted(p.name for p in run.iterdir())
     metrics = json.loads((run / "metrics.json").read_text())
@@ -167,7 +169,8 @@ def _check_run_dir(cluster, run: Path, n: int, seed: int) -> dict:
     machines = {m.host.address for m in (cluster["head"], *cluster["workers"])}
     assert len(hosts) == 3 and set(hosts) == machines, hosts
     want = reference_outputs(MLP, random_micro_batches(load_bundle(MLP), n, seed))
-    np.testing.assert_array_equal(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]))
+    assert_matches_oracle(np.load(run / "outputs.npz")["output0"], np.stack([w[0] for w in want]), None,
+                          f"{run.name} on the `ray up` machines")
     return metrics
 
 
