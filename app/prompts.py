@@ -13,12 +13,12 @@ line's result in the output file. A bad line is one error naming its line number
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from tvmpipe.bundle.decode_layout import DecodeLayout
+from tvmpipe.core import jsonlimits
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.executor.sampler import Sampling
 from tvmpipe.generation.requests import Request
@@ -86,10 +86,10 @@ def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         where = f"{path} line {n}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TvmpipeError(f"{where}: not valid JSON ({exc.msg})") from None
+        try:  # bounded: nested at most jsonlimits.MAX_DEPTH deep, every string encodable as UTF-8
+            entry = jsonlimits.loads(line)
+        except jsonlimits.JsonError as exc:
+            raise TvmpipeError(f"{where}: {exc}") from None
         if not isinstance(entry, dict):
             raise TvmpipeError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
         unknown = sorted(set(entry) - LINE_KEYS)

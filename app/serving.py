@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, add_cluster_args, cluster_options, number
+from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, cluster_options, number
+from tvmpipe.core.errors import TvmpipeError
 
 _NON_NEGATIVE_PORT = number(int, 0, what="a port number")
 
@@ -61,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    f"are answered 413 (default {DEFAULT_MAX_BODY})")
     h.add_argument("--drain-timeout", type=NON_NEGATIVE, default=30.0, help="on SIGTERM, seconds the running "
                    "requests may take to finish before they are cancelled (default 30)")
+    h.add_argument("--header-timeout", type=POSITIVE, default=10.0, help="seconds a connection may take to send a "
+                   "request's line and headers before it is closed (default 10)")
+    h.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0, help="seconds an idle connection is kept "
+                   "open between requests (default 5)")
     add_cluster_args(s)
     s.set_defaults(func=serve_command)
 
@@ -73,16 +78,17 @@ def serve_command(args: argparse.Namespace) -> int:
     from tvmpipe.generation import layout_of
     from tvmpipe.serve.server import API_KEY_ENV, ServeSettings, bind, serve
 
+    api_key = _api_key(args.api_key, os.environ.get(API_KEY_ENV), API_KEY_ENV)  # before anything is loaded
     options = cluster_options(args)
     check_where(options)
     bundle = load_bundle(args.bundle)
     layout = layout_of(bundle)
     codec = bundle_codec(bundle, layout, args.tokenizer)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     model = args.served_model_name or Path(args.bundle).resolve().name
     settings = ServeSettings(model=model, host=args.host, port=args.port, api_key=api_key,
                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                             drain_timeout=args.drain_timeout, in_flight=args.in_flight)
+                             drain_timeout=args.drain_timeout, in_flight=args.in_flight,
+                             header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout)
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
     if api_key is None and not _loopback(args.host):
         print(f"tvmpipe serve: warning: listening on {args.host} without an API key: anyone who reaches this port "
@@ -100,6 +106,18 @@ def serve_command(args: argparse.Namespace) -> int:
             return serve(opened.pipe, codec, settings, sock, on_ready=ready)
     finally:
         sock.close()
+
+
+def _api_key(given: str | None, env: str | None, env_name: str) -> str | None:
+    """The API key: --api-key, else the environment's; None when neither is set. An empty (or
+    blank) one is refused: it would turn authentication off without a word."""
+    for value, where in ((given, "--api-key"), (env, env_name)):
+        if value is None:
+            continue
+        if not value.strip():
+            raise TvmpipeError(f"{where} is empty: give a key, or unset it to serve without one")
+        return value
+    return None
 
 
 def _loopback(host: str) -> bool:

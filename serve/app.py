@@ -16,6 +16,8 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,13 +26,15 @@ from starlette.exceptions import HTTPException
 
 from tvmpipe.generation.engine import EngineClosed, QueueFull
 from tvmpipe.serve import metrics
-from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, read_ask, sse
+from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, read_ask, read_json_body, sse
 from tvmpipe.serve.sequence import Bridge, SequenceFailed, ServedSequence
 from tvmpipe.serve.service import Service
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, orchestrators)
 STAGE_STATUS_TIMEOUT_S = 2.0  # /metrics answers without the stages' pids rather than wait for a restart
 CLIENT_GONE = 499  # nginx's "client closed request", counted for a non-streaming request given up
+ERROR_ID = "tvmpipe.error_id"  # the scope key of an unexpected error's id: in the 500's message and the log
+log = logging.getLogger("uvicorn.error")  # uvicorn's: to stderr in `tvmpipe serve`
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -38,8 +42,18 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+def internal_error(scope: dict) -> ApiError:
+    """The 500 of an unexpected exception: an id to find its traceback in the log by, nothing of
+    the exception itself (the traceback is logged by the Gate, never sent)."""
+    error_id = scope.setdefault(ERROR_ID, uuid.uuid4().hex[:16])
+    return ApiError(500, f"internal server error (error id {error_id}; the details are in the server's log)",
+                    code="internal_error")
+
+
 class Gate:
-    """API key, body bound and response counts, around the whole app (see the module docstring)."""
+    """API key, body bound and response counts, around the whole app (see the module docstring);
+    and the last word on an unexpected exception: its traceback goes to the log, the client gets
+    OpenAI's error JSON with status 500 (create_app's handler writes it; here if nothing did)."""
 
     def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, counters: metrics.Counters):
         self.app = app
@@ -51,13 +65,15 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = complete = False
 
         async def counted(message: dict) -> None:
-            nonlocal started
+            nonlocal started, complete
             if message["type"] == "http.response.start":
                 started = True
                 self.counters.response(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
@@ -82,6 +98,14 @@ class Gate:
             if started:
                 raise
             await error_response(exc)(scope, receive, counted)
+        except Exception as exc:
+            if started and not complete:  # a stream cut short: uvicorn logs it and closes the connection
+                raise
+            error = internal_error(scope)
+            log.error("unexpected error in %s %s (answered 500, error id %s)", scope.get("method"), scope.get("path"),
+                      scope[ERROR_ID], exc_info=exc)
+            if not started:
+                await error_response(error)(scope, receive, counted)
 
     def _refuse(self, path: str, headers: dict[bytes, bytes]) -> ApiError | None:
         if self.api_key is not None and path not in OPEN_PATHS:
@@ -119,6 +143,10 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:  # unknown path, wrong method
         detail = exc.detail if isinstance(exc.detail, str) else "error"
         return error_response(ApiError(exc.status_code, f"{detail}: {request.method} {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # Starlette re-raises it to the Gate
+        return error_response(internal_error(request.scope))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -160,11 +188,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         return await generate(request, chat=True)
 
     async def generate(request: Request, chat: bool) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not JSON: {exc}") from None
+        body = read_json_body(await request.body())
         ask = read_ask(body, chat=chat)
         if service.codec is None:  # no text to send: the tokens are the answer
             ask = dataclasses.replace(ask, return_token_ids=True)

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from tvmpipe.core import jsonlimits
 from tvmpipe.core.errors import TvmpipeError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's (and vLLM's) default max_tokens for /v1/completions
@@ -69,6 +70,24 @@ def from_generation_error(exc: TvmpipeError, prompt_param: str) -> ApiError:
 # ---------------------------------------------------------------------------------------------
 # Request bodies
 # ---------------------------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = jsonlimits.MAX_DEPTH  # nesting of arrays and objects a body may have
+
+
+def read_json_body(raw: bytes) -> Any:
+    """A request body's JSON; ApiError 400 for anything else: not JSON (or not UTF-8), nested
+    deeper than MAX_JSON_DEPTH (checked before parsing, without recursion), or a string or object
+    key that cannot be encoded as UTF-8 (a lone surrogate escape), naming where it is."""
+    try:
+        return jsonlimits.loads(raw, MAX_JSON_DEPTH)
+    except jsonlimits.JsonError as exc:
+        if exc.kind == "string":
+            raise bad_request(f"{exc.where or 'the request body'}: {exc.message}", exc.where or None,
+                              "invalid_string") from None
+        if exc.kind == "depth":
+            raise bad_request(f"the request body is {exc.message}", None, "too_deeply_nested") from None
+        raise bad_request(f"the request body is {exc.message}") from None
+
 
 
 @dataclass(frozen=True)
@@ -174,9 +193,22 @@ def _prompt(value: Any) -> str | list[int]:
     raise bad_request("prompt must be a string or a list of token ids", "prompt")
 
 
+# What the server itself passes to a chat template (generation.text's render_chat): a kwarg of the
+# same name would collide with it. The special tokens (bos_token, ...) are passed too, and may be
+# overridden, as transformers' apply_chat_template lets its kwargs override them.
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
 def _chat_kwargs(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise bad_request(f"chat_template_kwargs must be an object, got {json.dumps(value)}", "chat_template_kwargs")
+    taken = [name for name in TEMPLATE_NAMES if name in value]
+    if taken:
+        hint = (" (give add_generation_prompt as a top-level parameter)" if "add_generation_prompt" in taken else
+                " (the chat is the messages parameter)" if "messages" in taken else "")
+        raise bad_request(f"chat_template_kwargs: {', '.join(taken)} cannot be given here, the server passes "
+                          f"{'it' if len(taken) == 1 else 'them'} to the chat template itself{hint}",
+                          "chat_template_kwargs")
     return dict(value)
 
 

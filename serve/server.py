@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.generation.engine import Engine
@@ -59,6 +60,8 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     drain_timeout: float = 30.0
     in_flight: int | None = None
+    header_timeout: float = 10.0  # a request's line and headers must arrive within it, or the connection is closed
+    keep_alive_timeout: float = 5.0  # an idle connection is closed after it (uvicorn's timeout_keep_alive)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -79,6 +82,55 @@ def bind(host: str, port: int) -> socket.socket:
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a timeout on reading a request's line and headers.
+
+    uvicorn (0.54) times a connection out only between requests, after a response (its
+    timeout_keep_alive): a connection that sends nothing, or never finishes its headers, has no
+    timer at all and was held until the client left (1,000 of them for as long as a test kept
+    them open). Here the headers must be complete within `header_timeout` seconds of the
+    connection being accepted, or of the first byte of a later request on a kept-alive connection;
+    else the connection is closed, without a response (as nginx does for its client_header_timeout).
+    A subclass per server sets `header_timeout` (`with_header_timeout`)."""
+
+    header_timeout: float = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def with_header_timeout(cls, seconds: float) -> type["HeaderTimeoutProtocol"]:
+        return type(cls.__name__, (cls,), {"header_timeout": seconds})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_message_begin(self) -> None:  # the first byte of a request (the parser's callback)
+        super().on_message_begin()
+        self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:  # armed at the connection (first request) or the first byte (later ones)
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Uvicorn(uvicorn.Server):
@@ -128,7 +180,9 @@ class Runner:
         app = create_app(self.service, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                          counters=self.counters)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=CLOSE_GRACE_S, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=CLOSE_GRACE_S,
+                                http=HeaderTimeoutProtocol.with_header_timeout(settings.header_timeout),
+                                timeout_keep_alive=settings.keep_alive_timeout)  # type: ignore[arg-type]
         self.server = _Uvicorn(config, self._on_signal, self._on_started)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False

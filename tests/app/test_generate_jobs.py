@@ -128,6 +128,18 @@ BAD = [  # (lines after a good first one, the bad line's number, words of the er
     ([{"prompt": 5}], 2, "prompt must be a string"),
     ([{"messages": "hello"}], 2, "messages: expected a list"),
     ([{"messages": [{"role": "user"}]}], 2, "messages[0].content: missing"),
+    # issue 50: lines json.loads cannot take, or that fail later, are the same one-line error
+    (['{"prompt": ' + "[" * 2000 + "]" * 2000 + "}"], 2, "2001 levels deep, more than the limit of 64"),
+    (['{"prompt_ids": [' + "9" * 5000 + "]}"], 2, "not valid JSON"),  # past Python's int-from-text limit
+    (['{"prompt": "w1 \\ud800"}'], 2, "prompt: a string that cannot be encoded as UTF-8"),
+    (['{"messages": [{"role": "user", "content": "\\udfff"}]}'], 2, "messages[0].content: a string that cannot"),
+    (['{"\\ud800": 1}'], 2, "an object key that cannot be encoded as UTF-8"),
+    ([{"prompt_ids": [1.5]}], 2, "token"),
+    (['{"prompt_ids": [NaN]}'], 2, "token"),
+    ([{"prompt_ids": [True]}], 2, "token"),
+    ([{"prompt_ids": [10 ** 30]}], 2, "token"),
+    ([{"messages": [{"role": 5, "content": "w1"}]}], 2, "messages[0].role"),
+    ([{"messages": [{"role": "user", "content": {"a": [[[1]]]}}]}], 2, "messages[0].content"),
 ]
 
 

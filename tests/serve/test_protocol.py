@@ -8,13 +8,17 @@ import json
 import pytest
 
 from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core import jsonlimits
 from tvmpipe.serve.protocol import (
     DEFAULT_TEMPERATURE,
     DONE,
+    MAX_JSON_DEPTH,
+    TEMPLATE_NAMES,
     ApiError,
     Reply,
     from_generation_error,
     read_ask,
+    read_json_body,
     resolve_max_tokens,
     sse,
 )
@@ -157,3 +161,77 @@ def test_token_events_are_the_chunks_json(chat, ids, usage):
         reply = Reply(read_ask(body, chat=chat), model, [1, 2])
         for text in ('hé "q" \\n [0] \u0000', "\u0000text\u0000", "plain", " "):
             assert reply.token_event(text, [5, 6]) == sse(reply.chunk(text, [5, 6], None))
+
+
+# --- issue 50, item 5: bodies json.loads cannot take, or that failed later (500s before) ---
+
+
+def body_refused(raw: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        read_json_body(raw)
+    assert info.value.status == 400 and info.value.type == "invalid_request_error"
+    json.dumps(info.value.body()).encode("utf-8")  # the error itself is sendable
+    return info.value
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1_000, 100_000])
+def test_deep_bodies_are_refused_naming_the_limit(depth):
+    e = body_refused(b"[" * depth + b"]" * depth)
+    assert f"{depth} levels deep" in e.message and f"limit of {MAX_JSON_DEPTH}" in e.message
+    deep = ('{"model": "m", "prompt": ' + '{"a": ' * depth + "1" + "}" * depth + "}").encode()
+    assert f"limit of {MAX_JSON_DEPTH}" in body_refused(deep).message
+    assert "levels deep" in body_refused(b"[" * depth).message  # unterminated: still refused for its depth
+
+
+def test_depth_is_counted_outside_strings_and_the_limit_itself_is_served():
+    ok = "[" * (MAX_JSON_DEPTH - 1) + json.dumps({"p": "[{" * 1000 + '\\"[['}) + "]" * (MAX_JSON_DEPTH - 1)
+    assert jsonlimits.depth(ok) == MAX_JSON_DEPTH
+    assert read_json_body(ok.encode())  # brackets in strings, escaped quotes: not nesting
+    assert jsonlimits.depth('"[[[') == 0 and jsonlimits.depth('["a\\"[", [[]]]') == 3
+
+
+def test_depth_check_is_linear_on_hostile_text():
+    """Strings that never close, or close only at the end, would make a backtracking string
+    pattern quadratic; the body bound is 1 MiB by default."""
+    for text in ['"' + '\\"' * 300_000, '"' * 600_000, '["' + "\\" * 600_000, "[" * 600_000 + '"']:
+        body_refused(text.encode())  # returns at once (pytest's timeout is the bound)
+
+
+@pytest.mark.parametrize("raw,where,key", [
+    (b'{"model": "m", "prompt": "a\\ud800"}', "prompt", False),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content", False),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content[0].text", False),
+    (b'{"model": "m", "chat_template_kwargs": {"\\ud800": 1}}', "chat_template_kwargs", True),
+    (b'{"model": "m", "\\udbff": 1}', None, True),
+])
+def test_lone_surrogates_are_refused_naming_the_field(raw, where, key):
+    e = body_refused(raw)
+    assert e.param == where and "cannot be encoded as UTF-8" in e.message and e.code == "invalid_string"
+    assert e.message.startswith(where or "the request body")
+    assert ("object key" in e.message) == key
+
+
+def test_surrogate_pairs_and_utf8_are_text():
+    assert read_json_body(b'{"p": "\\ud83d\\ude00 \\\\ud800"}') == {"p": "\U0001F600 \\ud800"}
+    assert read_json_body('{"p": "é😀"}'.encode()) == {"p": "é😀"}
+    assert read_json_body('{"p": "é"}'.encode("utf-16")) == {"p": "é"}  # as json.loads reads bytes
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b"", "not valid JSON"), (b"{", "not valid JSON"), (b"\xff\xfe\xfd", "not valid"),
+    (b'"\xed\xa0\x80"', "not valid UTF-8"),  # a surrogate encoded in UTF-8 bytes
+    (b"[" + b"9" * 5000 + b"]", "not valid JSON"),  # past Python's int-from-text limit (a ValueError)
+])
+def test_bodies_that_are_not_json(raw, words):
+    e = body_refused(raw)
+    assert words in e.message and e.message.startswith("the request body is")
+
+
+@pytest.mark.parametrize("name", TEMPLATE_NAMES)
+def test_chat_template_kwargs_cannot_hold_what_the_server_passes(name):
+    e = refused({"model": "m", "messages": [], "chat_template_kwargs": {name: [], "enable_thinking": True}}, chat=True)
+    assert e.param == "chat_template_kwargs" and name in e.message
+    assert set(TEMPLATE_NAMES) >= {"messages", "add_generation_prompt"}
+    ok = read_ask({"model": "m", "messages": [], "chat_template_kwargs": {"bos_token": "<s>"}}, chat=True)
+    assert ok.chat_template_kwargs == {"bos_token": "<s>"}  # a special token may be overridden, as transformers lets
