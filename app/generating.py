@@ -6,10 +6,10 @@ batch jobs over a prompts file.
     run.done, run.error                     # kept as far as the run got, also when it failed
 
 Down through the layers: the prompts arrive checked (app/prompts.py), the pipeline is opened as every
-run opens it (app/connect.py), the generation layer schedules the sequences (Generator), and the text
-engine's output processor turns each sequence's tokens into text as they arrive (no broken
-characters, stop strings never shown; a stop string ends its sequence): the same Engine that
-`tvmpipe serve` runs on a thread, here driven step by step.
+run opens it (app/connect.py), and the generation layer's Engine schedules the sequences while its
+output processor turns each sequence's tokens into text as they arrive (no broken characters, stop
+strings never shown; a stop string ends its sequence): the same Engine that `tvmpipe serve` runs in
+a process of its own, here driven step by step.
 """
 
 from __future__ import annotations

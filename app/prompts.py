@@ -112,12 +112,14 @@ def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
 
 
 def make_prompts(entries: list[dict[str, Any]], layout: DecodeLayout, *, codec: TextCodec | None, max_new_tokens: int,
-                 sampling: Sampling, stop_tokens: Sequence[int], system: str | None = None) -> list[Prompt]:
+                 sampling: Sampling, stop_tokens: Sequence[int], system: str | None = None,
+                 stop: Sequence[str] = ()) -> list[Prompt]:
     """Each entry's checked request, keyed by its index (Request.checked: the one check)."""
     out = []
     for i, entry in enumerate(entries):
         where = entry.get("_where", f"prompt {i}")
         ids = prompt_ids(entry, codec, where, system)
         out.append(Prompt(entry.get("id", i), Request.checked(ids, max_new_tokens, layout, sampling=sampling,
-                                                               stop_tokens=stop_tokens, key=i, what=where)))
+                                                               stop_tokens=stop_tokens, key=i, what=where,
+                                                               stop=stop)))
     return out

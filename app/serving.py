@@ -11,10 +11,13 @@ parses and prints; the server is tvmpipe.serve (docs/serving.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import ipaddress
 import os
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, cluster_options, number
 from tvmpipe.core.errors import TvmpipeError
@@ -72,8 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where
-    from tvmpipe.app.decoding import bundle_codec, open_decode_pipeline
+    from tvmpipe.app.decoding import bundle_codec
     from tvmpipe.app.sources import choose_plan
+    from tvmpipe.generation.engine_process import EngineProcess
     from tvmpipe.bundle import load_bundle
     from tvmpipe.generation import layout_of
     from tvmpipe.serve.server import API_KEY_ENV, ServeSettings, bind, serve
@@ -94,18 +98,42 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"tvmpipe serve: warning: listening on {args.host} without an API key: anyone who reaches this port "
               f"can use the model (set {API_KEY_ENV})", file=sys.stderr)
     sock = bind(args.host, args.port)  # a busy port fails here, before any stage starts
+    engine = None
     try:
-        with open_decode_pipeline(options, bundle, plan, slots=args.slots) as opened:
+        opener = functools.partial(open_served_engine, options, args.bundle, plan, args.slots, args.tokenizer,
+                                   args.in_flight)
+        engine = EngineProcess(opener, layout, max_waiting=args.max_waiting)
 
-            def ready(url: str, rows: int) -> None:
-                print(f"tvmpipe serve: {model} on {url}/v1 ({plan.num_stages} stage(s), backend {opened.backend}, "
-                      f"{rows} sequence rows, max context {layout.max_context}, "
-                      f"{'a tokenizer' if codec is not None else 'token ids only (no tokenizer)'}"
-                      f"{', API key required' if api_key else ''})", flush=True)
+        def ready(url: str, rows: int) -> None:
+            print(f"tvmpipe serve: {model} on {url}/v1 ({plan.num_stages} stage(s), backend {engine.backend}, "
+                  f"{rows} sequence rows, max context {layout.max_context}, "
+                  f"{'a tokenizer' if codec is not None else 'token ids only (no tokenizer)'}"
+                  f"{', API key required' if api_key else ''})", flush=True)
 
-            return serve(opened.pipe, codec, settings, sock, on_ready=ready)
+        return serve(engine, codec, settings, sock, on_ready=ready)
     finally:
+        if engine is not None:
+            engine.close()
         sock.close()
+
+
+@contextlib.contextmanager
+def open_served_engine(options: Any, bundle_path: str, plan: Any, slots: int | None, tokenizer: str | None,
+                       in_flight: int | None) -> Iterator[Any]:
+    """The engine `tvmpipe serve` runs, opened in its own process (generation.engine_process): the
+    bundle and its tokenizer loaded there again, the pipeline on the cluster the options chose, and
+    the Engine over it (its output processor detokenizes there)."""
+    from tvmpipe.app.decoding import bundle_codec, open_decode_pipeline
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.generation import layout_of
+    from tvmpipe.generation.engine import Engine
+
+    bundle = load_bundle(bundle_path)
+    codec = bundle_codec(bundle, layout_of(bundle), tokenizer)
+    with open_decode_pipeline(options, bundle, plan, slots=slots) as opened:
+        engine = Engine(opened.pipe, codec, in_flight=in_flight)
+        engine.backend = opened.backend
+        yield engine
 
 
 def _api_key(given: str | None, env: str | None, env_name: str) -> str | None:

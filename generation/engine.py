@@ -94,6 +94,15 @@ class Engine:
             yield from self.step()
 
 
+def stage_info(pipe: "Pipeline") -> list[tuple[int, int | None, str | None]]:
+    """(stage, pid, host) of each stage's process now (a status call to every worker)."""
+    from tvmpipe.cluster.status import WorkerStatus
+
+    hosts = [a[0] for a in pipe.addresses[:-1]]
+    return [(i, st.pid if isinstance(st, WorkerStatus) else None, hosts[i] if i < len(hosts) else None)
+            for i, st in enumerate(pipe.status())]
+
+
 class QueueFull(TvmpipeError):
     """Every row is busy and `max_waiting` requests already wait for one: try again later (HTTP 429)."""
 
@@ -261,6 +270,10 @@ class EngineThread:
                                self._next, self._rejected, self._finished, self._cancelled, self._errors,
                                self._tokens, sum(restarts), restarts, len(getattr(self.pipe, "step_errors", ())),
                                self._draining, self._failed)
+
+    def stage_info(self) -> list[tuple[int, int | None, str | None]]:
+        """(stage, pid, host) of each stage's process now (a call to every worker)."""
+        return stage_info(self.pipe)
 
     def drain(self, timeout: float) -> bool:
         """Take no new requests; wait up to `timeout` s for the running and queued ones to finish,

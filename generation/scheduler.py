@@ -26,7 +26,7 @@ and stopping; a step submitted after a sequence stopped is wasted for that row.
 - Requests arrive at any time (`add`) and can be given up (`cancel`): the row is freed at the next
   step, and the steps of that row still in flight are ignored.
 - The scheduler decides and the engine core does the I/O: `schedule(next_seq, room)` returns the
-  steps to submit (a `StepPlan`: each step's inputs and the sequence number it will get), and
+  steps to submit (a list of `PlannedStep`: each step's inputs and the sequence number it will get), and
   `update(result)` takes the oldest step's `StepResult` back and returns the tokens it drew.
 - Faults. The pipeline replays nothing of a decode step (replay="none"): a step cut off by a fault
   comes back `lost`. The scheduler owns every sequence's tokens (prompt + generated, its `hist`),

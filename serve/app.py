@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from tvmpipe.generation.engine import EngineClosed, QueueFull
 from tvmpipe.serve import metrics
-from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, read_ask, read_json_body, sse
+from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, finish_reason, read_ask, read_json_body, sse
 from tvmpipe.serve.sequence import Bridge, SequenceFailed, ServedSequence
 from tvmpipe.serve.service import Service
 
@@ -196,7 +196,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         try:
             loop = asyncio.get_running_loop()
             bridge = bridges.get(loop) or bridges.setdefault(loop, Bridge(loop))
-            seq = ServedSequence(engine, bridge, prepared.request, service.codec, prepared.stop)
+            seq = ServedSequence(engine, bridge, prepared.request)
         except QueueFull as exc:
             raise ApiError(429, f"{exc}: retry later", code="queue_full") from None
         except EngineClosed as exc:
@@ -213,7 +213,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
 
 async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed request. The response closing early (the client went
-    away: Starlette cancels this generator) cancels the sequence (ServedSequence.pieces)."""
+    away: Starlette cancels this generator) cancels the sequence (ServedSequence.outputs)."""
     ask = reply.ask
     first = True
     if ask.chat:  # the role first, as OpenAI's and vLLM's streams begin
@@ -221,15 +221,16 @@ async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
         first = False
     count = 0
     try:
-        async for piece in seq.pieces():
-            count += len(piece.token_ids)
-            if first or piece.finish:
-                yield sse(reply.chunk(piece.text, list(piece.token_ids), piece.finish, first=first))
+        async for out in seq.outputs():
+            count += len(out.token_ids)
+            if first or out.finish is not None:
+                finish = finish_reason(out.finish) if out.finish is not None else None
+                yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=first))
                 first = False
-            elif piece.text or (ask.return_token_ids and not ask.chat):
-                yield reply.token_event(piece.text, list(piece.token_ids))
+            elif out.text or (ask.return_token_ids and not ask.chat):
+                yield reply.token_event(out.text, list(out.token_ids))
             elif ask.return_token_ids:  # a chat token whose text is held: an empty delta with its id
-                yield sse(reply.chunk(piece.text, list(piece.token_ids), None))
+                yield sse(reply.chunk(out.text, list(out.token_ids), None))
     except SequenceFailed as exc:
         code = 503 if exc.shutdown else 500
         yield sse(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed").body())
@@ -246,10 +247,11 @@ async def whole(request: Request, seq: ServedSequence, reply: Reply) -> Response
 
     async def run() -> dict[str, Any]:
         text, ids, finish = [], [], "length"
-        async for piece in seq.pieces():
-            text.append(piece.text)
-            ids.extend(piece.token_ids)
-            finish = piece.finish or finish
+        async for out in seq.outputs():
+            text.append(out.text)
+            ids.extend(out.token_ids)
+            if out.finish is not None:
+                finish = finish_reason(out.finish)
         return reply.body("".join(text), ids, finish)
 
     async def gone() -> None:

@@ -9,8 +9,9 @@ null/false, `presence_penalty` 0, ...). Any other value, and any name not listed
 400 naming the parameter: a client never gets a silent default in place of what it asked for.
 
 Values are checked where the generation layer checks them (requests.Request.checked, the
-sampler's Sampling.check); this module only checks what JSON adds (types of the fields it reads
-itself) and names the HTTP parameter in their messages (`OPTION_PARAMS`).
+sampler's Sampling.check), whose FieldErrors name the field; this module only checks what JSON
+adds (types of the fields it reads itself) and renders those errors with the HTTP parameter's
+name (`FIELD_PARAMS`, `from_generation_error`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tvmpipe.core import jsonlimits
-from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.errors import FieldError, TvmpipeError
+from tvmpipe.generation.requests import FinishReason
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's (and vLLM's) default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling, unless the client asks for 0 (greedy)
 
-# The generation layer's checks name command-line options; a served request names its JSON fields.
-OPTION_PARAMS = {"--max-new-tokens": "max_tokens", "--temperature": "temperature", "--top-k": "top_k",
-                 "--top-p": "top_p", "--seed": "seed", "--stop-token": "stop_token_ids"}
+# The generation layer names the fields it checks (core.errors.FieldError); a served request names
+# its JSON parameters, where they differ
+FIELD_PARAMS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids"}
 
 
 class ApiError(Exception):
@@ -56,15 +58,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def from_generation_error(exc: TvmpipeError, prompt_param: str) -> ApiError:
-    """A 400 from a generation-layer check, its option names replaced by the JSON parameters."""
-    message = str(exc)
-    param = prompt_param if message.startswith("prompt") else None
-    for option, name in OPTION_PARAMS.items():
-        if option in message:
-            message = message.replace(option, name)
-            param = param or name
-    return bad_request(message, param)
+def from_generation_error(exc: TvmpipeError, prompt_param: str, tokens_param: str = "max_tokens") -> ApiError:
+    """A 400 from a generation-layer check: a FieldError names its field by the JSON parameter;
+    any other is about the prompt."""
+    if isinstance(exc, FieldError):
+        names = {**FIELD_PARAMS, "max_new_tokens": tokens_param}
+        return bad_request(exc.render(names), names.get(exc.field, exc.field))
+    return bad_request(str(exc), prompt_param)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,9 +335,10 @@ def resolve_max_tokens(asked: int | None, default: int | None, prompt_tokens: in
 # ---------------------------------------------------------------------------------------------
 
 
-def finish_reason(finish: str) -> str:
-    """OpenAI's finish_reason of a sequence's end ("context" cannot happen: requests fit the context)."""
-    return "stop" if finish == "stop" else "length"
+def finish_reason(finish: FinishReason) -> str:
+    """OpenAI's finish_reason of a sequence's end: a stop token or string is "stop"; the length
+    limit is "length" (and a full context, which cannot happen: requests fit the context)."""
+    return "stop" if finish == FinishReason.STOP else "length"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -30,13 +30,13 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tvmpipe.core.errors import TvmpipeError
-from tvmpipe.generation.engine import Engine
 from tvmpipe.serve import metrics
 from tvmpipe.serve.app import create_app
 from tvmpipe.serve.service import Service
 
 if TYPE_CHECKING:
-    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation.engine import EngineThread
+    from tvmpipe.generation.engine_process import EngineProcess
     from tvmpipe.generation.text import TextCodec
 
 API_KEY_ENV = "TVMPIPE_API_KEY"
@@ -165,16 +165,18 @@ class _Uvicorn(uvicorn.Server):
 
 
 class Runner:
-    """One server over `pipe`: the engine, the app, uvicorn, the drain."""
+    """One server over `engine` (generation.engine_process.EngineProcess, or an EngineThread): the
+    app, uvicorn, the drain. The engine is the server's to close."""
 
-    def __init__(self, pipe: "Pipeline", codec: "TextCodec | None", settings: ServeSettings, sock: socket.socket,
-                 on_ready: Callable[[str, int], None] = lambda url, rows: None, log: Callable[[str], None] | None = None):
+    def __init__(self, engine: "EngineProcess | EngineThread", codec: "TextCodec | None", settings: ServeSettings,
+                 sock: socket.socket, on_ready: Callable[[str, int], None] = lambda url, rows: None,
+                 log: Callable[[str], None] | None = None):
         self.settings = settings
         self.sock = sock
         self.url = url_of(sock)
         self.on_ready = on_ready
         self.log = log or (lambda line: print(f"tvmpipe serve: {line}", file=sys.stderr, flush=True))
-        self.engine = Engine(pipe, max_waiting=settings.max_waiting, in_flight=settings.in_flight)
+        self.engine = engine
         self.service = Service(self.engine, codec, settings.model)
         self.counters = metrics.Counters()
         app = create_app(self.service, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
@@ -251,7 +253,7 @@ class Runner:
                 return
 
 
-def serve(pipe: "Pipeline", codec: "TextCodec | None", settings: ServeSettings, sock: socket.socket,
-          on_ready: Callable[[str, int], None] = lambda url, rows: None) -> int:
-    """Serve `pipe` on `sock` until SIGTERM (drained) or a pipeline failure; the exit status."""
-    return Runner(pipe, codec, settings, sock, on_ready).run()
+def serve(engine: "EngineProcess | EngineThread", codec: "TextCodec | None", settings: ServeSettings,
+          sock: socket.socket, on_ready: Callable[[str, int], None] = lambda url, rows: None) -> int:
+    """Serve `engine` on `sock` until SIGTERM (drained) or a pipeline failure; the exit status."""
+    return Runner(engine, codec, settings, sock, on_ready).run()

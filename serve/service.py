@@ -21,6 +21,7 @@ from tvmpipe.serve.protocol import DEFAULT_COMPLETION_TOKENS, ApiError, Ask, bad
 
 if TYPE_CHECKING:
     from tvmpipe.generation.engine import EngineThread
+    from tvmpipe.generation.engine_process import EngineProcess
     from tvmpipe.generation.text import TextCodec
     from tvmpipe.serve.metrics import StageInfo
 
@@ -40,7 +41,7 @@ class Service:
     """What the routes serve: `model` (its name in /v1/models and in requests) on `engine`, with
     `codec` (None: no tokenizer; prompts are token ids and responses carry token ids, no text)."""
 
-    def __init__(self, engine: "EngineThread", codec: "TextCodec | None", model: str):
+    def __init__(self, engine: "EngineProcess | EngineThread", codec: "TextCodec | None", model: str):
         self.engine = engine
         self.codec = codec
         self.model = model
@@ -53,13 +54,9 @@ class Service:
 
     def stage_info(self) -> list["StageInfo"]:
         """Each stage's process now (a blocking call to every worker: run it off the event loop)."""
-        from tvmpipe.cluster.status import WorkerStatus
         from tvmpipe.serve.metrics import StageInfo
 
-        pipe = self.engine.pipe
-        hosts = [a[0] for a in pipe.addresses[:-1]]
-        return [StageInfo(i, st.pid if isinstance(st, WorkerStatus) else None, hosts[i] if i < len(hosts) else None)
-                for i, st in enumerate(pipe.status())]
+        return [StageInfo(i, pid, host) for i, pid, host in self.engine.stage_info()]
 
     def check_model(self, ask: Ask) -> None:
         if ask.model != self.model:

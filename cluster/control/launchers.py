@@ -91,10 +91,12 @@ def _serve(conn, spec: StageSpec, shipment: list[Shipment]) -> None:
     `shipment` is [] (the bundle is read in place) or [the stage's Shipment], handed over in a
     list so the worker can drop the last reference once it is unpacked.
 
-    SIGINT is ignored: a worker shares the terminal's process group with its driver, and Ctrl-C is
-    for the driver to act on (a server drains, a run keeps what completed); it stops its workers,
-    and a worker whose driver is gone sees EOF on the pipe."""
+    SIGINT and SIGTERM are ignored: a worker shares its driver's process group, and Ctrl-C or a
+    SIGTERM to the whole group (systemd's stop, `kill -TERM -PGID`) is for the driver to act on (a
+    server drains, a run keeps what completed); the driver stops its workers (a close call, then
+    SIGKILL), and a worker whose driver is gone sees EOF on the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         worker = StageWorker(spec, local_bundle(shipment, spec.index))
     except BaseException as exc:  # report any build failure to the parent instead of dying silently

@@ -181,6 +181,33 @@ def lean_head(workers: int | None = None) -> Iterator[list[str]]:
 
 
 @contextmanager
+def own_session() -> Iterator[bool]:
+    """While the block runs, the daemons Ray starts (GCS, raylet, agents; the raylet's workers, the
+    stage actors, follow the raylet) begin a session of their own, so that a signal to this
+    process's group does not reach them: systemd's stop and `kill -TERM -PGID` signal the whole
+    group, and a GCS killed under a draining server made it wait 60 s for Ray and exit 1. The driver
+    stops them itself (ray.shutdown), and the reaper if it dies. Yields whether Ray's process class
+    could be wrapped (False: a Ray that renamed it; its daemons then share the group, as before)."""
+    from ray._private import services
+
+    popen = getattr(services, "ConsolePopen", None)
+    if popen is None:
+        yield False
+        return
+
+    class SessionPopen(popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = SessionPopen
+    try:
+        yield True
+    finally:
+        services.ConsolePopen = popen
+
+
+@contextmanager
 def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None,
               workers: int | None = None) -> Iterator[None]:
     """An embedded Ray head on loopback for the duration of the block, shut down afterwards.
@@ -213,7 +240,7 @@ def local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None,
               "TVMPIPE_CACHE": str(cache_root()), **thread_env()}
     try:
         # the environment is inherited by the daemons ray.init starts, and by their workers
-        with scoped_environ(pinned), quiet_token_auth_notice(), lean_head(workers):
+        with scoped_environ(pinned), quiet_token_auth_notice(), lean_head(workers), own_session():
             ray.init(address="local", num_cpus=math.ceil(round(num_cpus, 6)), num_gpus=num_gpus,
                      include_dashboard=False, _node_ip_address=LOOPBACK, _temp_dir=temp_dir, log_to_driver=False,
                      configure_logging=False)

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -109,17 +110,27 @@ def alive(pid: int) -> bool:
         return False
 
 
+SLOWED = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "support" / "slowstage"),
+                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def slowed(seconds: float) -> dict[str, str]:
+    """The environment of a server whose stages each sleep `seconds` a step (tests/support/slowstage):
+    work that outlasts a bound on any machine, however fast."""
+    return {**SLOWED, "TVMPIPE_TEST_STAGE_DELAY_S": str(seconds)}
+
+
 def test_sigterm_drains_then_exits(serve_bundle, tmp_path):
     """A server without a tokenizer (token ids in, token ids out) holding 2 short streams and 30
-    long ones (1650 tokens: seconds of work at any speed this machine reaches) gets SIGTERM: new
-    connections are refused, a request on an open connection is 503 and /health says draining;
-    the short streams finish whole; the long ones still running after --drain-timeout (1 s) end
-    with an error event and [DONE]; the process exits 0 within the bound and its stage processes
-    are gone."""
+    long ones (1650 tokens, on stages slowed to 10 ms a step: seconds of work on any machine) gets
+    SIGTERM: new connections are refused, a request on an open connection is 503 and /health says
+    draining; the short streams finish whole; the long ones still running after --drain-timeout
+    (1 s) end with an error event and [DONE]; the process exits 0 within the bound and its stage
+    processes are gone."""
     drain = 1.0
     longs = 30
     srv = ServerProcess(serve_bundle, "--stages", "2", "--processes", "--drain-timeout", str(drain),
-                        log_path=tmp_path / "stderr.txt")
+                        log_path=tmp_path / "stderr.txt", env=slowed(0.01))
     pids = stage_pids(srv.metrics())
     short = {"model": MODEL, "prompt": [5, 6], "max_tokens": 4, "stream": True, "temperature": 0, "ignore_eos": True}
     long = {**short, "max_tokens": 55, "prompt": [7, 8]}
@@ -182,6 +193,57 @@ def test_sigterm_drains_then_exits(serve_bundle, tmp_path):
         time.sleep(0.1)
     assert not any(alive(p) for p in pids.values())
     srv.kill()
+
+
+@pytest.mark.parametrize("where", ["--processes", "--local"])
+def test_sigterm_to_the_process_group_drains_and_exits_0(serve_bundle, tmp_path, where):
+    """SIGTERM to the server's whole process group (systemd's stop, `kill -TERM -PGID`), with its
+    stages as local processes and on the embedded Ray: neither the stage processes nor Ray's
+    daemons are in that group's way (they ignore it, or run in a session of their own), so the
+    server drains: the stream running when the signal came ends with its tokens or the shutdown
+    error, and the process exits 0 within the drain bound. A second SIGTERM during the drain exits
+    at once."""
+    drain = 3.0
+    srv = ServerProcess(serve_bundle, "--stages", "2", where, "--drain-timeout", str(drain),
+                        log_path=tmp_path / "stderr.txt", env=slowed(0.02))
+    body = {"model": MODEL, "prompt": [7, 8], "max_tokens": 40, "stream": True, "temperature": 0, "ignore_eos": True}
+
+    async def run(second: bool):
+        got: list = []
+        started = asyncio.Event()
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            task = asyncio.ensure_future(read_stream(c, body, got, started, after=2))
+            await asyncio.wait_for(started.wait(), 120)
+            t0 = time.time()
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            if second:
+                await asyncio.sleep(0.5)
+                os.killpg(srv.proc.pid, signal.SIGTERM)
+            try:
+                await task
+            except httpx.HTTPError:
+                pass  # the second signal closes the connection
+        return got, t0
+
+    try:
+        got, t0 = asyncio.run(run(second=False))
+        status = srv.proc.wait(60)
+        took = time.time() - t0
+        assert status == 0, srv.log()[-3000:]
+        assert took < drain + 15, took
+        assert got[-1] == "[DONE]" and len(tokens_of(got)) >= 2
+        assert "SIGTERM: draining" in srv.log()
+    finally:
+        srv.kill()
+    srv = ServerProcess(serve_bundle, "--stages", "2", where, "--drain-timeout", "60",
+                        log_path=tmp_path / "stderr2.txt", env=slowed(0.05))
+    try:
+        got, t0 = asyncio.run(run(second=True))
+        srv.proc.wait(60)
+        assert time.time() - t0 < 30  # not the 60 s drain: the second signal cut it short
+        assert "again: exiting now" in srv.log()
+    finally:
+        srv.kill()
 
 
 def test_command_errors_are_one_line(serve_bundle, tmp_path, capsys):

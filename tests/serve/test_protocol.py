@@ -121,10 +121,25 @@ def test_max_tokens_follows_vllm():
 
 
 def test_generation_checks_name_the_json_parameters():
-    e = from_generation_error(TvmpipeError("--top-p must be a number in (0, 1], got 2"), "prompt")
+    """The generation layer's FieldErrors name their field; the server renders them with the JSON
+    parameter (max_new_tokens is max_tokens, or max_completion_tokens where the body said so)."""
+    from tvmpipe.core.errors import FieldError
+    from tvmpipe.executor.sampler import Sampling
+    from tvmpipe.generation.requests import check_max_new_tokens, check_stop_tokens
+
+    with pytest.raises(FieldError) as info:
+        Sampling(top_p=2).check(128)
+    e = from_generation_error(info.value, "prompt")
     assert (e.param, e.message) == ("top_p", "top_p must be a number in (0, 1], got 2")
+    with pytest.raises(FieldError) as info:
+        check_max_new_tokens(0)
+    e = from_generation_error(info.value, "messages", "max_completion_tokens")
+    assert (e.param, e.message) == ("max_completion_tokens", "max_completion_tokens must be an integer >= 1, got 0")
+    with pytest.raises(FieldError) as info:
+        check_stop_tokens([500], 128)
+    assert from_generation_error(info.value, "prompt").param == "stop_token_ids"
     e = from_generation_error(TvmpipeError("prompt: token id 500 is outside the vocabulary 0..127"), "prompt")
-    assert e.param == "prompt"
+    assert e.param == "prompt" and "--" not in e.message
 
 
 def test_chunks_and_bodies():
