@@ -114,7 +114,8 @@ def stdout_reserved(reserve: bool) -> Iterator[None]:
 
 # The generation layer names the fields it checks (core.errors.FieldError); this command's names for them
 FIELD_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-               "max_new_tokens": "--max-new-tokens", "stop_tokens": "--stop-token", "stop": "--stop"}
+               "max_new_tokens": "--max-new-tokens", "stop_tokens": "--stop-token", "stop": "--stop",
+               "in_flight": "--in-flight"}
 
 
 def generate_command(args: argparse.Namespace) -> int:

@@ -559,7 +559,7 @@ class Pipeline:
         path = {(e.src, e.dst): self._path(e, node) for e in topo.edges}  # each edge's, decided once
         via = lambda i, kind: frozenset(e.dst for e in topo.outbound(i) if path[e.src, e.dst] == kind)  # noqa: E731
         # the feedback edge carries tokens from the driver's first incomplete micro-batch on: a step
-        # the token stage computes may take the token of any incomplete one (sampling.py)
+        # the token stage computes may take the token of any incomplete one (bundle/decode_layout.py)
         fb = topo.feedback if topo.feedback is not None and topo.feedback[0] != topo.feedback[1] else None
         send_from = lambda e: first_seq if (e.src, e.dst) == fb else start(e.dst)  # noqa: E731
         relayed = {e: (topo.specs[e], topo.names[e]) for es in topo.relayed for e in es}
@@ -721,6 +721,10 @@ class Pipeline:
             with self._cond:
                 self._epoch += 1
                 epoch = self._epoch
+                if any(i in self.topology.stateful for i in restart):
+                    # before anything is computed on the fresh stage, and before anything is delivered
+                    # lost: a caller that sees what the fault cut off sees that the caches went with it
+                    self._state_losses += 1
                 if self.replay == "none":
                     self._cut_off()
                 first = self._completed
@@ -730,9 +734,6 @@ class Pipeline:
                 self._sent = first
             self._close_links()
             self._listener.drop_connections()
-            if any(i in self.topology.stateful for i in restart):
-                with self._cond:  # before anything is computed on the fresh stage (state_losses)
-                    self._state_losses += 1
             for i in restart:
                 self._addresses[i] = self.launcher.restart(i)
             # after the restarts: a stuck stage is gone, so no pause waits for its micro-batch to end

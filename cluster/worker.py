@@ -87,7 +87,7 @@ class Wiring:
     # Consumer stages on this node whose edges keep tensors on the GPU (cudaipc.py: both stages on
     # the cuda backend), through a ring of `ring_slots` device buffers.
     ipc_to: frozenset[int] = frozenset()
-    # The token stage of a decode pipeline (sampling.py): the producer whose frames carry tokens fed
+    # The token stage of a decode pipeline (bundle/decode_layout.py): the producer whose frames carry tokens fed
     # back from the sampling stage, and the first micro-batch it sends them for in this epoch (the
     # driver's first incomplete one: a step may take the token drawn by any incomplete micro-batch).
     feedback_from: int | None = None
@@ -182,7 +182,7 @@ class StageWorker:
         self._admitted: set[int] = set()  # producers connected in this epoch (one connection each)
         self._links: list[tuple[Edge, Link, dict[int, str]]] = []  # with the names its frames carry
         self._data_links: list[tuple[Link, tuple[int, ...], dict[int, str]]] = []  # those that carry outputs
-        self._feedback_link: Link | None = None  # sampling stage: to the token stage (sampling.py)
+        self._feedback_link: Link | None = None  # sampling stage: to the token stage (bundle/decode_layout.py)
         self._compute: threading.Thread | None = None
         self._running = False  # connected: frames may be computed
         self._inline = False  # inputs are small: the receiving thread computes (see _on_frame)

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.generation.core import EngineCore
 from tvmpipe.generation.output import OutputProcessor, RequestOutput
 from tvmpipe.generation.requests import FinishReason, Request, SequenceResult
@@ -214,7 +214,7 @@ class EngineThread:
     def __init__(self, pipe: "Pipeline", codec: "TextCodec | None" = None, *, max_waiting: int = 64,
                  in_flight: int | None = None, row_admission: bool = True):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
-            raise TvmpipeError(f"--max-waiting must be an integer >= 0, got {max_waiting!r}")
+            raise FieldError("max_waiting", f"must be an integer >= 0, got {max_waiting!r}")
         self.engine = Engine(pipe, codec, in_flight=in_flight, row_admission=row_admission)
         self.pipe = pipe
         self.layout = self.engine.layout

@@ -25,7 +25,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable, ContextManager
 
-from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.generation.engine import EngineClosed, EngineStats, OutputCallback, QueueFull, Stream
 from tvmpipe.generation.output import RequestOutput
 from tvmpipe.generation.requests import FinishReason, Request
@@ -93,7 +93,7 @@ class EngineProcess:
 
     def __init__(self, opener: Opener, layout: Any, *, max_waiting: int = 64):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
-            raise TvmpipeError(f"--max-waiting must be an integer >= 0, got {max_waiting!r}")
+            raise FieldError("max_waiting", f"must be an integer >= 0, got {max_waiting!r}")
         self.layout = layout
         self.max_waiting = max_waiting
         ctx = mp.get_context("spawn")

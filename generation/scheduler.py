@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from tvmpipe.bundle.decode_layout import NO_SAMPLING, SLOT_NAME, STEP_NAME, encode_step, row_ints
-from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.executor.sampler import NOT_FINITE
 from tvmpipe.generation.requests import FinishReason, Request, SequenceResult, TokenEvent, layout_of
 
@@ -107,12 +107,13 @@ class _Group:
 
 class _Step:
     """A submitted micro-batch: its group, per running row (row, sequence, the position after the
-    step's last token), and the group's epoch it was submitted in."""
+    step's last token), the group's epoch it was submitted in, and the pipeline's state_losses when
+    it was planned."""
 
-    __slots__ = ("group", "carried", "epoch", "seq")
+    __slots__ = ("group", "carried", "epoch", "seq", "losses")
 
-    def __init__(self, group: _Group, carried: list[tuple[int, _Row, int]], epoch: int, seq: int):
-        self.group, self.carried, self.epoch, self.seq = group, carried, epoch, seq
+    def __init__(self, group: _Group, carried: list[tuple[int, _Row, int]], epoch: int, seq: int, losses: int):
+        self.group, self.carried, self.epoch, self.seq, self.losses = group, carried, epoch, seq, losses
 
 
 class Scheduler:
@@ -145,7 +146,7 @@ class Scheduler:
         if in_flight is None:
             in_flight = pipe.slots * self.batch
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
-            raise TvmpipeError(f"--in-flight must be an integer >= 1, got {in_flight!r}")
+            raise FieldError("in_flight", f"must be an integer >= 1, got {in_flight!r}")
         self.groups = min(-(-in_flight // self.batch), pipe.slots)  # slots in use, at most
         other = [n for n in pipe.topology.inputs if n not in (self.layout.token_name, self.layout.position_name,
                                                                self.layout.count_name, SLOT_NAME, STEP_NAME)]
@@ -241,6 +242,9 @@ class Scheduler:
             return []
         if step.epoch != g.epoch:
             return []  # submitted before the group rolled back or rebuilt
+        if step.losses != self.pipe.state_losses:  # planned before a stage lost its caches: it may have been
+            self._want(g)                           # computed on the fresh stage's empty ones; the group rebuilds
+            return []
         if result.lost:
             self._lost(g, step, result.error)
             return []
@@ -306,7 +310,7 @@ class Scheduler:
             if src >= 0:
                 self.fed_from[seq] = src
                 self.fed_from.pop(seq - FED_FROM_KEPT, None)
-            self.steps.append(_Step(g, [(i, x, x.pos + ns[i]) for i, x in g.running], g.epoch, seq))
+            self.steps.append(_Step(g, [(i, x, x.pos + ns[i]) for i, x in g.running], g.epoch, seq, losses))
             g.last = (seq, g.epoch, fwd)
             for i, x in g.running:
                 x.pos += ns[i]

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tvmpipe.generation.engine import EngineClosed, QueueFull
 from tvmpipe.serve import metrics
@@ -188,7 +189,11 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         return await generate(request, chat=True)
 
     async def generate(request: Request, chat: bool) -> Response:
-        body = read_json_body(await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # the client left before its body was in: nobody to answer
+            return Response(status_code=CLIENT_GONE)
+        body = read_json_body(raw)
         ask = read_ask(body, chat=chat)
         if service.codec is None:  # no text to send: the tokens are the answer
             ask = dataclasses.replace(ask, return_token_ids=True)

@@ -1,11 +1,12 @@
-"""Running the HTTP server: uvicorn in this process, beside the pipeline's driver, until SIGTERM.
+"""Running the HTTP server: uvicorn in this process, the engine (the pipeline's driver among it) in
+a process of its own (generation.engine_process), until SIGTERM.
 
 Why FastAPI and uvicorn, not Ray Serve: the pipeline's stage actors are already placed by tvmpipe
 (its own placement group, data plane and fault recovery), and the server is one process beside the
-driver that owns them. Ray Serve would add its controller and proxy actors and place a replica of
+engine that owns them. Ray Serve would add its controller and proxy actors and place a replica of
 its own, a second placement around the first, for a single driver that cannot be replicated
 anyway (the stages keep each sequence's KV cache). uvicorn serves the one event loop the routes
-need; the engine thread does the stepping.
+need; the engine process does the stepping.
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes at once (new connections are refused),
 requests on open connections get 503, the sequences in flight run on for up to `drain_timeout`
@@ -40,10 +41,9 @@ if TYPE_CHECKING:
     from tvmpipe.generation.text import TextCodec
 
 API_KEY_ENV = "TVMPIPE_API_KEY"
-# The engine thread and the event loop share the GIL. A thread that wants it back (the engine with
-# a stage's frame to act on, while the loop writes chunks to 16 clients) waits up to the switch
-# interval, 5 ms by default: the stages sit idle meanwhile. bench/serve.py at 16 clients, 2 cores:
-# 0.79x offline with 5 ms, 0.83-0.90x with 0.2-1 ms (noisy); 0.5 ms keeps the switching overhead small.
+# The thread reading the engine process's outputs and the event loop share this process's GIL: a
+# step's outputs wait for the loop to let go of it, up to the switch interval (5 ms by default),
+# before they are handed to the streams. 0.5 ms keeps that wait short and the switching cheap.
 SWITCH_INTERVAL_S = 0.0005
 CLOSE_GRACE_S = 5.0  # after the drain: for the last chunks to reach their clients
 

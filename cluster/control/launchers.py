@@ -1,6 +1,6 @@
 """The control plane: where stage workers live (launchers) and how the driver calls them.
 
-Two implementations share one small interface: `RayLauncher` (actor.py) places `StageActor`s in a
+Two implementations share one small interface: `RayLauncher` (ray_actors.py) places `StageActor`s in a
 placement group; `ProcessLauncher` (here) runs each worker in a plain child process, for machines
 without Ray (the GPU test machine) and for fast local runs. The data plane is the same either way:
 workers talk to each other over transport sockets, never through the launcher.

@@ -19,7 +19,7 @@ costs the consumer a few hundred bytes: the hello is read under `HELLO_LIMITS` (
 header, no tensors) with a deadline for the whole hello, at most `MAX_PENDING` handshakes run at
 once, and every refusal is logged with the peer's address and the reason (the peer is told
 nothing). `Gate` does all of this for a listening socket on one thread with a selector, whichever
-way the owner then reads its admitted connections (transport.py).
+way the owner then reads its admitted connections (tcp.py).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_bad_prompts_and_options_are_one_line_errors(decode_bundle):
     ctx, vocab = b.generation.max_context, b.generation.vocab_size
     with Pipeline(decode_bundle, 1, launcher="process", slots=2) as pipe:
         cases = [([[1] * (ctx + 1)], {}, "max_context"), ([[vocab]], {}, "outside the vocabulary"),
-                 ([[]], {}, "empty"), ([], {}, "no prompts"), ([[1]], {"in_flight": 0}, "--in-flight"),
+                 ([[]], {}, "empty"), ([], {}, "no prompts"), ([[1]], {"in_flight": 0}, "in_flight"),
                  ([[1]], {"temperature": -1.0}, "temperature"), ([[1]], {"top_k": vocab + 1}, "top_k"),
                  ([[1]], {"stop_tokens": [-1]}, "stop_tokens"), ([[1]], {"seed": -1}, "seed")]
         for prompts, kw, words in cases:

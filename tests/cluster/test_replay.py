@@ -92,5 +92,5 @@ def test_a_plan_that_needs_outputs_no_longer_held_is_refused(bundles):
 
 
 def test_replay_mode_is_checked(bundles):
-    with pytest.raises(TvmpipeError, match="replay must be one of upstream, driver, got 'sideways'"):
+    with pytest.raises(TvmpipeError, match="replay must be one of upstream, driver, none, got .sideways."):
         Pipeline(bundles["tiny"], 1, launcher=ThreadLauncher(), replay="sideways")

@@ -181,7 +181,7 @@ def test_a_failing_callback_is_dropped_and_close_ends_open_streams(pipe):
 
 
 def test_a_bad_bound_is_one_line(pipe):
-    with pytest.raises(TvmpipeError, match="--max-waiting must be an integer >= 0"):
+    with pytest.raises(TvmpipeError, match="max_waiting must be an integer >= 0"):
         Engine(pipe, max_waiting=-1)
 
 
