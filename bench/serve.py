@@ -18,13 +18,14 @@ At 16 clients, side by side in one run, alternating (offline, server, server, of
 of 32 requests): the offline run of the same prompts (Generator on a 2-stage pipeline of its own,
 every prompt queued at once, as `tvmpipe generate` does) and the server's; each server run is set
 against the mean of the offline runs just before and after it, and the median of these ratios is
-judged, target >= 0.9 x (issue 46).
+judged, target >= 0.9 x with both kinds of client (issue 50).
 The server is measured twice a round: with the httpx clients, and with bare asyncio socket clients
 (`socket_request`: HTTP/1.1 and the chunked SSE body read by hand). Server, stages and clients all
 share this machine's cores, and httpx spends ~0.6 ms of CPU a streamed token (the server process
 ~1 ms, 0.6 of it the driver's own work, which the offline run spends too; each stage ~2 ms): that CPU
-is taken from the stages here, and from nobody where clients run on machines of their own. The target is judged with the bare clients, which measure the
-server; the httpx figure is shown beside it.
+is taken from the stages here, and from nobody where clients run on machines of their own. The
+server is `tvmpipe serve` as users run it: the HTTP process, and the engine in a process of its own
+(generation/engine_process.py).
 """
 
 from __future__ import annotations
@@ -233,8 +234,9 @@ def main() -> int:
                                "ratio": ratio, "ratio_httpx_clients": with_httpx}
     results["target"] = {"server_over_offline_at_16": TARGET}
     results["machine"] = {"loadavg": list(os.getloadavg())}
-    print(f"server / offline tokens/s at 16 clients (median of {rounds} rounds): {ratio:.2f}x with bare socket clients "
-          f"(>= {TARGET}): {'PASS' if ratio >= TARGET else 'FAIL'}; {with_httpx:.2f}x with httpx clients")
+    met = ratio >= TARGET and with_httpx >= TARGET
+    print(f"server / offline tokens/s at 16 clients (median of {rounds} rounds): {ratio:.2f}x with bare socket clients, "
+          f"{with_httpx:.2f}x with httpx clients (>= {TARGET} with both): {'PASS' if met else 'FAIL'}")
     from tvmpipe.core.files import write_json
 
     write_json(args.out, stamp(results))
