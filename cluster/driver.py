@@ -26,9 +26,9 @@ itself: it holds every sequence's tokens) nothing is replayed: every incomplete 
 delivered *lost* (`StepResult.lost`), and a step that takes the draws of a lost one is computed on
 a placeholder token and delivered lost too. A step that raised on a stage that is alive (its
 `WorkerStatus.error_seq`) is delivered with its `error`, and the stage is re-wired, not restarted:
-a restart is for a stage that died, hung or broke, never for what one micro-batch holds. Only a
-stage whose steps keep failing (STEP_ERRORS_BEFORE_RESTART in a row with nothing completed
-between) is taken for broken and restarted. The driver keeps no draws once they are delivered.
+a restart is for a stage that died, hung or broke (`WorkerStatus.broken`: its device failed, a
+CUDA error that poisons the context), never for what one micro-batch holds. The driver keeps no
+draws once they are delivered.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ from tvmpipe.partition import Plan, checked_plan
 
 Outputs = list[np.ndarray]
 REPLAY_MODES = ("upstream", "driver", "none")
-STEP_ERRORS_BEFORE_RESTART = 3  # a live stage whose steps fail this many times in a row is taken for broken
 
 
 @dataclass(frozen=True)
@@ -205,8 +204,6 @@ class Pipeline:
         self._doomed: set[int] = set()
         self._failed_steps: dict[int, str] = {}  # replay="none": seq -> the error its step raised, this recovery  # submitted after a fault, taking a lost micro-batch's draws
         self.step_errors: list[str] = []  # steps that failed on a live stage (replay="none")
-        self._step_errors_in_row = [0] * self.topology.num_stages  # since the last completed micro-batch
-        self._errors_in_row = False
         self.submit_times: dict[int, float] = {}
         self.done_times: dict[int, float] = {}
         self._last_progress = time.time()
@@ -512,9 +509,6 @@ class Pipeline:
                                           else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
                     if self.topology.sampler is not None:
                         self._drawn[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
-                if self._errors_in_row:
-                    self._step_errors_in_row = [0] * self.topology.num_stages
-                    self._errors_in_row = False
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
                 if len(self.done_times) > TIMELINE_KEPT:
@@ -639,9 +633,8 @@ class Pipeline:
 
     def _diagnose(self, signal: _Signal) -> dict[int, str]:
         """Which stages must be restarted, and why: dead or unresponsive, failed, or stuck. With
-        replay="none", a live stage whose own step raised is not among them: that step is noted in
-        `_failed_steps` (seq -> error) and delivered with its error, unless the stage's steps have
-        failed STEP_ERRORS_BEFORE_RESTART times in a row (then it is taken for broken)."""
+        replay="none", a live stage whose own step raised is not among them unless its device broke:
+        that step is noted in `_failed_steps` (seq -> error) and delivered with its error."""
         failed: dict[int, str] = {}
         busy: dict[int, WorkerStatus] = {}
         self._failed_steps = {}
@@ -649,11 +642,8 @@ class Pipeline:
             if isinstance(st, WorkerError):
                 failed[i] = st.message
             elif st.error:
-                if (self.replay == "none" and st.error_seq is not None
-                        and self._step_errors_in_row[i] + 1 < STEP_ERRORS_BEFORE_RESTART):
+                if self.replay == "none" and st.error_seq is not None and not st.broken:
                     self._failed_steps[st.error_seq] = st.error
-                    self._step_errors_in_row[i] += 1
-                    self._errors_in_row = True
                     self.step_errors.append(f"stage {i}: {st.error}")
                 else:
                     failed[i] = st.error
@@ -698,8 +688,6 @@ class Pipeline:
                 failed = self._held_up_by(signal)
             if not failed and not self._failed_steps:  # progress resumed, or a second look is due
                 return
-            for stage in failed:
-                self._step_errors_in_row[stage] = 0
             for stage, why in failed.items():
                 # The host matters on a multi-node cluster: a dead node or a cut link is what to look at.
                 host = self._addresses[stage][0] if stage < len(self._addresses) else "?"

@@ -34,6 +34,7 @@ class WorkerStatus:
     busy_for_s: float
     error: str | None
     error_seq: int | None = None  # the micro-batch whose own computation raised `error` (None: not a step's)
+    broken: bool = False  # that error left the stage unable to go on (its device failed): restart it
     peer_errors: list[str] = field(default_factory=list)
     paths: dict[int, str] = field(default_factory=dict)  # consumer -> "shm", "cuda-ipc" or "tcp": what each outbound edge took
     devices: str | None = None  # its CUDA_VISIBLE_DEVICES (CUDA IPC only between workers that see the same GPUs)

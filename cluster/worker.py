@@ -37,6 +37,7 @@ from tvmpipe.cluster.status import Progress, Span, WorkerStats, WorkerStatus
 from tvmpipe.cluster.wire.tcp import INLINE_BYTES, Address, Link, Listener, Peer, tally
 from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
+from tvmpipe.executor.errors import DeviceError
 from tvmpipe.executor.inputs import random_feed
 from tvmpipe.executor.sampler import sample_token
 
@@ -194,6 +195,7 @@ class StageWorker:
         self._retained: deque[tuple[int, dict[int, np.ndarray]]] = deque()
         self._error: str | None = None
         self._error_seq: int | None = None  # the micro-batch whose own computation raised `_error`
+        self._broken = False  # and whether that left the stage unable to go on (WorkerStatus.broken)
         self._peer_errors: list[str] = []
         self._expected = 0  # frames a micro-batch needs: one per producer, fed-back tokens apart
         # Token stage: seq -> the token drawn from that micro-batch (fed back), until a step takes it
@@ -279,6 +281,7 @@ class StageWorker:
             self._next_seq = wiring.first_seq
             self._error = None
             self._error_seq = None
+            self._broken = False
             self._peer_errors = []
 
     def pause(self) -> Progress:
@@ -373,7 +376,8 @@ class StageWorker:
             return WorkerStatus(stage=self.index, pid=os.getpid(), epoch=self._wiring.epoch if self._wiring else None,
                                 next_seq=self._next_seq, busy_seq=busy[0] if busy else None,
                                 busy_for_s=time.time() - busy[1] if busy else 0.0,
-                                error=self._error, error_seq=self._error_seq, peer_errors=list(self._peer_errors),
+                                error=self._error, error_seq=self._error_seq, broken=self._broken,
+                                peer_errors=list(self._peer_errors),
                                 paths=self.paths(),
                                 devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
@@ -596,6 +600,9 @@ class StageWorker:
                 self._busy = None
                 self._error = message
                 self._error_seq = seq
+                # a device that failed (CUDA errors poison the context) or memory gone: the stage cannot
+                # go on and is restarted; anything else is that micro-batch's own (the driver re-wires)
+                self._broken = isinstance(exc, (DeviceError, MemoryError))
             self._report(seq, message)
             return
         if passed:

@@ -205,34 +205,33 @@ class Stream:
             return self.result
 
 
-class EngineThread:
-    """An Engine on its own thread, serving requests from any thread.
+class RequestBook:
+    """What a serving engine holds of its requests, on the side of the threads that submit them:
+    the admission rule (at most `rows + max_waiting` at once), each request's Stream, the counts,
+    the drain and the failure that ends them all. EngineThread (the engine on a thread here) and
+    EngineProcess (in a process of its own) are both one; each says how a request and a cancel
+    reach its engine (`_send_request`, `_send_cancel`) and hands back outputs to `_deliver`."""
 
-    `max_waiting`: requests that may wait for a row while every row is busy; one more is refused
-    with QueueFull. Other keywords as Engine's."""
-
-    def __init__(self, pipe: "Pipeline", codec: "TextCodec | None" = None, *, max_waiting: int = 64,
-                 in_flight: int | None = None, row_admission: bool = True):
+    def __init__(self, rows: int, max_waiting: int):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise FieldError("max_waiting", f"must be an integer >= 0, got {max_waiting!r}")
-        self.engine = Engine(pipe, codec, in_flight=in_flight, row_admission=row_admission)
-        self.pipe = pipe
-        self.layout = self.engine.layout
-        s = self.engine.core.scheduler
-        self.rows = s.groups * s.batch
+        self.rows = rows
         self.max_waiting = max_waiting
         self._lock = threading.Condition()
-        self._inbox: deque[Stream] = deque()
-        self._cancels: deque[int] = deque()
         self._streams: dict[int, Stream] = {}  # every request accepted and not ended yet
         self._next = 0
-        self._draining = False
-        self._closed = False
+        self._draining = self._closed = False
         self._failed: str | None = None
         self._finished = self._cancelled = self._errors = self._tokens = self._rejected = 0
         self._running = 0
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="tvmpipe-engine")
-        self._thread.start()
+        self._restarts: tuple[int, ...] = ()
+        self._step_errors = 0
+
+    def _send_request(self, stream: Stream) -> None:  # _lock held
+        raise NotImplementedError
+
+    def _send_cancel(self, index: int) -> None:  # _lock held
+        raise NotImplementedError
 
     # ---- any thread ---------------------------------------------------------------------------------
     def submit(self, request: Request, on_output: OutputCallback | None = None) -> Stream:
@@ -251,8 +250,7 @@ class EngineThread:
             stream = Stream(self._next, request, on_output)
             self._next += 1
             self._streams[stream.index] = stream
-            self._inbox.append(stream)
-            self._lock.notify_all()
+            self._send_request(stream)
         return stream
 
     def cancel(self, index: int) -> None:
@@ -260,20 +258,14 @@ class EngineThread:
         last output has finish CANCELLED. A request that already ended: nothing."""
         with self._lock:
             if index in self._streams:
-                self._cancels.append(index)
-                self._lock.notify_all()
+                self._send_cancel(index)
 
     def stats(self) -> EngineStats:
         with self._lock:
-            restarts = tuple(self.pipe.restarts)
             return EngineStats(self._running, len(self._streams) - self._running, self.rows, self.max_waiting,
                                self._next, self._rejected, self._finished, self._cancelled, self._errors,
-                               self._tokens, sum(restarts), restarts, len(getattr(self.pipe, "step_errors", ())),
+                               self._tokens, sum(self._restarts), self._restarts, self._step_errors,
                                self._draining, self._failed)
-
-    def stage_info(self) -> list[tuple[int, int | None, str | None]]:
-        """(stage, pid, host) of each stage's process now (a call to every worker)."""
-        return stage_info(self.pipe)
 
     def drain(self, timeout: float) -> bool:
         """Take no new requests; wait up to `timeout` s for the running and queued ones to finish,
@@ -284,46 +276,23 @@ class EngineThread:
             self._lock.notify_all()
             clean = self._lock.wait_for(lambda: not self._streams or self._failed is not None,
                                         max(0.0, deadline - time.time()))
-            self._cancels.extend(self._streams)
+            for index in list(self._streams):
+                self._send_cancel(index)
             self._lock.notify_all()
             self._lock.wait_for(lambda: not self._streams or self._failed is not None, 10.0)
         return clean
 
-    def close(self) -> None:
-        """Stop the engine thread; streams still open end with an error."""
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._thread.join(timeout=30)
-        self._fail_all("the engine was closed")
-
-    # ---- the engine thread --------------------------------------------------------------------------
-    def _loop(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._lock:
-                    while not (self._closed or self._inbox or self._cancels or engine.has_work):
-                        self._lock.wait()
-                    if self._closed:
-                        return
-                    arrivals, self._inbox = list(self._inbox), deque()
-                    cancels, self._cancels = list(self._cancels), deque()
-                for stream in arrivals:
-                    engine.add(stream.request, stream.index)
-                for index in cancels:
-                    engine.cancel(index)
-                self._deliver(engine.step() if engine.has_work else engine.collect())
-        except Exception as exc:  # the pipeline failed for good: every open stream ends with its error
-            self._fail_all(str(exc) if isinstance(exc, TvmpipeError) else f"{type(exc).__name__}: {exc}")
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand each output to its stream; end the streams whose request ended."""
+    # ---- outputs coming back ------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput], running: int, restarts: tuple[int, ...], step_errors: int) -> None:
+        """Hand each output to its stream; end the streams whose request ended; take the engine's
+        figures (`running`, each stage's restarts, steps failed)."""
         ended: list[Stream] = []
         tokens = 0
+        with self._lock:
+            streams = self._streams
         for out in outputs:
             tokens += len(out.token_ids)
-            stream = self._streams.get(out.index)
+            stream = streams.get(out.index)
             if stream is None:
                 continue
             stream._push(out)
@@ -337,17 +306,81 @@ class EngineThread:
                 self._cancelled += finish == FinishReason.CANCELLED
                 self._errors += finish == FinishReason.ERROR
             self._tokens += tokens
-            self._running = self.engine.core.scheduler.running
+            self._running, self._restarts, self._step_errors = running, restarts, step_errors
             self._lock.notify_all()
         for stream in ended:
             stream._end()
 
     def _fail_all(self, why: str) -> None:
+        """The engine is gone (its pipeline failed for good, or it was closed): every open stream
+        ends with `why`, and nothing more is taken."""
         with self._lock:
-            self._failed = self._failed or why
+            if not self._closed:
+                self._failed = self._failed or why
             streams, self._streams = list(self._streams.values()), {}
-            self._inbox.clear()
             self._running = 0
             self._lock.notify_all()
         for stream in streams:
             stream._end(why)
+
+
+class EngineThread(RequestBook):
+    """An Engine on its own thread, serving requests from any thread.
+
+    `max_waiting`: requests that may wait for a row while every row is busy; one more is refused
+    with QueueFull. Other keywords as Engine's."""
+
+    def __init__(self, pipe: "Pipeline", codec: "TextCodec | None" = None, *, max_waiting: int = 64,
+                 in_flight: int | None = None, row_admission: bool = True):
+        self.engine = Engine(pipe, codec, in_flight=in_flight, row_admission=row_admission)
+        s = self.engine.core.scheduler
+        super().__init__(s.groups * s.batch, max_waiting)
+        self.pipe = pipe
+        self.layout = self.engine.layout
+        self._restarts = tuple(pipe.restarts)
+        self._inbox: deque[Stream] = deque()
+        self._cancels: deque[int] = deque()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tvmpipe-engine")
+        self._thread.start()
+
+    def _send_request(self, stream: Stream) -> None:
+        self._inbox.append(stream)
+        self._lock.notify_all()
+
+    def _send_cancel(self, index: int) -> None:
+        self._cancels.append(index)
+        self._lock.notify_all()
+
+    def stage_info(self) -> list[tuple[int, int | None, str | None]]:
+        """(stage, pid, host) of each stage's process now (a call to every worker)."""
+        return stage_info(self.pipe)
+
+    def close(self) -> None:
+        """Stop the engine thread; streams still open end with an error."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout=30)
+        self._fail_all("the engine was closed")
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        pipe = self.pipe
+        try:
+            while True:
+                with self._lock:
+                    while not (self._closed or self._inbox or self._cancels or engine.has_work):
+                        self._lock.wait()
+                    if self._closed:
+                        return
+                    arrivals, self._inbox = list(self._inbox), deque()
+                    cancels, self._cancels = list(self._cancels), deque()
+                for stream in arrivals:
+                    engine.add(stream.request, stream.index)
+                for index in cancels:
+                    engine.cancel(index)
+                outputs = engine.step() if engine.has_work else engine.collect()
+                self._deliver(outputs, engine.core.scheduler.running, tuple(pipe.restarts), len(pipe.step_errors))
+        except Exception as exc:  # the pipeline failed for good: every open stream ends with its error
+            self._fail_all(str(exc) if isinstance(exc, TvmpipeError) else f"{type(exc).__name__}: {exc}")

@@ -25,10 +25,9 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, Callable, ContextManager
 
-from tvmpipe.core.errors import FieldError, TvmpipeError
-from tvmpipe.generation.engine import EngineClosed, EngineStats, OutputCallback, QueueFull, Stream
+from tvmpipe.core.errors import TvmpipeError
+from tvmpipe.generation.engine import EngineClosed, RequestBook, Stream
 from tvmpipe.generation.output import RequestOutput
-from tvmpipe.generation.requests import FinishReason, Request
 
 Opener = Callable[[], ContextManager[Any]]  # yields an Engine
 START_TIMEOUT_S = 600.0  # a cluster, its stages and their weights: minutes on a big model
@@ -95,15 +94,13 @@ def _call(engine: Any, what: str) -> Any:
     raise TvmpipeError(f"unknown call {what!r}")
 
 
-class EngineProcess:
+class EngineProcess(RequestBook):
     """An Engine in a child process, served from any thread of this one (EngineThread's verbs).
     `layout`: the decode step's (the server checks requests against it before submitting)."""
 
     def __init__(self, opener: Opener, layout: Any, *, max_waiting: int = 64):
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
-            raise FieldError("max_waiting", f"must be an integer >= 0, got {max_waiting!r}")
+        super().__init__(0, max_waiting)  # rows: the child says, once its pipeline is up
         self.layout = layout
-        self.max_waiting = max_waiting
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         # not a daemon: it starts processes of its own (the stages); it ends on EOF from this side
@@ -111,15 +108,6 @@ class EngineProcess:
         self._proc.start()
         child_conn.close()
         self._send_lock = threading.Lock()
-        self._lock = threading.Condition()
-        self._streams: dict[int, Stream] = {}
-        self._next = 0
-        self._draining = self._closed = False
-        self._failed: str | None = None
-        self._finished = self._cancelled = self._errors = self._tokens = self._rejected = 0
-        self._running = 0
-        self._restarts: tuple[int, ...] = ()
-        self._step_errors = 0
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         kind, info = self._first_message()
@@ -145,70 +133,37 @@ class EngineProcess:
         except (EOFError, OSError):
             return "failed", f"the engine process exited while starting (exit code {self._proc.exitcode})"
 
-    def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
-
-    # ---- EngineThread's verbs ------------------------------------------------------------------------
-    def submit(self, request: Request, on_output: OutputCallback | None = None) -> Stream:
-        with self._lock:
-            if self._failed is not None:
-                raise EngineClosed(f"the pipeline failed: {self._failed}")
-            if self._draining or self._closed:
-                raise EngineClosed("the server is shutting down and takes no new requests")
-            if len(self._streams) >= self.rows + self.max_waiting:
-                self._rejected += 1
-                raise QueueFull(f"all {self.rows} sequence rows are busy and {self.max_waiting} requests already "
-                                "wait for one")
-            stream = Stream(self._next, request, on_output)
-            self._next += 1
-            self._streams[stream.index] = stream
+    def _send(self, msg: tuple) -> bool:
+        """Whether it went (a child that is gone is noticed by the reader: EOF)."""
         try:
-            self._send(("add", stream.index, request))
-        except (OSError, ValueError) as exc:
-            self._fail_all(f"the engine process is gone ({type(exc).__name__}: {exc})")
-        return stream
-
-    def cancel(self, index: int) -> None:
-        with self._lock:
-            if index not in self._streams:
-                return
-        try:
-            self._send(("cancel", index))
+            with self._send_lock:
+                self._conn.send(msg)
+            return True
         except (OSError, ValueError):
-            pass
+            return False
 
-    def stats(self) -> EngineStats:
-        with self._lock:
-            return EngineStats(self._running, len(self._streams) - self._running, self.rows, self.max_waiting,
-                               self._next, self._rejected, self._finished, self._cancelled, self._errors,
-                               self._tokens, sum(self._restarts), self._restarts, self._step_errors,
-                               self._draining, self._failed)
+    def _send_request(self, stream: Stream) -> None:
+        self._send(("add", stream.index, stream.request))
+
+    def _send_cancel(self, index: int) -> None:
+        self._send(("cancel", index))
 
     def stage_info(self, timeout: float = CALL_TIMEOUT_S) -> list[tuple[int, int | None, str | None]]:
         """(stage, pid, host) of each stage's process now."""
-        return self._call("stages", timeout)
-
-    def drain(self, timeout: float) -> bool:
-        deadline = time.time() + timeout
-        with self._lock:
-            self._draining = True
-            clean = self._lock.wait_for(lambda: not self._streams or self._failed is not None,
-                                        max(0.0, deadline - time.time()))
-            left = list(self._streams)
-        for index in left:
-            self.cancel(index)
-        with self._lock:
-            self._lock.wait_for(lambda: not self._streams or self._failed is not None, 10.0)
-        return clean
+        future: Future = Future()
+        call = next(self._call_ids)
+        self._calls[call] = future
+        try:
+            if not self._send(("call", call, "stages")):
+                raise EngineClosed("the engine process is gone")
+            return future.result(timeout)
+        finally:
+            self._calls.pop(call, None)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        try:
-            self._send(("close",))
-        except (OSError, ValueError):
-            pass
+        self._send(("close",))
         self._proc.join(timeout=60)
         if self._proc.is_alive():
             self._proc.kill()
@@ -217,16 +172,6 @@ class EngineProcess:
         self._conn.close()
 
     # ---- the reader thread ---------------------------------------------------------------------------
-    def _call(self, what: str, timeout: float) -> Any:
-        future: Future = Future()
-        call = next(self._call_ids)
-        self._calls[call] = future
-        try:
-            self._send(("call", call, what))
-            return future.result(timeout)
-        finally:
-            self._calls.pop(call, None)
-
     def _read(self) -> None:
         while True:
             try:
@@ -237,7 +182,7 @@ class EngineProcess:
                 return
             kind = msg[0]
             if kind == "out":
-                self._deliver(*msg[1:])
+                self._deliver([RequestOutput(*fields) for fields in msg[1]], *msg[2:])
             elif kind == "reply":
                 future = self._calls.get(msg[1])
                 if future is not None:
@@ -245,41 +190,8 @@ class EngineProcess:
             elif kind == "failed":
                 self._fail_all(msg[1])
 
-    def _deliver(self, outputs: list[tuple], running: int, restarts: tuple[int, ...], step_errors: int) -> None:
-        ended: list[Stream] = []
-        tokens = 0
-        with self._lock:
-            streams = self._streams
-        for fields in outputs:
-            out = RequestOutput(*fields)
-            tokens += len(out.token_ids)
-            stream = streams.get(out.index)
-            if stream is None:
-                continue
-            stream._push(out)
-            if out.finish is not None:
-                ended.append(stream)
-        with self._lock:
-            for stream in ended:
-                self._streams.pop(stream.index, None)
-                self._finished += 1
-                finish = stream.result.finish if stream.result is not None else None
-                self._cancelled += finish == FinishReason.CANCELLED
-                self._errors += finish == FinishReason.ERROR
-            self._tokens += tokens
-            self._running, self._restarts, self._step_errors = running, restarts, step_errors
-            self._lock.notify_all()
-        for stream in ended:
-            stream._end()
-
     def _fail_all(self, why: str) -> None:
-        with self._lock:
-            self._failed = self._failed or (None if self._closed and why == "the engine was closed" else why)
-            streams, self._streams = list(self._streams.values()), {}
-            self._running = 0
-            self._lock.notify_all()
+        super()._fail_all(why)
         for future in list(self._calls.values()):
             if not future.done():
                 future.set_exception(EngineClosed(why))
-        for stream in streams:
-            stream._end(why)

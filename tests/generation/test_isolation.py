@@ -152,7 +152,9 @@ def test_a_step_that_fails_twice_ends_its_request_and_nothing_restarts(gpt2, mon
         poison = Request.checked([7, POISON_TOKEN, 2], 8, layout, key=0)
         outs = list(Engine(pipe).generate(reqs[:2] + [poison] + reqs[2:]))
         results = {o.index: o.result for o in outs if o.result is not None}
-        assert pipe.restarts == [0, 0] and len(pipe.step_errors) == 2
+        # the step, its retry, and any step of that request submitted before the failure came back
+        assert pipe.restarts == [0, 0] and len(pipe.step_errors) >= 2
+        assert all("injected fault" in e for e in pipe.step_errors)
     assert results[2].finish == FinishReason.ERROR and "injected fault" in results[2].error
     assert [results[i].tokens for i in (0, 1, 3, 4, 5)] == want
 
