@@ -129,12 +129,15 @@ def test_sigterm_drains_then_exits(serve_bundle, tmp_path):
     processes are gone."""
     drain = 1.0
     longs = 30
+    # the connection opened before the signal must still be open after it, however long the streams
+    # take to start: neither the server (--keep-alive-timeout, default 5 s) nor httpx's pool
+    # (keepalive_expiry, default 5 s) may close it while it idles
     srv = ServerProcess(serve_bundle, "--stages", "2", "--processes", "--drain-timeout", str(drain),
-                        log_path=tmp_path / "stderr.txt", env=slowed(0.01))
+                        "--keep-alive-timeout", "600", log_path=tmp_path / "stderr.txt", env=slowed(0.01))
     pids = stage_pids(srv.metrics())
     short = {"model": MODEL, "prompt": [5, 6], "max_tokens": 4, "stream": True, "temperature": 0, "ignore_eos": True}
     long = {**short, "max_tokens": 55, "prompt": [7, 8]}
-    keep = httpx.Client(base_url=srv.url, timeout=30)  # a connection open before the signal
+    keep = httpx.Client(base_url=srv.url, timeout=30, limits=httpx.Limits(keepalive_expiry=600))  # open before the signal
     assert keep.get("/health").json() == {"status": "ok"}
     t_signal = [0.0]
 
