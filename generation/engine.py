@@ -68,11 +68,6 @@ class Engine:
         """End a request now; its last output comes from the next step."""
         self.core.cancel(index, why)
 
-    def cancel_all(self, why: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> list[RequestOutput]:
-        """End every request now, and return their last outputs."""
-        self.core.scheduler.cancel_all(why, error)
-        return self.output.process((), self.core.take_finished())
-
     def collect(self) -> list[RequestOutput]:
         """The last outputs of requests that ended without a step (cancelled while queued)."""
         return self.output.process((), self.core.take_finished())

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import uuid
 from typing import Any, AsyncIterator
