@@ -17,10 +17,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "kernels, launch lists, op programs and params. SOURCE is an .onnx file, a "
                     "torch.export program (.pt2, torch.export.save), a local Hugging Face checkpoint directory "
                     "(config.json and safetensors weights, as save_pretrained writes it: its forward pass, or with "
-                    "--decode its decode step; nothing is downloaded), or a built-in model: "
+                    "--decode its decode step; nothing is downloaded), a GGUF file with --decode (llama, mistral, qwen2; "
+                    "quantized weights kept packed and dequantized inside the matmul kernels), or a built-in model: "
                     + ", ".join(f"{m.name} ({m.description})" for m in BUILTIN_MODELS.values()) + ".",
     )
-    p.add_argument("source", metavar="SOURCE", help=".onnx file, .pt2 file, checkpoint directory, or built-in model name")
+    p.add_argument("source", metavar="SOURCE",
+                   help=".onnx file, .pt2 file, .gguf file, checkpoint directory, or built-in model name")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="bundle directory to write")
     p.add_argument("--arch", default="sm_90", help="CUDA architecture to generate code for (default: sm_90)")
     p.add_argument("--batch", type=int, default=None,
@@ -60,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=int, default=None, metavar="C",
                    help="with --decode: up to C tokens a row per step (input_ids [B,C], count [B]): prompts go "
                         "in C tokens a step (chunked prefill), generated tokens one, in the same graph (default 1)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="a GGUF file's tokenizer directory (tokenizer.json, ...), for a file without tokenizer.ggml.* "
+                        "(default: the file's own tokenizer and chat template, converted)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--quiet", action="store_true", help="no step lines on stderr")
     p.set_defaults(func=run)
@@ -95,6 +100,6 @@ def run(args: argparse.Namespace) -> int:
         path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
                              seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
                              name=args.name, decode=decode, chunk=1 if args.chunk is None else args.chunk,
-                             seq_len=args.seq_len, generation=generation)
+                             seq_len=args.seq_len, generation=generation, tokenizer=args.tokenizer)
     print(path)
     return 0

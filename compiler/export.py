@@ -116,7 +116,7 @@ def default_rules() -> list[Any]:
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
            seed: int = 0, progress: Progress | None = None, name: str | None = None,
            decode: int | None = None, chunk: int = 1, seq_len: int | None = None,
-           generation: Any = None) -> Exported:
+           generation: Any = None, tokenizer: str | None = None) -> Exported:
     """Compile SOURCE (.onnx, .pt2, a Hugging Face checkpoint directory, or a built-in model name)
     for CUDA `arch`. With `decode` (a max context), SOURCE is a decoder (compiler/decoders.py) or a
     checkpoint of one and the bundle is its decode step, taking up to `chunk` tokens a row; or a
@@ -136,7 +136,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
 
     with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk, dtype=dtype, seq_len=seq_len,
-                                   generation=generation)
+                                   generation=generation, tokenizer=tokenizer)
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -149,7 +149,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
             mod = _convert(mod, imp, want, names)
             mod = materialize_folded(mod, names, imp.weights)  # casts the conversion added on weights
     with _step(progress, "fuse"), target:
-        fused = _fuse(mod, names)
+        fused = _fuse(mod, names, imp.packed)
     prims = {name: fused.mod[name] for name in fused.calls}
     with _step(progress, "schedule", f"{len(prims)} functions"):
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
@@ -226,12 +226,14 @@ class _Fused:
     calls: dict[str, tuple[str, Any]]
 
 
-def _fuse(mod: Any, names: Any) -> _Fused:
-    """Record the model ops, legalize, fuse, and build graph.json from the fused main."""
+def _fuse(mod: Any, names: Any, packed: dict[str, Any] | None = None) -> _Fused:
+    """Record the model ops, legalize, fuse, and build graph.json from the fused main. `packed`
+    weight fields (main parameters until here) are bound after the last constant fold, and their
+    unpack ops fused into the matmuls that read them (dequantfuse.py)."""
     import tvm
     from tvm import relax
 
-    from tvmpipe.compiler import graphjson, lowfold, opmap, scanops
+    from tvmpipe.compiler import dequantfuse, graphjson, lowfold, opmap, scanops
 
     prog = opmap.record_ops(mod["main"])
     mod = scanops.scans_to_reductions(mod)  # before DispatchSortScan, which would take them
@@ -241,8 +243,11 @@ def _fuse(mod: Any, names: Any) -> _Fused:
     refolded = relax.transform.FoldConstant()(mod)
     names.track_fold(mod["main"], refolded["main"])
     # anything this second fold still folds reads as its constant (a param), as in the first
-    fusion = opmap.Fusion(refolded["main"], prog, folded=lowfold.match_folded(mod["main"], refolded["main"]))
+    folded = lowfold.match_folded(mod["main"], refolded["main"])
+    refolded, bound = dequantfuse.bind_packed(refolded, packed or {})
+    fusion = opmap.Fusion(refolded["main"], prog, folded={**folded, **bound})
     mod = relax.transform.FuseOps()(refolded)
+    mod, _ = dequantfuse.fuse_dequantize_matmul(mod, {opmap.key(c) for c in bound.values()})
     groups = fusion.groups(mod)
     mod = tvm.transform.Sequential([
         relax.transform.FuseTIR(), relax.transform.RewriteDataflowReshape(), relax.transform.DeadCodeElimination(),
@@ -363,7 +368,8 @@ def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
 def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH, batch: int | None = None,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
                   progress: Progress | None = None, name: str | None = None, decode: int | None = None,
-                  chunk: int = 1, seq_len: int | None = None, generation: Any = None) -> Path:
+                  chunk: int = 1, seq_len: int | None = None, generation: Any = None,
+                  tokenizer: str | None = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
@@ -372,7 +378,7 @@ def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH,
     if omit_params and decode is not None:  # known before the export: refused before it is paid for
         raise CompileError(_omit_decode(source))
     exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
-                      decode=decode, chunk=chunk, seq_len=seq_len, generation=generation)
+                      decode=decode, chunk=chunk, seq_len=seq_len, generation=generation, tokenizer=tokenizer)
     if omit_params:
         check_omittable(exported)
     with progress.step("write", str(out)):

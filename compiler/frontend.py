@@ -52,11 +52,13 @@ class Imported:
     native_dtype: str | None = None  # bfloat16/float16: the program was imported in float32 (_as_float32)
     tokenizer: list[Path] = field(default_factory=list)  # a checkpoint's tokenizer files, copied into the bundle
     output_names: list[str] = field(default_factory=list)  # a torch program's user outputs, as it names them
+    # packed weight fields (compiler/packed.py): main parameter name -> the constant the fuse step binds
+    packed: dict[str, Any] = field(default_factory=dict)
 
 
 def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None,
                 chunk: int = 1, dtype: str | None = None, seq_len: int | None = None,
-                generation: Any = None) -> Imported:
+                generation: Any = None, tokenizer: str | None = None) -> Imported:
     """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins).
     With `decode` (a max context), SOURCE is a decoder and the program is its decode step.
     A checkpoint directory imports in `dtype` (default: its own); its forward pass takes `seq_len`
@@ -70,6 +72,10 @@ def load_source(source: str, batch: int | None = None, seed: int = 0, decode: in
     if generation is not None and path.suffix != ".pt2":
         raise SourceError("--token-input, --position-input, --count-input and --logits-output declare a .pt2 "
                           "program's generation section")
+    if tokenizer is not None and path.suffix != ".gguf":
+        raise SourceError("--tokenizer names the tokenizer of a GGUF file (a checkpoint directory carries its own)")
+    if path.suffix == ".gguf":
+        return _from_gguf(path, batch or 1, decode, chunk, dtype, tokenizer)
     if path.is_dir():
         return _from_checkpoint(path, batch or 1, decode, chunk, dtype, seq_len)
     if path.suffix == ".pt2":
@@ -174,6 +180,53 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
         imp.state, imp.generation = spec.state_pairs(), spec.generation()
     imp.torch_module = module
     imp.tokenizer = list(ckpt.tokenizer_files)
+    return imp
+
+
+def _from_gguf(path: Path, batch: int, decode: int | None, chunk: int, dtype: str | None,
+               tokenizer: str | None) -> Imported:
+    """A GGUF file's decode step (compiler/ggufsource.py): quantized matrices kept packed, their
+    fields read from the file when the bundle is written, dequantized in the matmul kernels."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from tvmpipe.compiler.checkpoint import tokenizer_files
+    from tvmpipe.compiler.decoders import decode_step_module, export_step
+    from tvmpipe.compiler.ggufmodel import build_gguf_model
+    from tvmpipe.compiler.ggufsource import open_gguf, write_tokenizer
+
+    if decode is None:
+        raise SourceError(f"{path}: a GGUF file compiles as a decode step: pass --decode")
+    if dtype not in (None, "float32"):
+        raise SourceError(f"{path}: a GGUF bundle computes in float32 (its weights stay packed); --dtype {dtype} "
+                          "does not apply")
+    src = open_gguf(path)
+    if tokenizer is not None:
+        tok = tokenizer_files(Path(tokenizer))
+        if not tok:
+            raise SourceError(f"{tokenizer}: no tokenizer.json (--tokenizer names a tokenizer directory)")
+    elif not src.has_tokenizer:
+        raise SourceError(f"{path}: the file has no tokenizer (tokenizer.ggml.*); pass --tokenizer DIR with the "
+                          "model's tokenizer files")
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="tvmpipe-gguf-tokenizer-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        tok = write_tokenizer(src, tmp)
+    built = build_gguf_model(src)
+    module, spec = decode_step_module(built.model, decode, batch, chunk)
+    ep = export_step(module, spec)
+    source = {"kind": "gguf", "name": path.name, "sha256": None, "architecture": src.architecture,
+              "gguf_types": dict(sorted(src.types.items())), "tensor_bytes": src.tensor_bytes,
+              "decode": {"max_context": decode, **({"chunk": chunk} if chunk > 1 else {})}}
+    imp = _from_exported(ep, f"{src.name}_decode", source, files=built.sources_by_name(module), native="float32",
+                         decompose=False)
+    imp.dtype, imp.batch = "float32", batch
+    if imp.inputs != spec.inputs:
+        raise SourceError(f"internal: the decode step of {path} imported with inputs {imp.inputs}")
+    imp.state, imp.generation = spec.state_pairs(), spec.generation()
+    imp.torch_module = module
+    imp.tokenizer = list(tok)
     return imp
 
 
@@ -419,8 +472,15 @@ def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] 
     binding: dict[Any, Any] = {}
     const_names = ConstNames()
     lazy = LazyWeights()
+    packed: dict[str, Any] = {}
     for var, value in zip(param_vars, weights):
         # big weights are placeholders valued from the source tensor at write time (lazyweights.py)
+        if files and var.name in files and getattr(files[var.name], "fmt", None) is not None:
+            # a packed weight's field stays a parameter of main until the fuse step binds it
+            # (export._bind_packed): every fold before would compute its unpack ops as constants
+            packed[var.name] = lazy.bind_file(files[var.name], str(var.ty.dtype))
+            const_names.add(packed[var.name], var.name)
+            continue
         if files and var.name in files:
             const = lazy.bind_file(files[var.name], str(var.ty.dtype))
         elif sources and var.name in sources:
@@ -434,7 +494,7 @@ def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] 
         mod = relax.transform.BindParams("main", binding)(mod)
     mod = drop_empty_concat_operands(bool_compares_as_int8(te_calls_to_ops(mod)))
     mod = share_tied_embeddings(normalize_negative_indices(mod, const_names))
-    inputs = list(mod["main"].params)
+    inputs = list(mod["main"].params)[:n_in]
     try:
         shapes = [tuple(int(d) for d in v.ty.shape) for v in inputs]
     except TypeError:
@@ -445,4 +505,4 @@ def _bind(mod: Any, model: str, source: dict[str, Any], sources: dict[str, Any] 
     float_dtypes = [d for d in dtypes if d.startswith("float")]
     return Imported(mod=mod, model=model, source=source, inputs=[v.name for v in inputs], input_shapes=shapes,
                     input_dtypes=dtypes, batch=batch, dtype=float_dtypes[0] if float_dtypes else "float32",
-                    const_names=const_names, weights=lazy)
+                    const_names=const_names, weights=lazy, packed=packed)

@@ -112,10 +112,31 @@ def _numpy_t(node: Any, importer: Any) -> Any:
     return importer.block_builder.emit(relax.op.permute_dims(x, list(range(len(x.ty.shape.values)))[::-1]))
 
 
+def _shift(op: str) -> Callable[[Any, Any], Any]:
+    """aten `__rshift__`/`__lshift__` (a packed weight's unpacking, compiler/packed.py): TVM's
+    importer has bitwise and/or but no shifts; Relax's right_shift/left_shift on the same dtype."""
+
+    def convert(node: Any, importer: Any) -> Any:
+        from tvm import relax
+
+        x, s = _args(node, importer)[:2]
+        if not hasattr(s, "ty"):
+            s = relax.const(s, str(x.ty.dtype))
+        elif str(s.ty.dtype) != str(x.ty.dtype):
+            s = importer.block_builder.emit(relax.op.astype(s, str(x.ty.dtype)))
+        return importer.block_builder.emit(getattr(relax.op, op)(x, s))
+
+    return convert
+
+
+SHIFTS: dict[str, Callable[[Any, Any], Any]] = {
+    "__rshift__.Tensor": _shift("right_shift"), "__rshift__.Scalar": _shift("right_shift"),
+    "__lshift__.Tensor": _shift("left_shift"), "__lshift__.Scalar": _shift("left_shift"),
+}
 UNDECOMPOSED: dict[str, Callable[[Any, Any], Any]] = {"to.device": _to_device, "softmax.int": _softmax,
                                                       "numpy_T.default": _numpy_t}
 
 
 def converters(dtype: str, decomposed: bool) -> dict[str, Callable[[Any, Any], Any]]:
     """The converters for a checkpoint program imported in `dtype`, `decomposed` or as traced."""
-    return {**({} if decomposed else UNDECOMPOSED), **(HALF if dtype in ("bfloat16", "float16") else {})}
+    return {**SHIFTS, **({} if decomposed else UNDECOMPOSED), **(HALF if dtype in ("bfloat16", "float16") else {})}

@@ -129,6 +129,7 @@ for _name, _f in {
     "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor,
     "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
     "floor_divide": np.floor_divide, "floor_mod": np.mod,
+    "left_shift": np.left_shift, "right_shift": np.right_shift,  # unpacking quantized weights
 }.items():
     op(_name)(_binary(_f))
 

@@ -1,0 +1,134 @@
+"""The transformers model of a GGUF file, built without reading its weights, quantized ones packed.
+
+As for a checkpoint directory (compiler/hfmodel.py), the model is built on the meta device from
+the config transformers reads from the file's metadata, its buffers (rotary frequencies) computed
+by its own `_init_weights`, and every parameter becomes an unwritten `torch.empty` paired with the
+file tensor it holds (ggufsource.GGUFTensor). A linear layer or embedding whose GGUF tensor is
+quantized (or F16/BF16) becomes a PackedLinear / PackedEmbedding (compiler/packed.py) whose
+parameters are the fields of the file's blocks, dequantized by ops in the graph; the rest (norm
+scales, biases, F32 matrices) are plain float32 parameters. GGUF's names are mapped to the
+model's by transformers' own map (get_gguf_hf_weights_map), Llama's q/k rows are put back in
+transformers' order (a row permutation of the blocks: nothing is re-quantized), and a file without
+`output.weight` ties the LM head to the embedding, which is then stored once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvmpipe.compiler.errors import SourceError, one_line
+from tvmpipe.compiler.ggufsource import GGUFSource, GGUFTensor, q_k_rows
+from tvmpipe.compiler.hfmodel import CheckpointModel, _default_dtype, _set
+from tvmpipe.compiler.packed import FORMATS, packed_modules
+
+
+def build_gguf_model(src: GGUFSource) -> CheckpointModel:
+    """The file's model in float32, its weights the file's tensors (packed where quantized)."""
+    import torch
+
+    from tvmpipe.compiler import zoo
+
+    zoo.ensure_torchvision()
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    cfg = {k: v for k, v in src.config.items() if k != "model_type"}
+    try:
+        config = transformers.AutoConfig.for_model(src.model_type, **cfg)
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, TypeError, ...
+        raise SourceError(f"{src.path}: transformers cannot make a {src.model_type} config of its metadata "
+                          f"({type(exc).__name__}: {one_line(exc)})") from None
+    config._attn_implementation = "eager"
+    cls = getattr(transformers, src.architecture)
+    try:
+        with _default_dtype(torch.float32), torch.device("meta"):
+            model = cls(config)
+        with _default_dtype(torch.float32):
+            for name, buf in list(model.named_buffers(remove_duplicate=False)):
+                _set(model, name, torch.empty_like(buf, device="cpu"), buffer=True)
+            model.initialize_weights()
+    except Exception as exc:  # noqa: BLE001 - a config the class cannot build
+        raise SourceError(f"{src.path}: transformers cannot build {src.architecture} from its metadata "
+                          f"({type(exc).__name__}: {one_line(exc)})") from None
+    processor = TENSOR_PROCESSORS.get(src.arch, TensorProcessor)(config=src.config)
+    to_hf = get_gguf_hf_weights_map(model, processor)
+    by_hf = {hf: src.entries[g] for g, hf in to_hf.items() if g in src.entries}
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+
+    def rows(gguf_name: str, n: int) -> tuple[int, ...] | None:
+        if src.arch != "llama":  # llama.cpp permutes q/k of llama-architecture files only
+            return None
+        if ".attn_q." in gguf_name:
+            return q_k_rows(n, heads)
+        if ".attn_k." in gguf_name:
+            return q_k_rows(n, kv_heads)
+        return None
+
+    def tensor(hf_name: str, shape: tuple[int, ...]) -> Any:
+        entry = by_hf.get(hf_name)
+        if entry is None:
+            raise SourceError(f"{src.path}: the file has no tensor for '{hf_name}', which {src.architecture} "
+                              f"needs (its {len(src.entries)} tensors: {', '.join(list(src.entries)[:4])}, ...)")
+        if tuple(entry.shape) != tuple(shape):
+            raise SourceError(f"{src.path}: tensor '{entry.name}' is {list(entry.shape)} but {src.architecture} with "
+                              f"this metadata needs {list(shape)} for '{hf_name}'")
+        return entry
+
+    sources: dict[int, Any] = {}
+    linear_cls, embedding_cls = packed_modules()
+
+    def packed(entry: Any) -> tuple[Any, dict[str, Any]]:
+        fmt = FORMATS[entry.type]
+        r, c = entry.shape
+        perm = rows(entry.name, r)
+        fields = {}
+        for f in fmt.fields:
+            src_t = GGUFTensor(src.path, entry, fmt, f.name, perm)
+            p = torch.nn.Parameter(torch.empty(src_t.shape, dtype=getattr(torch, f.dtype)), requires_grad=False)
+            sources[id(p)] = src_t
+            fields[f.name] = p
+        return fmt, fields
+
+    def plain(hf_name: str, like: Any) -> Any:
+        entry = tensor(hf_name, tuple(like.shape))
+        p = torch.nn.Parameter(torch.empty(tuple(like.shape), dtype=torch.float32), requires_grad=False)
+        sources[id(p)] = GGUFTensor(src.path, entry, None, "", rows(entry.name, like.shape[0]) if like.dim() else None)
+        return p
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    emb_name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    head_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    emb_fields = None
+    for name, module in list(model.named_modules()):
+        if name == head_name and tied:
+            continue
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            entry = tensor(f"{name}.weight", tuple(module.weight.shape))
+            if entry.type in FORMATS:
+                fmt, fields = packed(entry)
+                r, c = entry.shape
+                if isinstance(module, torch.nn.Embedding):
+                    new = embedding_cls(fmt, r, c, fields)
+                    emb_fields = (fmt, r, c, fields)
+                else:
+                    bias = plain(f"{name}.bias", module.bias) if module.bias is not None else None
+                    new = linear_cls(fmt, r, c, fields, bias)
+                _replace(model, name, new)
+                continue
+        for pname, p in list(module.named_parameters(recurse=False)):
+            full = f"{name}.{pname}" if name else pname
+            _set(model, full, plain(full, p))
+    if head_name is not None and tied:
+        if emb_fields is not None:  # the head reads the embedding's packed fields: one tensor each
+            fmt, r, c, fields = emb_fields
+            _replace(model, head_name, linear_cls(fmt, r, c, fields, None))
+        else:
+            head = model.get_output_embeddings()
+            head.weight = model.get_input_embeddings().weight
+    return CheckpointModel(model.eval(), sources, "float32")
+
+
+def _replace(model: Any, name: str, module: Any) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, module)

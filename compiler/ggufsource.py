@@ -1,0 +1,217 @@
+"""A GGUF file (llama.cpp's format), read as `tvmpipe compile FILE.gguf --decode` needs it.
+
+The metadata and tensor directory are read with the `gguf` package (llama.cpp's reader) and
+transformers' own GGUF mapping (its config and tokenizer conversion); the tensors are never read
+here. Each weight is a `GGUFTensor`: a byte range of the file, read when the bundle's weights file
+is written (one tensor at a time), split into its blocks' fields (compiler/packed.py) for a
+quantized matrix. Refused in one line, before anything is written: a file that is not GGUF or is
+cut short, an architecture outside the decode step's families, a tensor type tvmpipe does not
+run (naming the tensor), and a file without a tokenizer unless `--tokenizer` names one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.bundle.dtypes import np_dtype
+from tvmpipe.compiler.errors import SourceError, one_line
+from tvmpipe.compiler.packed import FORMATS, PackedFormat
+
+# GGUF general.architecture -> the transformers CausalLM its decode step is built from
+ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                 "qwen2": "Qwen2ForCausalLM"}
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class GGUFEntry:
+    """One tensor of the file: its name, GGUF type, shape as NumPy orders it ([rows, cols]),
+    and its bytes' place in the file."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor the bundle stores: a plain float tensor of the file, or one field of a packed
+    matrix's blocks; rows permuted by `rows` where the file stores them permuted (Llama's q/k).
+    `numpy()` reads its bytes by byte range; the interface of checkpoint.CheckpointTensor."""
+
+    path: Path
+    entry: GGUFEntry
+    fmt: PackedFormat | None = None  # None: the file's float tensor, as it is
+    field_name: str = ""
+    rows: tuple[int, ...] | None = None  # a row permutation to apply
+
+    @property
+    def _field(self) -> Any:
+        return next(f for f in self.fmt.fields if f.name == self.field_name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.fmt is None:
+            return self.entry.shape
+        r, c = self.entry.shape
+        return self.fmt.field_shape(r, c, self._field)
+
+    @property
+    def dtype(self) -> str:
+        return FLOAT_TYPES[self.entry.type] if self.fmt is None else self._field.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np_dtype(self.dtype).itemsize
+
+    def numpy(self) -> np.ndarray:
+        raw = np.empty(self.entry.nbytes, np.uint8)
+        with open(self.path, "rb") as fh:
+            got = os.preadv(fh.fileno(), [memoryview(raw)], self.entry.offset)
+        if got != self.entry.nbytes:
+            raise SourceError(f"{self.path}: tensor '{self.entry.name}' is cut short ({got} of {self.entry.nbytes} "
+                              "bytes): the file is truncated")
+        if self.fmt is None:
+            out = raw.view(np_dtype(self.dtype)).reshape(self.entry.shape)
+        elif self.fmt.block == 1:
+            out = raw.view(np_dtype(self.dtype)).reshape(self.shape)
+        else:
+            f = self._field
+            r = self.entry.shape[0]
+            blocks = raw.reshape(r, -1, self.fmt.block_bytes)
+            out = np.ascontiguousarray(blocks[..., f.offset:f.offset + f.nbytes]).view(np_dtype(f.dtype))
+        if self.rows is not None:
+            out = out[np.asarray(self.rows)]
+        return np.ascontiguousarray(out)
+
+
+@dataclass
+class GGUFSource:
+    """What `tvmpipe compile FILE.gguf` takes from the file."""
+
+    path: Path
+    arch: str  # general.architecture (llama, qwen2, ...)
+    model_type: str  # transformers' (a llama file named mistral is mistral, as transformers reads it)
+    architecture: str  # the transformers class
+    config: dict[str, Any]  # transformers' config keys, from the metadata
+    entries: dict[str, GGUFEntry]
+    has_tokenizer: bool
+    tensor_bytes: int = 0
+    types: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensors
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def open_gguf(path: str | Path) -> GGUFSource:
+    """The GGUF file at `path`, checked: readable, whole, a supported architecture and every
+    tensor of a supported type."""
+    path = Path(path)
+    if not path.is_file():
+        raise SourceError(f"{path}: no such file")
+    try:
+        import gguf
+    except ImportError:
+        from tvmpipe.compiler.errors import TvmMissingError
+
+        raise TvmMissingError("gguf") from None
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct errors, IndexError, ...
+        raise SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {one_line(exc)})") from None
+    try:
+        return _read(path, reader)
+    finally:
+        del reader  # its memory map
+
+
+def _field(reader: Any, key: str) -> Any:
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    got = read_field(reader, key)
+    return got[0] if len(got) == 1 else (got or None)
+
+
+def _read(path: Path, reader: Any) -> GGUFSource:
+    size = path.stat().st_size
+    arch = _field(reader, "general.architecture")
+    name = _field(reader, "general.name") or ""
+    if arch not in ARCHITECTURES:
+        raise SourceError(f"{path}: GGUF architecture '{arch}' is not supported; supported: "
+                          f"{', '.join(ARCHITECTURES)}")
+    model_type = "mistral" if arch == "llama" and "mistral" in str(name).lower() else arch
+    entries: dict[str, GGUFEntry] = {}
+    types: dict[str, int] = {}
+    total = 0
+    for t in reader.tensors:
+        tname = t.tensor_type.name
+        if tname not in TYPES:
+            raise SourceError(f"{path}: tensor '{t.name}' is {tname}, which tvmpipe does not run (supported: "
+                              f"{', '.join(TYPES)})")
+        ne = [int(d) for d in t.shape]  # ne0 (the row length) first
+        shape = tuple(reversed(ne))
+        if tname in FORMATS and FORMATS[tname].block > 1 and (len(shape) != 2 or shape[1] % FORMATS[tname].block):
+            raise SourceError(f"{path}: tensor '{t.name}' is {tname} with shape {list(shape)}: a quantized tensor "
+                              "must be a matrix whose rows are whole blocks")
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise SourceError(f"{path}: tensor '{t.name}' ends at byte {end} but the file has {size}: the file is "
+                              "truncated")
+        entries[t.name] = GGUFEntry(t.name, tname, shape, int(t.data_offset), int(t.n_bytes))
+        types[tname] = types.get(tname, 0) + 1
+        total += int(t.n_bytes)
+    if not entries:
+        raise SourceError(f"{path}: the GGUF file holds no tensors")
+    try:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, ...
+        raise SourceError(f"{path}: transformers cannot read its metadata ({type(exc).__name__}: "
+                          f"{one_line(exc)})") from None
+    config = dict(parsed.get("config", {}))
+    has_tok = _field(reader, "tokenizer.ggml.model") is not None and _field(reader, "tokenizer.ggml.tokens") is not None
+    return GGUFSource(path=path, arch=arch, model_type=config.get("model_type", model_type),
+                      architecture=ARCHITECTURES[arch], config=config, entries=entries, has_tokenizer=has_tok,
+                      tensor_bytes=total, types=types)
+
+
+def q_k_rows(rows: int, heads: int) -> tuple[int, ...]:
+    """The row order that undoes llama.cpp's q/k permutation (convert_hf_to_gguf's `permute`),
+    as transformers' LlamaTensorProcessor undoes it: row r of the HF weight is row out[r] of the
+    file's."""
+    idx = np.arange(rows)
+    dim = rows // heads // 2
+    return tuple(int(i) for i in idx.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows))
+
+
+def write_tokenizer(src: GGUFSource, out_dir: Path) -> list[Path]:
+    """The file's tokenizer (tokenizer.ggml.*) and chat template as the tokenizer files text
+    generation reads (tokenizer.json, tokenizer_config.json, ...), converted by transformers,
+    offline, into `out_dir`."""
+    from tvmpipe.bundle.bundle import TOKENIZER_FILES
+    from tvmpipe.compiler import zoo
+
+    zoo.ensure_torchvision()
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                                         local_files_only=True)
+        tok.save_pretrained(str(out_dir))
+    except Exception as exc:  # noqa: BLE001 - the converters raise anything on a tokenizer they do not know
+        raise SourceError(f"{src.path}: transformers cannot convert its tokenizer ({type(exc).__name__}: "
+                          f"{one_line(exc)}); pass --tokenizer DIR with the model's tokenizer files") from None
+    files = [out_dir / n for n in TOKENIZER_FILES if (out_dir / n).is_file()]
+    if not files or files[0].name != TOKENIZER_FILES[0]:
+        raise SourceError(f"{src.path}: its tokenizer converts to no {TOKENIZER_FILES[0]}; pass --tokenizer DIR")
+    return files

@@ -1,0 +1,191 @@
+"""`tvmpipe compile FILE.gguf --decode`: GGUF files, their quantized matrices kept packed.
+
+The files are written by gguf's own GGUFWriter (tests/support/gguf_files.py): a tiny Llama with
+every listed tensor type once (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32;
+the k-quants, which gguf cannot write, as random blocks with sane scales), a tied Llama whose LM
+head reads the packed Q8_0 embedding, and a Qwen2 (q/k/v biases, no q/k permutation) in
+Q4_K_M's mix. Each bundle, on the reference backend, gives the greedy tokens of transformers'
+own load of the same file (`from_pretrained(dir, gguf_file=...)`, which dequantizes with gguf's
+NumPy dequantizers), with every step's logits within 1e-4 x max|logits| of transformers'; and at K = 2 as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.gguf_files import HIDDEN, MIXED, load_transformers, tensor_bytes, write_gguf
+
+pytest.importorskip("tvm")
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.tvm
+
+PROMPT = [5, 17, 3, 60, 9]
+NEW = 8
+CONTEXT = 24
+Q4_K_M = {**{k: "Q4_K" for k in MIXED}, "output.weight": "Q6_K", "token_embd.weight": "Q6_K",
+          "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K"}
+CASES = {
+    "llama_mixed": dict(types=MIXED),
+    "llama_tied_q8": dict(types={k: "Q8_0" for k in MIXED}, tied=True, seed=2),
+    "qwen2_q4_k_m": dict(types=Q4_K_M, arch="qwen2", seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_case(tmp_path_factory: pytest.TempPathFactory):
+    """gguf_case(name) -> (file, bundle): written and compiled once per module."""
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in cache:
+            d = tmp_path_factory.mktemp(f"gguf_{name}")
+            f = write_gguf(d / f"{name}.gguf", **CASES[name])
+            export(str(f), decode=CONTEXT, progress=Progress(stream=None)).write(d / "b")
+            cache[name] = (f, d / "b")
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_gguf_bundle_gives_transformers_tokens_and_logits(name, gguf_case):
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    f, bundle = gguf_case(name)
+    b = load_bundle(bundle)
+    assert b.manifest.source["kind"] == "gguf" and b.manifest.dtype == "float32"
+    model = load_transformers(f)
+    want = transformers_generate(model, PROMPT, NEW)
+    assert len(set(want)) > 1, want  # a stream that is not one repeated token: the check can fail
+    got = greedy_decode(bundle, PROMPT, NEW)
+    assert got.tokens[0] == want
+    logits = np.stack([step[0] for step in got.logits])
+    ref = transformers_logits(model, PROMPT + want)[:len(logits)]
+    # within 1e-4 of the logits' scale, as tests/compiler/test_decode.py (summation order only)
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max(), (np.abs(logits - ref).max(), np.abs(ref).max())
+    # memory: the bundle holds the file's tensors' bytes (packed as they are), nothing dequantized
+    weights = sum(b.param_nbytes(n) for n in b.param_names)
+    assert weights <= 1.05 * tensor_bytes(f), (weights, tensor_bytes(f))
+
+
+def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(gguf_case):
+    """Every packed field is a uint8/int8/f16/bf16 param of the file's bytes; every function reading
+    one either gathers embedding rows (take) or holds the matmul: one kernel, which reads the packed
+    bytes, and no kernel that writes a float weight to memory."""
+    from tvmpipe.bundle import load_bundle
+
+    f, bundle = gguf_case("llama_mixed")
+    b = load_bundle(bundle)
+    ops = json.loads((bundle / "ops.json").read_text())["functions"]
+    kernels = json.loads((bundle / "kernels.json").read_text())["functions"]
+    packed = {n for n in b.param_names if b.graph.entry_of(n).dtype in ("uint8", "int8", "float16", "bfloat16")
+              and np.prod(b.graph.entry_of(n).shape) > 64}  # not the shift amounts ([2, 1] uint8)
+    assert {n.rsplit("_", 1)[-1] for n in packed} >= {"qs", "qh", "ql", "d", "dmin", "m", "scales", "w"}
+    nodes = b.graph.nodes
+    matrices = set()  # the packed matrices the matmul kernels read (a field name less its last part)
+    for node in nodes:
+        if node.op != "tvm_op" or node.attrs.get("func_name") in (None, "__nop"):
+            continue
+        names = {nodes[i.node].name for i in node.inputs}
+        if not names & packed:
+            continue
+        fn = node.attrs["func_name"]
+        kinds = [o["op"] for o in ops[fn]["ops"]]
+        assert "matmul" in kinds or "take" in kinds, (fn, kinds)
+        if "take" in kinds and "matmul" not in kinds:  # the embedding: the token's row, not the table
+            for k in range(len(ops[fn]["outputs"])):
+                assert np.prod(b.graph.entry_of(node.index, k).shape) <= HIDDEN, (fn, k)
+        else:
+            matrices |= {n.rsplit("_", 1)[0] for n in names & packed}
+            assert len(kernels[fn]["launches"]) == 1, fn
+            assert "right_shift" in kinds or "astype" in kinds, kinds  # the unpack ops are in it
+    # every linear layer of both blocks (one F32: not packed) and the head
+    assert len(matrices) == 2 * 7 - 1 + 1, sorted(matrices)
+
+
+def test_the_gguf_tokenizer_and_chat_template_become_the_bundle_tokenizer(gguf_case):
+    from transformers import AutoTokenizer
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.generation.text import load_text_codec
+
+    f, bundle = gguf_case("llama_mixed")
+    b = load_bundle(bundle)
+    hf = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
+    codec = load_text_codec(b.tokenizer_dir)
+    assert codec.encode("the cat is") == hf.encode("the cat is")
+    msgs = [{"role": "user", "content": "hi"}]
+    text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|user|>hi</s><|assistant|>"  # the file's template (tests/support/gguf_files.py CHAT)
+    assert codec.render_chat(msgs, add_generation_prompt=True) == text
+    assert codec.apply_chat_template(msgs) == hf.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.slow
+def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(gguf_case):
+    from tvmpipe.compiler.decoders import transformers_generate
+
+    f, bundle = gguf_case("llama_mixed")
+    want = transformers_generate(load_transformers(f), PROMPT, NEW)
+    for k in (1, 2):
+        args = [sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(k), "--processes",
+                "--max-new-tokens", str(NEW), "--json", "--prompt-ids", ",".join(map(str, PROMPT))]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout)["sequences"][0]["tokens"] == want, k
+
+
+# ---- bad input: one line each, nothing written -------------------------------------------------
+
+def _compile(capsys, src: Path, out: Path, *extra: str) -> str:
+    from tvmpipe.cli import main
+
+    code = main(["compile", str(src), "--decode", "--max-context", "16", "-o", str(out), "--quiet", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert not out.exists()
+    return err
+
+
+def test_an_unsupported_tensor_type_is_refused_naming_the_tensor(tmp_path, capsys):
+    f = write_gguf(tmp_path / "q2.gguf", {**MIXED, "blk.1.ffn_up.weight": "Q2_K"})
+    err = _compile(capsys, f, tmp_path / "b")
+    assert "blk.1.ffn_up.weight" in err and "Q2_K" in err
+
+
+def test_an_unsupported_architecture_is_refused(tmp_path, capsys):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    err = _compile(capsys, tmp_path / "rwkv.gguf", tmp_path / "b")
+    assert "rwkv6" in err and "llama" in err
+
+
+def test_a_truncated_or_corrupt_file_is_refused(tmp_path, capsys):
+    f = write_gguf(tmp_path / "whole.gguf")
+    data = f.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 5000])
+    assert "truncated" in _compile(capsys, cut, tmp_path / "b1")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUX" + data[4:200])
+    assert "not a readable GGUF file" in _compile(capsys, bad, tmp_path / "b2")
+
+
+def test_a_gguf_without_a_tokenizer_needs_tokenizer(tmp_path, capsys):
+    f = write_gguf(tmp_path / "notok.gguf", tokenizer=False)
+    err = _compile(capsys, f, tmp_path / "b")
+    assert "no tokenizer" in err and "--tokenizer" in err

@@ -1,0 +1,162 @@
+"""Tiny GGUF files for `tvmpipe compile FILE.gguf`, written with gguf's own GGUFWriter.
+
+A Llama (or Qwen2) of 2 layers, hidden 256 (the k-quants' rows are blocks of 256 values), 4 heads,
+2 KV heads, MLP 512, vocabulary 128, with seeded weights, written as llama.cpp's converter writes
+it: GGUF tensor names (`blk.0.attn_q.weight`), Llama's q/k rows permuted, the metadata
+(`llama.context_length`, ...) and a SentencePiece-style tokenizer with a chat template.
+
+Each matrix takes the type `types` gives it (by GGUF name; others F32). Types gguf can quantize
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) are quantized by gguf.quants from the float weight;
+the k-quants (Q4_K, Q5_K, Q6_K), which gguf reads but cannot write, are random blocks whose f16
+scales are set to small values, so that gguf's NumPy dequantizer (what transformers loads them
+with) gives weights of the usual size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 128, 256, 2, 4, 2, 512
+CONTEXT = 256
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+# every listed type once across the two layers: Q4_K_M-like (Q4_K beside Q6_K) plus the rest
+MIXED = {
+    "token_embd.weight": "Q4_K", "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.0.attn_v.weight": "Q5_0",
+    "blk.0.attn_output.weight": "Q5_1", "blk.0.ffn_gate.weight": "Q8_0", "blk.0.ffn_up.weight": "Q4_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_q.weight": "Q5_K", "blk.1.attn_k.weight": "F16", "blk.1.attn_v.weight": "BF16",
+    "blk.1.attn_output.weight": "Q4_K", "blk.1.ffn_gate.weight": "F32", "blk.1.ffn_up.weight": "Q6_K",
+    "blk.1.ffn_down.weight": "Q5_K",
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute` of q/k rows (what a reader undoes)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _kquant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: object) -> np.ndarray:
+    from gguf.constants import GGML_QUANT_SIZES
+    from tvmpipe.compiler.packed import FORMATS
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, size)
+    fmt = FORMATS.get(qtype.name)  # a type tvmpipe does not run (Q2_K): random bytes are enough
+    for f in fmt.fields if fmt else ():
+        if f.dtype == "float16":
+            d = rng.uniform(2e-4, 1e-3, blocks.shape[:2]).astype(np.float16)
+            blocks[..., f.offset:f.offset + 2] = d[..., None].view(np.uint8)
+    return raw
+
+
+def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, qtype_name: str) -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype_name == "F32":
+        writer.add_tensor(name, w.astype(np.float32))
+        return
+    if qtype_name == "F16":
+        writer.add_tensor(name, w.astype(np.float16))
+        return
+    qt = GGMLQuantizationType[qtype_name]
+    if qtype_name in ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"):
+        raw = _kquant_blocks(rng, w.shape[0], w.shape[1], qt)
+    else:
+        raw = quants.quantize(w.astype(np.float32), qt)
+    writer.add_tensor(name, raw, raw_dtype=qt)
+
+
+def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "llama", tied: bool = False,
+               seed: int = 1, tokenizer: bool = True, embedding_scale: float | None = None) -> Path:
+    """A tiny `arch` model (llama or qwen2) as a GGUF file at `path`; `types` by GGUF tensor name.
+    A tied embedding is drawn smaller (0.05 by default), else the head's product with the last
+    token's own embedding wins and the model repeats its input."""
+    import gguf
+
+    types = dict(MIXED if types is None else types)
+    rng = np.random.default_rng(seed)
+    head_dim = HIDDEN // HEADS
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_rope_dimension_count(head_dim)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(VOCAB)
+    if tokenizer:
+        specials = ["<unk>", "<s>", "</s>"]
+        pieces = specials + [f"<0x{i:02X}>" for i in range(32, 32 + 40)] + \
+            ["\u2581" + c for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz") + \
+            ["\u2581the", "\u2581is", "\u2581of"]
+        pieces = pieces[:VOCAB] + [f"x{i}" for i in range(VOCAB - len(pieces))]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores([0.0] * 3 + [-float(i) for i in range(VOCAB - 3)])
+        w.add_token_types([2, 3, 3] + [6] * 40 + [1] * (VOCAB - 43))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_chat_template(CHAT)
+
+    def mat(rows: int, cols: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def add(name: str, value: np.ndarray) -> None:
+        _tensor(w, rng, name, value, types.get(name, "F32") if value.ndim == 2 else "F32")
+
+    add("token_embd.weight", mat(VOCAB, HIDDEN, embedding_scale or (0.05 if tied else 1.0)))
+    for i in range(LAYERS):
+        q, k = mat(HIDDEN, HIDDEN), mat(KV_HEADS * head_dim, HIDDEN)
+        if arch == "llama":
+            q, k = _permute(q, HEADS), _permute(k, KV_HEADS)
+        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
+        add(f"blk.{i}.attn_q.weight", q)
+        add(f"blk.{i}.attn_k.weight", k)
+        add(f"blk.{i}.attn_v.weight", mat(KV_HEADS * head_dim, HIDDEN))
+        if arch == "qwen2":
+            for n, size in (("q", HIDDEN), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim)):
+                add(f"blk.{i}.attn_{n}.bias", 0.1 * rng.standard_normal(size).astype(np.float32))
+        add(f"blk.{i}.attn_output.weight", mat(HIDDEN, HIDDEN))
+        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
+        add(f"blk.{i}.ffn_gate.weight", mat(FFN, HIDDEN))
+        add(f"blk.{i}.ffn_up.weight", mat(FFN, HIDDEN))
+        add(f"blk.{i}.ffn_down.weight", mat(HIDDEN, FFN, 0.06))
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
+    if not tied:
+        add("output.weight", mat(VOCAB, HIDDEN, 0.3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def load_transformers(path: Path):
+    """transformers' own load of the file (it dequantizes every tensor with gguf), float32, eager."""
+    import torch
+    import transformers
+
+    from tvmpipe.compiler import zoo
+
+    zoo.ensure_torchvision()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def tensor_bytes(path: Path) -> int:
+    """The bytes of the file's tensors (what a bundle's weights are measured against)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
