@@ -65,6 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="a GGUF file's tokenizer directory (tokenizer.json, ...), for a file without tokenizer.ggml.* "
                         "(default: the file's own tokenizer and chat template, converted)")
+    p.add_argument("--quantize", choices=["int4", "int8"], default=None,
+                   help="with a checkpoint directory and --decode: group-quantize every linear layer (int4: MLC's "
+                        "q4f16_1, a float16 scale per group; int8), kept packed and unpacked inside the matmul kernels")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="with --quantize: values per scale (default 32)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--quiet", action="store_true", help="no step lines on stderr")
     p.set_defaults(func=run)
@@ -100,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         path = compile_model(args.source, args.output, arch=args.arch, batch=args.batch, dtype=args.dtype,
                              seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
                              name=args.name, decode=decode, chunk=1 if args.chunk is None else args.chunk,
-                             seq_len=args.seq_len, generation=generation, tokenizer=args.tokenizer)
+                             seq_len=args.seq_len, generation=generation, tokenizer=args.tokenizer,
+                             quantize=args.quantize, group_size=args.group_size)
     print(path)
     return 0

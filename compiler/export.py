@@ -116,7 +116,8 @@ def default_rules() -> list[Any]:
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
            seed: int = 0, progress: Progress | None = None, name: str | None = None,
            decode: int | None = None, chunk: int = 1, seq_len: int | None = None,
-           generation: Any = None, tokenizer: str | None = None) -> Exported:
+           generation: Any = None, tokenizer: str | None = None, quantize: str | None = None,
+           group_size: int | None = None) -> Exported:
     """Compile SOURCE (.onnx, .pt2, a Hugging Face checkpoint directory, or a built-in model name)
     for CUDA `arch`. With `decode` (a max context), SOURCE is a decoder (compiler/decoders.py) or a
     checkpoint of one and the bundle is its decode step, taking up to `chunk` tokens a row; or a
@@ -136,7 +137,8 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
 
     with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk, dtype=dtype, seq_len=seq_len,
-                                   generation=generation, tokenizer=tokenizer)
+                                   generation=generation, tokenizer=tokenizer, quantize=quantize,
+                                   group_size=group_size)
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -369,7 +371,7 @@ def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
                   progress: Progress | None = None, name: str | None = None, decode: int | None = None,
                   chunk: int = 1, seq_len: int | None = None, generation: Any = None,
-                  tokenizer: str | None = None) -> Path:
+                  tokenizer: str | None = None, quantize: str | None = None, group_size: int | None = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
@@ -378,7 +380,8 @@ def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH,
     if omit_params and decode is not None:  # known before the export: refused before it is paid for
         raise CompileError(_omit_decode(source))
     exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
-                      decode=decode, chunk=chunk, seq_len=seq_len, generation=generation, tokenizer=tokenizer)
+                      decode=decode, chunk=chunk, seq_len=seq_len, generation=generation, tokenizer=tokenizer,
+                      quantize=quantize, group_size=group_size)
     if omit_params:
         check_omittable(exported)
     with progress.step("write", str(out)):

@@ -58,7 +58,8 @@ class Imported:
 
 def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None,
                 chunk: int = 1, dtype: str | None = None, seq_len: int | None = None,
-                generation: Any = None, tokenizer: str | None = None) -> Imported:
+                generation: Any = None, tokenizer: str | None = None, quantize: str | None = None,
+                group_size: int | None = None) -> Imported:
     """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins).
     With `decode` (a max context), SOURCE is a decoder and the program is its decode step.
     A checkpoint directory imports in `dtype` (default: its own); its forward pass takes `seq_len`
@@ -76,8 +77,10 @@ def load_source(source: str, batch: int | None = None, seed: int = 0, decode: in
         raise SourceError("--tokenizer names the tokenizer of a GGUF file (a checkpoint directory carries its own)")
     if path.suffix == ".gguf":
         return _from_gguf(path, batch or 1, decode, chunk, dtype, tokenizer)
+    if (quantize is not None or group_size is not None) and not (path.is_dir() and decode is not None):
+        raise SourceError("--quantize and --group-size quantize a checkpoint directory's decode step (DIR --decode)")
     if path.is_dir():
-        return _from_checkpoint(path, batch or 1, decode, chunk, dtype, seq_len)
+        return _from_checkpoint(path, batch or 1, decode, chunk, dtype, seq_len, quantize, group_size)
     if path.suffix == ".pt2":
         imp = _from_pt2(path, batch)
         if generation is not None or decode is not None:
@@ -132,7 +135,7 @@ DEFAULT_SEQ_LEN = 64
 
 
 def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dtype: str | None,
-                     seq_len: int | None) -> Imported:
+                     seq_len: int | None, quantize: str | None = None, group_size: int | None = None) -> Imported:
     """A Hugging Face checkpoint directory (compiler/checkpoint.py): with `decode` (a max context)
     its decode step, else its forward pass over `seq_len` tokens; in `dtype` (default: the
     checkpoint's own, half precision imported as such: compiler/importops.py). The model is built
@@ -148,9 +151,21 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
 
     ckpt = open_checkpoint(path, decode is not None)
     want = dtype or ckpt.dtype
+    if quantize is not None or group_size is not None:
+        from tvmpipe.compiler import quantize as quant
+
+        scheme, group = quantize or "int4", group_size or quant.DEFAULT_GROUP
+        quant.check(scheme, group)
+        if want != "float32" and dtype is not None:
+            raise SourceError(f"--quantize computes in float32 (weights packed, unpacked to float32 in the kernels); "
+                              f"--dtype {dtype} does not apply")
+        want = "float32"
     built = build_model(ckpt, want)
     source = {"kind": "checkpoint", "name": ckpt.name, "sha256": None, "architecture": ckpt.architecture,
               "dtype": ckpt.dtype, "config_sha256": sha256_file(path / CONFIG)}
+    if quantize is not None or group_size is not None:
+        layers = quant.quantize_linears(built, scheme, group)
+        source["quantize"] = {"scheme": scheme, "group_size": group, "layers": len(layers)}
     spec = None
     if decode is not None:
         module, spec = decode_step_module(built.model, decode, batch, chunk)

@@ -180,8 +180,10 @@ def _read(path: Path, reader: Any) -> GGUFSource:
                           f"{one_line(exc)})") from None
     config = dict(parsed.get("config", {}))
     has_tok = _field(reader, "tokenizer.ggml.model") is not None and _field(reader, "tokenizer.ggml.tokens") is not None
-    return GGUFSource(path=path, arch=arch, model_type=config.get("model_type", model_type),
-                      architecture=ARCHITECTURES[arch], config=config, entries=entries, has_tokenizer=has_tok,
+    model_type = config.get("model_type", model_type)
+    return GGUFSource(path=path, arch=arch, model_type=model_type,
+                      architecture=ARCHITECTURES.get(model_type, ARCHITECTURES[arch]), config=config, entries=entries,
+                      has_tokenizer=has_tok,
                       tensor_bytes=total, types=types)
 
 

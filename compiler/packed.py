@@ -86,6 +86,15 @@ FORMATS: dict[str, PackedFormat] = {f.name: f for f in (
 )}
 
 
+def group_format(scheme: str, group: int) -> PackedFormat:
+    """--quantize's layouts: Q4_0 (int4) and Q8_0 (int8) with `group` values a block instead of 32
+    (a block's float16 scale d, then its values; int4's value i is the low nibble of byte i and
+    value group/2 + i the high one)."""
+    if scheme == "int4":
+        return PackedFormat("int4", group, 2 + group // 2, (_f("d", 0, 2, "float16"), _f("qs", 2, group // 2)))
+    return PackedFormat("int8", group, 2 + group, (_f("d", 0, 2, "float16"), _f("qs", 2, group, "int8")))
+
+
 def _shifts(*values: int) -> Any:
     """A small uint8 constant of shift amounts, shaped [n, 1] to broadcast over a field's last axis."""
     import torch
@@ -121,8 +130,11 @@ def dequantize(fmt: PackedFormat, f: dict[str, Any]) -> Any:
     first = f[fmt.fields[0].name]
     r, nb = first.shape[0], first.shape[1]
     name = fmt.name
-    if name == "Q8_0":
+    if name in ("Q8_0", "int8"):
         w = f["qs"].to(f32) * f["d"].to(f32)
+    elif name == "int4":
+        q = _nibbles(f["qs"], (r, nb)).reshape(r, nb, fmt.block)
+        w = f["d"].to(f32) * (q.to(f32) - 8.0)
     elif name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         q = _nibbles(f["qs"], (r, nb)).reshape(r, nb, 32)
         if name in ("Q5_0", "Q5_1"):

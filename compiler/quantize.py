@@ -1,0 +1,135 @@
+"""`--quantize int4|int8 [--group-size G]`: group quantization of a float checkpoint's linear layers.
+
+MLC's q4f16_1 is the anchor: symmetric int4 with one float16 scale per group of G = 32 values of a
+row, two values a byte; int8 the same with one int8 a value. The layouts are GGUF's Q4_0 and
+Q8_0 with the group size free (compiler/packed.py `group_format`), so the same unpack ops and the
+same fused matmul kernels run them. Each weight is quantized when the bundle's weights file is
+written, one tensor at a time, from the checkpoint tensor read by byte range (streamed like any
+checkpoint compile): `QuantizedTensor.numpy()` computes one field. Every linear layer is
+quantized except a head tied to the embedding (the embedding, a lookup, stays in float).
+
+The values, for a group x of G floats (float32):
+    int4: d = max|x| signed as in llama.cpp's Q4_0 (the value of largest magnitude / -8),
+          q = clip(trunc(x / d + 8.5), 0, 15),  x' = d * (q - 8)
+    int8: d = max|x| / 127,  q = round(x / d),  x' = q * d
+with d rounded to float16 first's counterpart: q is computed from float32 d as gguf.quants does,
+then d stored as float16 (so x' uses the stored d). `fake_quantize` gives x' for the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tvmpipe.compiler.packed import PackedFormat, group_format
+
+SCHEMES = ("int4", "int8")
+DEFAULT_GROUP = 32
+
+
+def quantize_blocks(w: np.ndarray, scheme: str, group: int) -> dict[str, np.ndarray]:
+    """The fields {d, qs} of a float matrix [rows, cols] in `scheme` with groups of `group`."""
+    from gguf import GGMLQuantizationType, quants
+
+    rows, cols = w.shape
+    x = np.ascontiguousarray(w, np.float32).reshape(rows * cols // group, group)
+    if scheme == "int4":
+        imax = np.abs(x).argmax(axis=-1, keepdims=True)
+        d = np.take_along_axis(x, imax, axis=-1) / -8
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, 0, 1 / d)
+        q = np.trunc(x * inv + np.float32(8.5), dtype=np.float32).astype(np.uint8).clip(0, 15)
+        q = q.reshape(-1, 2, group // 2)
+        qs = q[:, 0, :] | (q[:, 1, :] << np.uint8(4))
+    else:
+        blocks = quants.quantize(x, GGMLQuantizationType.Q8_0) if group == 32 else None
+        d = np.abs(x).max(axis=-1, keepdims=True) / 127
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, 0, 1 / d)
+        qs = quants.np_roundf(x * inv).astype(np.int8)
+        if blocks is not None:  # the same bytes as llama.cpp's Q8_0 (checked, group 32)
+            assert blocks[:, 2:].view(np.int8).tobytes() == qs.tobytes()
+    nb = cols // group
+    return {"d": d.astype(np.float16).reshape(rows, nb, 1), "qs": qs.reshape(rows, nb, -1)}
+
+
+def fake_quantize(w: np.ndarray, scheme: str, group: int) -> np.ndarray:
+    """The float32 matrix a quantized bundle computes with (the fields dequantized as its ops do)."""
+    import torch
+
+    from tvmpipe.compiler.packed import dequantize
+
+    f = quantize_blocks(w, scheme, group)
+    fmt = group_format(scheme, group)
+    return dequantize(fmt, {k: torch.from_numpy(v) for k, v in f.items()}).numpy().reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One field of a checkpoint matrix quantized when read (the CheckpointTensor interface)."""
+
+    source: Any  # checkpoint.CheckpointTensor
+    fmt: PackedFormat
+    field_name: str
+    scheme: str
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        r, c = self.source.shape
+        return self.fmt.field_shape(r, c, next(f for f in self.fmt.fields if f.name == self.field_name))
+
+    @property
+    def dtype(self) -> str:
+        return next(f for f in self.fmt.fields if f.name == self.field_name).dtype
+
+    def numpy(self) -> np.ndarray:
+        w = self.source.numpy()
+        if str(w.dtype) != "float32":
+            w = w.astype(np.float32)
+        return np.ascontiguousarray(quantize_blocks(w, self.scheme, self.group)[self.field_name])
+
+
+def check(scheme: str, group: int) -> None:
+    from tvmpipe.compiler.errors import SourceError
+
+    if scheme not in SCHEMES:
+        raise SourceError(f"--quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if group < 2 or group % 2 or group > 4096:
+        raise SourceError(f"--group-size must be an even number from 2 to 4096, got {group}")
+
+
+def quantize_linears(built: Any, scheme: str, group: int) -> list[str]:
+    """Replace every nn.Linear of `built.model` (a hfmodel.CheckpointModel) whose input size is a
+    multiple of `group` by a PackedLinear of quantized fields, except a head tied to the
+    embedding; returns the layers quantized."""
+    import torch
+
+    from tvmpipe.compiler.errors import SourceError
+    from tvmpipe.compiler.packed import packed_modules
+
+    linear_cls, _ = packed_modules()
+    fmt = group_format(scheme, group)
+    model = built.model
+    emb = model.get_input_embeddings().weight
+    done = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or module.weight is emb:
+            continue
+        rows, cols = module.weight.shape
+        if cols % group:
+            raise SourceError(f"--group-size {group} does not divide the {cols} inputs of layer '{name}'")
+        src = built.sources[id(module.weight)]
+        fields = {}
+        for f in fmt.fields:
+            t = QuantizedTensor(src, fmt, f.name, scheme, group)
+            p = torch.nn.Parameter(torch.empty(t.shape, dtype=getattr(torch, f.dtype)), requires_grad=False)
+            built.sources[id(p)] = t
+            fields[f.name] = p
+        new = linear_cls(fmt, rows, cols, fields, module.bias)
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, new)
+        done.append(name)
+    return done
