@@ -48,12 +48,13 @@ class OpenPipeline:
 
 @contextlib.contextmanager
 def open_decode_pipeline(options: ClusterOptions, bundle: "Bundle", plan: "Plan", *,
-                         slots: int | None = None) -> Iterator[OpenPipeline]:
-    """The pipeline for the duration of the block; it, then the cluster, closed afterwards."""
+                         slots: int | None = None, scores: bool = False) -> Iterator[OpenPipeline]:
+    """The pipeline for the duration of the block; it, then the cluster, closed afterwards.
+    `scores`: its sampling stage sends the rows' log probabilities (a server's logprobs)."""
     from tvmpipe.cluster.driver import Pipeline
 
     with open_cluster(options, plan.num_stages) as cluster:
         backend = pick_backend(options.backend, cluster.gpus)
         kw = pipeline_kwargs(options, cluster, backend, plan.num_stages)
-        with Pipeline(bundle, plan, slots=slots, logits=False, **kw) as pipe:
+        with Pipeline(bundle, plan, slots=slots, logits=False, scores=scores, **kw) as pipe:
             yield OpenPipeline(pipe, cluster, backend)

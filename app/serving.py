@@ -130,7 +130,7 @@ def open_served_engine(options: Any, bundle_path: str, plan: Any, slots: int | N
 
     bundle = load_bundle(bundle_path)
     codec = bundle_codec(bundle, layout_of(bundle), tokenizer)
-    with open_decode_pipeline(options, bundle, plan, slots=slots) as opened:
+    with open_decode_pipeline(options, bundle, plan, slots=slots, scores=True) as opened:
         engine = Engine(opened.pipe, codec, in_flight=in_flight)
         engine.backend = opened.backend
         yield engine

@@ -2,6 +2,7 @@
 concurrent clients, and the server's tokens/s against offline generation of the same prompts.
 
     python bench/serve.py [--quick] [--bundle DIR] [--out bench/results/serve.json]
+    python bench/serve.py --logprobs 5 [--quick]   # the cost of logprobs: bench/results/serve_logprobs.json
 
 The decode step is the zoo's GPT-2 (`tvmpipe compile gpt2 --decode`: tiny config, seed 1, max context
 64), compiled once into --bundle, run as K = 2 stage processes on the reference backend (4 sequence
@@ -26,6 +27,12 @@ share this machine's cores, and httpx spends ~0.6 ms of CPU a streamed token (th
 is taken from the stages here, and from nobody where clients run on machines of their own. The
 server is `tvmpipe serve` as users run it: the HTTP process, and the engine in a process of its own
 (generation/engine_process.py).
+
+`--logprobs K` measures instead what log probabilities cost (issue 51): at 16 bare socket clients,
+alternating rounds of plain requests and the same requests with `logprobs` K (every token's log
+probability and the K most likely, computed on the sampling stage, sent to the driver as the step's
+scores, written into every chunk), tokens/s each and their ratio (median of the rounds), into
+bench/results/serve_logprobs.json; the judged rows of serve.json are not touched.
 """
 
 from __future__ import annotations
@@ -113,12 +120,16 @@ async def one_request(client, prompt: list[int], new: int) -> dict:
     return {"sent": t0, "times": times, "tokens": tokens}
 
 
-async def socket_request(url: str, prompt: list[int], new: int) -> dict:
+async def socket_request(url: str, prompt: list[int], new: int, logprobs: int | None = None) -> dict:
     """one_request over a bare asyncio connection: HTTP/1.1 written and its chunked SSE body read
-    here, at a fraction of httpx's CPU a token (the side by side's second client)."""
+    here, at a fraction of httpx's CPU a token (the side by side's second client); `logprobs`: ask
+    for them too (the chunks carry them; only the token ids are read)."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-                       "ignore_eos": True, "return_token_ids": True}).encode()
+    ask = {"model": MODEL, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+           "ignore_eos": True, "return_token_ids": True}
+    if logprobs is not None:
+        ask["logprobs"] = logprobs
+    body = json.dumps(ask).encode()
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -145,9 +156,10 @@ async def socket_request(url: str, prompt: list[int], new: int) -> dict:
     return {"sent": t0, "times": times, "tokens": tokens}
 
 
-async def level(url: str, clients: int, prompts: list[list[int]], new: int, bare: bool = False) -> dict:
-    """`clients` closed-loop clients over the prompts (httpx, or with `bare` socket_request); the
-    level's figures and each prompt's tokens."""
+async def level(url: str, clients: int, prompts: list[list[int]], new: int, bare: bool = False,
+                logprobs: int | None = None) -> dict:
+    """`clients` closed-loop clients over the prompts (httpx, or with `bare` socket_request, asking
+    for `logprobs` if given); the level's figures and each prompt's tokens."""
     import httpx
 
     todo = list(enumerate(prompts))
@@ -156,7 +168,7 @@ async def level(url: str, clients: int, prompts: list[list[int]], new: int, bare
     async def worker(client) -> None:
         while todo:
             i, p = todo.pop(0)
-            done[i] = await (socket_request(url, p, new) if bare else one_request(client, p, new))
+            done[i] = await (socket_request(url, p, new, logprobs) if bare else one_request(client, p, new))
 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=clients)) as c:
         t0 = time.perf_counter()
@@ -177,8 +189,14 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, default=Path("/tmp/tvmpipe-bench-serve-gpt2"),
                     help="where the GPT-2 decode step is compiled (reused when present)")
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens a request (default 48)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve.json")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/serve.json "
+                    "(with --logprobs: serve_logprobs.json)")
+    ap.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="measure the cost of logprobs=K against plain requests instead")
     args = ap.parse_args()
+    if args.logprobs is not None:
+        return logprobs_cost(args)
+    args.out = args.out or ROOT / "bench" / "results" / "serve.json"
     from tests.serve.harness import ServerProcess
     from tvmpipe.cluster.driver import Pipeline
 
@@ -241,6 +259,45 @@ def main() -> int:
 
     write_json(args.out, stamp(results))
     print(f"wrote {args.out}")
+    return 0
+
+
+def logprobs_cost(args) -> int:
+    """Plain requests against the same with logprobs=K, alternating rounds at 16 bare clients."""
+    from tests.serve.harness import ServerProcess
+
+    bundle = ensure_bundle(args.bundle)
+    new, k = args.new_tokens, args.logprobs
+    rounds = 2 if args.quick else 7
+    prompts = prompts_for(2 * LEVELS[-1])
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "tvmpipe-bench-serve-logprobs.log"
+    srv = ServerProcess(bundle, "--stages", "2", "--processes", "--max-waiting", "64", log_path=log)
+    plain, scored = [], []
+    try:
+        run(level(srv.url, 4, prompts_for(4), 4, bare=True, logprobs=k))  # warm-up
+        for _ in range(rounds):
+            a = run(level(srv.url, LEVELS[-1], prompts, new, bare=True))
+            b = run(level(srv.url, LEVELS[-1], prompts, new, bare=True, logprobs=k))
+            if a.pop("tokens") != b.pop("tokens"):
+                raise RuntimeError("logprobs changed the tokens")
+            plain.append(a["tokens_per_s"])
+            scored.append(b["tokens_per_s"])
+            print(f"16 clients: plain {plain[-1]:.0f} tokens/s, logprobs={k} {scored[-1]:.0f} tokens/s", flush=True)
+    finally:
+        status = srv.stop()
+    if status != 0:
+        print(f"the server exited with status {status}:\n{srv.log()[-2000:]}", file=sys.stderr)
+        return 1
+    ratio = statistics.median(s / p for s, p in zip(scored, plain))
+    results = {"decoder": "gpt2", "bundle": str(bundle), "stages": 2, "backend": "reference", "new_tokens": new,
+               "clients": LEVELS[-1], "requests": len(prompts), "logprobs": k, "plain_tokens_per_s_runs": plain,
+               "logprobs_tokens_per_s_runs": scored, "ratio": ratio, "machine": {"loadavg": list(os.getloadavg())}}
+    print(f"logprobs={k} / plain tokens/s at 16 clients (median of {rounds} rounds): {ratio:.2f}x")
+    from tvmpipe.core.files import write_json
+
+    out = args.out or ROOT / "bench" / "results" / "serve_logprobs.json"
+    write_json(out, stamp(results))
+    print(f"wrote {out}")
     return 0
 
 

@@ -13,9 +13,11 @@ Synthetic entries, numbered after the graph's last entry (n = len(graph.entries)
                                              a generation section)
     n + 1  __step__   int64 [HEAD + ROW B]   the step tag, to the token stage and the sampling stage
     n + 2  __token__  int64 [B]              each row's draw: sampling stage -> driver and token stage
+    n + 3  __scores__ float64 [B, SCORES]     each row's log probabilities: sampling stage -> driver
 
-The step tag is `[from_seq, feed_next, then ROW ints per row]`, a row being
-`[key, token_index, fed, seed, top_k, temperature as float64 bits, top_p as float64 bits]`:
+The step tag is `[from_seq, feed_next, retired, then ROW ints per row]`, a row being
+`[key, token_index, fed, seed, top_k, temperature bits, top_p bits, sequence, position, token, target,
+logprobs, min_p bits, presence bits, frequency bits, repetition bits]` (floats as their float64 bits):
 
 - `from_seq` >= 0: the rows marked `fed` take the tokens drawn by micro-batch `from_seq` (their own
   previous step, fed back over the pipeline's feedback edge) in place of the driver's; -1: every row
@@ -28,6 +30,14 @@ The step tag is `[from_seq, feed_next, then ROW ints per row]`, a row being
   is drawn (a prompt step, a replayed step, an empty row) and 0 is sent.
 - Each row carries its own sampling parameters (temperature 0: greedy), so that sequences with
   different parameters share a static batch.
+- `sequence` names the row's sequence on the sampling stage, which keeps per-sequence state there
+  for the penalties (executor.sampler.SequenceStates): the tokens at positions 0.. so far. `position`
+  is the position of the row's (first) token this step and `token` that token when the driver knows
+  it (-1: the draw fed back, which the sampling stage made itself). `retired` (head, -1: none) is a
+  sequence that ended: the sampling stage drops its state.
+- `logprobs` -1: no log probabilities; k in 0..MAX_LOGPROBS: the row's scores (`__scores__`) hold the
+  log probability of the token it draws, or of `target` (>= 0: the prompt's next token, for a step
+  that draws nothing), and its k most likely tokens, from the raw log-softmax of the logits.
 """
 
 from __future__ import annotations
@@ -44,12 +54,17 @@ from tvmpipe.bundle.state import row_resettable, token_layout
 SLOT_NAME = "__slot__"
 STEP_NAME = "__step__"
 TOKEN_NAME = "__token__"
+SCORES_NAME = "__scores__"
 
 # the step tag: its head, then ROW ints per row
-FROM, FEED_NEXT = range(2)
-HEAD = 2
-KEY, INDEX, FED_AT, SEED, TOP_K, TEMPERATURE, TOP_P = range(7)  # offsets inside a row
-ROW = 7
+FROM, FEED_NEXT, RETIRED = range(3)
+HEAD = 3
+(KEY, INDEX, FED_AT, SEED, TOP_K, TEMPERATURE, TOP_P, SEQUENCE, POSITION, FED_TOKEN, TARGET, LOGPROBS, MIN_P,
+ PRESENCE, FREQUENCY, REPETITION) = range(16)  # offsets inside a row
+ROW = 16
+SAMPLING_INTS = ROW - SEED  # a row's sampling, from `seed` on (Sampling.tag_ints)
+MAX_LOGPROBS = 20  # top log probabilities a row may ask for (OpenAI's bound)
+SCORES = 1 + 2 * MAX_LOGPROBS  # a row's scores: the token's log probability, top ids, their log probabilities
 FED = slice(HEAD + FED_AT, None, ROW)  # every row's `fed` flag, in a tag (array or list of ints)
 
 
@@ -63,17 +78,17 @@ def bits_float(v: int) -> float:
 
 
 def row_ints(key: int, token_index: int, fed: bool, sampling: Sequence[int]) -> list[int]:
-    """One row of a step tag; `sampling` is the row's (seed, top_k, temperature bits, top_p bits)
-    (executor.sampler.Sampling.tag_ints), computed once per sequence."""
+    """One row of a step tag; `sampling` is the row's SAMPLING_INTS from `seed` on
+    (executor.sampler.Sampling.tag_ints: computed once per sequence, then its step fields set)."""
     return [key, token_index, int(fed), *sampling]
 
 
-NO_SAMPLING = (0, 0, 0, float_bits(1.0))  # seed 0, every token, temperature 0 (greedy), top_p 1
+NO_SAMPLING = (0, 0, 0, float_bits(1.0), -1, 0, -1, -1, -1, 0, 0, 0, float_bits(1.0))  # greedy, nothing else
 
 
-def encode_step(from_seq: int, feed_next: bool, rows: Sequence[int]) -> np.ndarray:
+def encode_step(from_seq: int, feed_next: bool, rows: Sequence[int], retired: int = -1) -> np.ndarray:
     """A step tag from its parts (`rows`: ROW ints per row, flat, from row_ints)."""
-    return np.array([from_seq, int(feed_next), *rows], dtype=np.int64)
+    return np.array([from_seq, int(feed_next), retired, *rows], dtype=np.int64)
 
 
 def no_step(batch: int) -> np.ndarray:
@@ -93,15 +108,27 @@ class RowTag:
     top_k: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
+    sequence: int = -1
+    position: int = 0
+    token: int = -1
+    target: int = -1
+    logprobs: int = -1
+    min_p: float = 0.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
 
     def ints(self) -> list[int]:
         return row_ints(self.key, self.token_index, self.fed,
-                        (self.seed, self.top_k, float_bits(self.temperature), float_bits(self.top_p)))
+                        (self.seed, self.top_k, float_bits(self.temperature), float_bits(self.top_p), self.sequence,
+                         self.position, self.token, self.target, self.logprobs, float_bits(self.min_p),
+                         float_bits(self.presence), float_bits(self.frequency), float_bits(self.repetition)))
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> "RowTag":
         return cls(v[KEY], v[INDEX], bool(v[FED_AT]), v[SEED], v[TOP_K], bits_float(v[TEMPERATURE]),
-                   bits_float(v[TOP_P]))
+                   bits_float(v[TOP_P]), v[SEQUENCE], v[POSITION], v[FED_TOKEN], v[TARGET], v[LOGPROBS],
+                   bits_float(v[MIN_P]), bits_float(v[PRESENCE]), bits_float(v[FREQUENCY]), bits_float(v[REPETITION]))
 
 
 @dataclass(frozen=True)
@@ -111,14 +138,16 @@ class StepTag:
     from_seq: int = -1
     rows: tuple[RowTag, ...] = (RowTag(),)
     feed_next: bool = False
+    retired: int = -1
 
     def encode(self) -> np.ndarray:
-        return encode_step(self.from_seq, self.feed_next, [v for r in self.rows for v in r.ints()])
+        return encode_step(self.from_seq, self.feed_next, [v for r in self.rows for v in r.ints()], self.retired)
 
     @classmethod
     def decode(cls, tag: Sequence[int] | np.ndarray) -> "StepTag":
         v = np.asarray(tag, dtype=np.int64).reshape(-1).tolist()
-        return cls(v[FROM], tuple(RowTag.from_ints(v[i:i + ROW]) for i in range(HEAD, len(v), ROW)), bool(v[FEED_NEXT]))
+        return cls(v[FROM], tuple(RowTag.from_ints(v[i:i + ROW]) for i in range(HEAD, len(v), ROW)), bool(v[FEED_NEXT]),
+                   v[RETIRED])
 
 
 def take_fed(driver_tokens: np.ndarray, fed: Sequence[int], draws: np.ndarray, spec: EntrySpec) -> np.ndarray:
@@ -162,6 +191,7 @@ class DecodeLayout:
     slot: SlotLayout
     step: int
     drawn: int
+    scores: int
     token: int
     position: int
     count: int | None
@@ -182,6 +212,10 @@ class DecodeLayout:
     @property
     def drawn_spec(self) -> EntrySpec:
         return EntrySpec((self.batch,), "int64")
+
+    @property
+    def scores_spec(self) -> EntrySpec:
+        return EntrySpec((self.batch, SCORES), "float64")
 
     def roles(self, graph: Graph, start: int, end: int) -> tuple[int | None, int | None]:
         """What node range [start, end) does in generation: the token input's entry if it holds
@@ -213,7 +247,7 @@ def decode_layout(bundle: Any) -> DecodeLayout | None:
     rows, chunk = token_layout(g.entries[token].shape)
     readers = tuple(node.index for node in g.nodes if any(r.node == g.entries[token].node for r in node.inputs))
     return DecodeLayout(
-        slot=slot, step=slot.entry + 1, drawn=slot.entry + 2, token=token,
+        slot=slot, step=slot.entry + 1, drawn=slot.entry + 2, scores=slot.entry + 3, token=token,
         position=g.entry_id(g.node_index[gen.position]),
         count=g.entry_id(g.node_index[gen.count]) if gen.count is not None else None,
         logits=g.head_entries[gen.logits], token_name=gen.token, position_name=gen.position,

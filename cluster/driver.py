@@ -93,7 +93,9 @@ class StepResult:
     """A completed micro-batch, as receive() returns it: `seq`, its `outputs` (the graph's heads;
     None for state and dropped heads), and on a decode pipeline `drawn`, the token each row drew on
     the sampling stage (0 where a row drew nothing, executor.sampler.NOT_FINITE where its logits
-    were not finite; bundle.decode_layout), else None. With replay="none", `lost` says the
+    were not finite; bundle.decode_layout), else None, and `scores`, each row's log probabilities
+    ([batch, SCORES] floats, NaN where a row asked for none: executor.sampler.score_into). With
+    replay="none", `lost` says the
     micro-batch was cut off by a fault (no outputs: its caller submits it again if it wants it),
     and `error` is the error its own computation raised (then it is lost too)."""
 
@@ -102,6 +104,7 @@ class StepResult:
     drawn: list[int] | None = None
     lost: bool = False
     error: str | None = None
+    scores: np.ndarray | None = None
 
 
 @dataclass
@@ -131,7 +134,9 @@ class Pipeline:
     `logits`: on a decode-step bundle, whether the stage that draws each token also sends the
     driver its logits (`generate(logits_log=...)`, the logits output of `get()`); False sends the
     token alone, and the logits output is None. `tvmpipe generate` streams tokens only and says
-    False: a published decoder's logits are 128-600 KB a token.
+    False: a published decoder's logits are 128-600 KB a token. `scores`: whether it also sends
+    each row's log probabilities (`StepResult.scores`, what the generation layer's logprobs read);
+    False leaves them None (`tvmpipe generate` asks for none).
     """
 
     def __init__(self, bundle: Bundle | str | Path, plan: Plan | int, *, backend: str = "reference",
@@ -139,10 +144,11 @@ class Pipeline:
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
                  ship_bundle: bool = False, replay: str | None = None, transport: str = "auto",
-                 slots: int | None = None, logits: bool = True):
+                 slots: int | None = None, logits: bool = True, scores: bool = True):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = checked_plan(self.bundle, plan)  # K: equal cuts keeping state pairs whole
-        self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits)
+        self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits,
+                                                 scores=scores)
         self.window = 2 * self.topology.num_stages if window is None else window
         if self.window < 1:
             raise TvmpipeError(f"window must be >= 1, got {self.window}")
@@ -195,7 +201,7 @@ class Pipeline:
         self._next_from: dict[int, int] = {}  # stage -> next micro-batch it must send in this epoch
         self._results: dict[int, Outputs] = {}
         # a decode pipeline's draws per completed micro-batch (one per row), until receive() delivers them
-        self._drawn: dict[int, list[int]] = {}
+        self._drawn: dict[int, tuple[list[int], np.ndarray]] = {}  # seq -> (draws, scores)
         # replay="none": micro-batches cut off by a fault -> the error their own computation raised
         # (None: lost), until delivered; and every micro-batch lost lately, which later steps may name
         # as the source of their fed-back draws (bounded: a step takes draws at most a window back)
@@ -277,7 +283,9 @@ class Pipeline:
                     self._delivered += 1
                     if seq in self._lost:
                         return StepResult(seq, None, None, True, self._lost.pop(seq))
-                    return StepResult(seq, self._results.pop(seq), self._drawn.pop(seq, None))
+                    drawn = self._drawn.pop(seq, None)
+                    return StepResult(seq, self._results.pop(seq), None if drawn is None else drawn[0],
+                                      scores=None if drawn is None else drawn[1])
                 if self._fatal is not None:
                     raise self._fatal_with_results()
                 if self._delivered >= self._submitted:
@@ -508,7 +516,10 @@ class Pipeline:
                     self._results[seq] = [parts[self._head_from[h]].tensors[h] if h in self._head_from
                                           else inputs.get(h) for h in self.topology.heads]  # state, dropped heads: None
                     if self.topology.sampler is not None:
-                        self._drawn[seq] = parts[self.topology.sampler].tensors[self.topology.token_entry].tolist()
+                        sent = parts[self.topology.sampler].tensors
+                        scores = sent.get(self.topology.layout.scores)
+                        self._drawn[seq] = (sent[self.topology.token_entry].tolist(),
+                                            None if scores is None else np.array(scores, copy=True))
                 self.done_times[seq] = self._last_progress = time.time()
                 self._completed += 1
                 if len(self.done_times) > TIMELINE_KEPT:

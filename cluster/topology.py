@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.decode_layout import SLOT_NAME, STEP_NAME, TOKEN_NAME, DecodeLayout, SlotLayout, decode_layout, slot_layout
+from tvmpipe.bundle.decode_layout import SCORES_NAME, SLOT_NAME, STEP_NAME, TOKEN_NAME, DecodeLayout, SlotLayout, decode_layout, slot_layout
 from tvmpipe.cluster.wire.frames import DRIVER
 from tvmpipe.executor.inputs import input_entry_ids
 from tvmpipe.executor.program import EntrySpec, StageProgram, build_stage_program
@@ -88,6 +88,12 @@ class Topology:
         return self.layout.drawn if self.layout is not None else None
 
     @property
+    def sends_scores(self) -> bool:
+        """Whether the sampling stage sends the driver each row's log probabilities (`__scores__`)."""
+        return self.layout is not None and any(
+            e.src == self.sampler and e.dst == DRIVER and self.layout.scores in e.entries for e in self.edges)
+
+    @property
     def batch(self) -> int:
         """Rows of a decode step: sequences per micro-batch (1 for anything else)."""
         return self.layout.batch if self.layout is not None else 1
@@ -112,13 +118,15 @@ class Topology:
         return sum(self.specs[e].nbytes for e in edge.entries)
 
 
-def build_topology(bundle: Bundle, plan: Plan | int, relay: bool = True, logits: bool = True) -> Topology:
+def build_topology(bundle: Bundle, plan: Plan | int, relay: bool = True, logits: bool = True,
+                   scores: bool = True) -> Topology:
     """Every stage's program and every edge of `plan` (checked once where it enters: checked_plan).
     `relay`: a decode step's per-step inputs go along the chain of stages (relay_inputs); off for
     the cuda backend, whose edges between stages of one node carry device tensors only (CUDA IPC).
     `logits`: a decode step's sampling stage sends the driver its logits with the token it drew;
     False sends the token alone (the logits are a vocabulary of floats a token, which a generation
-    loop that only streams tokens never reads)."""
+    loop that only streams tokens never reads). `scores`: it also sends each row's log
+    probabilities (`__scores__`, a few hundred bytes a row: the logprobs a server returns)."""
     g = bundle.graph
     plan = checked_plan(bundle, plan)
     programs = [build_stage_program(bundle, s, e) for s, e in plan.stages]
@@ -149,6 +157,7 @@ def build_topology(bundle: Bundle, plan: Plan | int, relay: bool = True, logits:
         step = layout.step
         specs[step], names[step] = layout.step_spec, STEP_NAME
         specs[layout.drawn], names[layout.drawn] = layout.drawn_spec, TOKEN_NAME
+        specs[layout.scores], names[layout.scores] = layout.scores_spec, SCORES_NAME
         inputs[STEP_NAME] = step
         roles = [layout.roles(g, s, e) for s, e in plan.stages]
         sampler = next(j for j, (_, head) in enumerate(roles) if head is not None)
@@ -186,7 +195,7 @@ def build_topology(bundle: Bundle, plan: Plan | int, relay: bool = True, logits:
     for i, p in enumerate(programs):
         sends = tuple(e for e in p.send_entries if e in head_set)
         if i == sampler:
-            sends += (layout.drawn,)
+            sends += (layout.drawn, layout.scores) if scores else (layout.drawn,)
         edges.append(Edge(i, DRIVER, sends))
     return Topology(programs=programs, edges=edges, inputs=inputs, heads=heads, specs=specs, names=names,
                     state_inputs=state_in, state_heads=state_heads, slot=slot, stateful=stateful,

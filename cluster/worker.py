@@ -28,7 +28,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tvmpipe.bundle import load_bundle
-from tvmpipe.bundle.decode_layout import FED, FEED_NEXT, FROM, TOKEN_NAME, decode_layout, slot_layout, take_fed
+from tvmpipe.bundle.decode_layout import (FED, FEED_NEXT, FROM, SCORES_NAME, TOKEN_NAME, decode_layout, slot_layout,
+                                          take_fed)
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.wire import cudaipc, shm
 from tvmpipe.cluster.wire.frames import DRIVER, Frame, FrameError, FrameLimits, payload_bytes
@@ -39,7 +40,7 @@ from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
 from tvmpipe.executor.errors import DeviceError
 from tvmpipe.executor.inputs import random_feed
-from tvmpipe.executor.sampler import sample_token
+from tvmpipe.executor.sampler import SequenceStates, no_scores, sample_token
 
 
 @dataclass
@@ -216,7 +217,8 @@ class StageWorker:
         tokens (`_token_in`: the token input entry it overwrites), as the sampling stage it draws the
         next token from the logits (`_logits`). Either role reads the step tag, which is popped
         before the stage runs."""
-        self._step_entry = self._token_entry = None
+        self._step_entry = self._token_entry = self._scores_entry = None
+        self._states = SequenceStates()  # the penalties' tokens per sequence (the sampling stage's)
         self._vocab = 0
         self._batch = 1
         self._token_in = self._logits = None
@@ -232,6 +234,9 @@ class StageWorker:
         self.specs[self._step_entry] = layout.step_spec
         self.specs[self._token_entry] = layout.drawn_spec
         self.names[self._token_entry] = TOKEN_NAME
+        self._scores_entry = layout.scores
+        self.specs[self._scores_entry] = layout.scores_spec
+        self.names[self._scores_entry] = SCORES_NAME
 
     # ---- control plane -----------------------------------------------------------------------------
     def address(self) -> Address:
@@ -271,7 +276,7 @@ class StageWorker:
             self._inbound = {p: inbound_limits(es, self.specs) for p, es in wiring.inbound.items()}
             self._step_from = next((p for p, es in wiring.inbound.items() if self._step_entry in es), DRIVER)
             # what it passes on unread (relay_inputs), and what of that its own stage does not take
-            made = set(self.program.send_entries) | {self._token_entry}
+            made = set(self.program.send_entries) | {self._token_entry, self._scores_entry}
             self._forward = tuple(sorted({e for edge, _ in wiring.outbound for e in edge.entries} - made))
             reads = set(self.program.input_entries.values()) | {self.stage.slot_entry, self._step_entry}
             self._unread = tuple(e for p, es in wiring.inbound.items() for e in es
@@ -587,8 +592,10 @@ class StageWorker:
             feed_next = tag is not None and tag[FEED_NEXT]  # the driver asked for the draws to be fed back
             outputs = self.stage.run(feed, device=device)
             if self._logits is not None:
-                token = sample_token(outputs[self._logits], tag, self._vocab, self._batch)
+                scores = no_scores(self._batch)
+                token = sample_token(outputs[self._logits], tag, self._vocab, self._batch, self._states, scores)
                 outputs[self._token_entry] = token
+                outputs[self._scores_entry] = scores
                 if self._token_in is not None and feed_next:  # it reads the token too: no hop
                     with self._lock:
                         self._fed[seq] = token

@@ -16,10 +16,10 @@ characters or a possible stop string are held), and a last one with `finish` set
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from tvmpipe.generation.requests import FinishReason, Request, SequenceResult, TokenEvent
+from tvmpipe.generation.requests import FinishReason, Logprob, Request, SequenceResult, TokenEvent
 
 if TYPE_CHECKING:
     from tvmpipe.generation.text import TextCodec, TextStream
@@ -31,7 +31,8 @@ Abort = Callable[[int, FinishReason, "str | None"], "SequenceResult | None"]
 class RequestOutput:
     """What one step added to request `index`: `text` (new visible text; "" without a tokenizer),
     `token_ids` (the tokens drawn), and on its last output `finish`, `error` (FinishReason.ERROR)
-    and `result`."""
+    and `result`. `logprobs`: one per token id where the request asked for them; `prompt_logprobs`:
+    on the request's first output, where it asked for the prompt's (an echo)."""
 
     index: int
     text: str
@@ -39,10 +40,31 @@ class RequestOutput:
     finish: FinishReason | None = None
     error: str | None = None
     result: SequenceResult | None = None
+    logprobs: tuple[Logprob, ...] | None = None
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This output and the `later` one of the same request as one: what a reader that fell
+        behind takes in one piece (a server writes one event for both, as vLLM's output collector
+        merges the deltas its client has not yet taken), so a slow reader costs fewer writes, not
+        more. The finish, error and result are the later one's; every other field holds what the
+        output's tokens added (a str, tuple or list, or None where none), so the two are joined:
+        a field added here later is merged without changing this method."""
+        joined = {f.name: _join(getattr(self, f.name), getattr(later, f.name)) for f in fields(self)
+                  if f.name not in _ENDING}
+        return RequestOutput(**{**joined, "index": self.index, "finish": later.finish, "error": later.error,
+                                "result": later.result})
+
+
+_ENDING = ("index", "finish", "error", "result")  # RequestOutput fields that are not a token's additions
+
+
+def _join(a, b):
+    return b if a is None else a if b is None else a + b
 
 
 class _State:
@@ -81,19 +103,22 @@ class OutputProcessor:
             if st is None:
                 continue  # ended already (a stop string): the core drew past it
             text, finish, error = self._text(ev, st)
+            lps = None if ev.logprob is None else (ev.logprob,)
             if finish is None and ev.finish is None:
-                out.append(RequestOutput(ev.seq, text, (ev.token,)))
+                out.append(RequestOutput(ev.seq, text, (ev.token,), logprobs=lps, prompt_logprobs=ev.prompt_logprobs))
                 continue
             if finish is not None and ev.finish is None:  # ended here by its text: stop the core now
                 result = self.abort(ev.seq, finish, error)
             else:
                 result = results.pop(ev.seq, None)
                 finish = finish or ev.finish
-            out.append(self._last(ev.seq, st, text, (ev.token,), finish, error, result))
-        for index, result in results.items():  # ended without a token: cancelled, or failed
+            out.append(self._last(ev.seq, st, text, (ev.token,), finish, error, result, lps, ev.prompt_logprobs))
+        for index, result in results.items():  # ended without a token: cancelled, failed, or an echo alone
             st = self._states.get(index)
             if st is not None:
-                out.append(self._last(index, st, "", (), result.finish or FinishReason.CANCELLED, result.error, result))
+                prompt = None if result.prompt_logprobs is None or result.tokens else tuple(result.prompt_logprobs)
+                out.append(self._last(index, st, "", (), result.finish or FinishReason.CANCELLED, result.error, result,
+                                      None, prompt))
         return out
 
     def _text(self, ev: TokenEvent, st: _State) -> tuple[str, FinishReason | None, str | None]:
@@ -117,7 +142,8 @@ class OutputProcessor:
             return "", FinishReason.ERROR, why
 
     def _last(self, index: int, st: _State, text: str, ids: tuple[int, ...], finish: FinishReason,
-              error: str | None, result: SequenceResult | None) -> RequestOutput:
+              error: str | None, result: SequenceResult | None, logprobs: tuple[Logprob, ...] | None = None,
+              prompt_logprobs: tuple[Logprob | None, ...] | None = None) -> RequestOutput:
         del self._states[index]
         if result is not None:
             if finish == FinishReason.STOP or result.finish is None:
@@ -127,4 +153,4 @@ class OutputProcessor:
             if st.stream is not None:
                 result.text = st.stream.text
             finish, error = result.finish, result.error
-        return RequestOutput(index, text, ids, finish, error, result)
+        return RequestOutput(index, text, ids, finish, error, result, logprobs, prompt_logprobs)

@@ -16,7 +16,7 @@ import enum
 
 import numpy as np
 
-from tvmpipe.bundle.decode_layout import DecodeLayout, decode_layout
+from tvmpipe.bundle.decode_layout import MAX_LOGPROBS, DecodeLayout, decode_layout
 from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.executor.sampler import Sampling
 
@@ -37,6 +37,11 @@ class FinishReason(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# A token's log probability and the most likely tokens' (id, log probability), from the model's raw
+# log-softmax at that position (executor.sampler.score_into)
+Logprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 class GenerationError(TvmpipeError):
@@ -61,8 +66,13 @@ def layout_of(bundle: Any) -> DecodeLayout:
 class Request:
     """One sequence to generate: its prompt ids, how many tokens at most, how to draw them, which
     tokens end it (kept as its last token), and `key`, which with the seed and the token index keys
-    its draws (executor.sampler): `tvmpipe generate` keys prompt i with i, a served request with 0,
-    so that a request's tokens equal a one-prompt `tvmpipe generate` with the same seed."""
+    its draws (executor.sampler): `tvmpipe generate` keys prompt i with i, a served request with 0
+    (choice i of a served request with n choices: i), so that a request's tokens equal a
+    one-prompt `tvmpipe generate` with the same seed.
+
+    `logprobs` k (None: none): each generated token's log probability and the k most likely;
+    `prompt_logprobs` k: the same for each prompt token after the first (an echo), and then
+    `max_new_tokens` may be 0 (the prompt scored, nothing generated)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -70,16 +80,30 @@ class Request:
     stop_tokens: frozenset[int] = frozenset()
     key: int = 0
     stop: tuple[str, ...] = ()  # stop strings: the output processor ends the sequence where one appears
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def checked(cls, prompt: Sequence[int], max_new_tokens: int, layout: DecodeLayout, *,
                 sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), key: int = 0,
-                what: str = "prompt", stop: Sequence[str] = ()) -> "Request":
+                what: str = "prompt", stop: Sequence[str] = (), logprobs: int | None = None,
+                prompt_logprobs: int | None = None) -> "Request":
         """A request whose every field fits `layout` (FieldErrors naming the field; prompt errors
         name `what`)."""
-        return cls(check_prompt(prompt, layout, what), check_max_new_tokens(max_new_tokens),
+        return cls(check_prompt(prompt, layout, what),
+                   check_max_new_tokens(max_new_tokens, 0 if prompt_logprobs is not None else 1),
                    sampling.check(layout.vocab_size), check_stop_tokens(stop_tokens, layout.vocab_size), key,
-                   check_stop_strings(stop))
+                   check_stop_strings(stop), check_logprobs(logprobs, "logprobs"),
+                   check_logprobs(prompt_logprobs, "prompt_logprobs"))
+
+
+def check_logprobs(k: Any, field: str) -> int | None:
+    """None, or how many most likely tokens to return beside each token's log probability."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= MAX_LOGPROBS:
+        raise FieldError(field, f"must be an integer from 0 to {MAX_LOGPROBS}, got {k!r}")
+    return int(k)
 
 
 def check_prompt(prompt: Sequence[int], layout: DecodeLayout, what: str = "prompt") -> tuple[int, ...]:
@@ -97,9 +121,9 @@ def check_prompt(prompt: Sequence[int], layout: DecodeLayout, what: str = "promp
     return tuple(int(t) for t in p)
 
 
-def check_max_new_tokens(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise FieldError("max_new_tokens", f"must be an integer >= 1, got {n!r}")
+def check_max_new_tokens(n: Any, least: int = 1) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < least:
+        raise FieldError("max_new_tokens", f"must be an integer >= {least}, got {n!r}")
     return int(n)
 
 
@@ -151,6 +175,8 @@ class SequenceResult:
     replays: int = 0  # times its caches were rebuilt after a stage restart
     text: str | None = None  # the output processor's (generation.output), with a tokenizer
     error: str | None = None  # why it failed (finish ERROR)
+    prompt_logprobs: list[Logprob | None] | None = None  # Request.prompt_logprobs: by position (0: None)
+    cumulative_logprob: float = 0.0  # the generated tokens' log probabilities summed (Request.logprobs)
 
     def to_json(self) -> dict:
         out = {"prompt": list(self.prompt), "tokens": list(self.tokens),
@@ -164,12 +190,15 @@ class SequenceResult:
 class TokenEvent:
     """Sequence `seq` generated `token`, its `index`-th; `finish` says why it was the last (None:
     more follow), and `done` is whether it was. A sequence that ends without a token (cancelled,
-    or failed: FinishReason.ERROR) has no last event: its SequenceResult says so."""
+    or failed: FinishReason.ERROR) has no last event: its SequenceResult says so (and holds the prompt's
+    log probabilities of one that generated nothing)."""
 
     seq: int
     token: int
     index: int
     finish: FinishReason | None = None
+    logprob: Logprob | None = None  # Request.logprobs
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None  # Request.prompt_logprobs, with the first token
 
     @property
     def done(self) -> bool:

@@ -51,15 +51,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tvmpipe.bundle.decode_layout import NO_SAMPLING, SLOT_NAME, STEP_NAME, encode_step, row_ints
+from tvmpipe.bundle.decode_layout import (FED_TOKEN, LOGPROBS, MAX_LOGPROBS, NO_SAMPLING, POSITION, SEED, SLOT_NAME,
+                                          STEP_NAME, TARGET, encode_step, row_ints)
 from tvmpipe.core.errors import FieldError, TvmpipeError
-from tvmpipe.executor.sampler import NOT_FINITE
-from tvmpipe.generation.requests import FinishReason, Request, SequenceResult, TokenEvent, layout_of
+from tvmpipe.executor.sampler import NOT_FINITE, STATE_LOST
+from tvmpipe.generation.requests import FinishReason, Logprob, Request, SequenceResult, TokenEvent, layout_of
 
 if TYPE_CHECKING:
     from tvmpipe.cluster.driver import Pipeline, StepResult
 
 EMPTY_ROW = row_ints(0, -1, False, NO_SAMPLING)  # padding at position 0: nothing fed back or drawn
+_POS, _TOK, _TARGET, _LP = POSITION - SEED, FED_TOKEN - SEED, TARGET - SEED, LOGPROBS - SEED  # in _Row.sampling
 FED_FROM_KEPT = 4096  # steps whose fed-back source is remembered for the timeline (fed_from)
 
 
@@ -84,7 +86,14 @@ class _Row:
         self.pos = 0
         self.confirmed = 0
         self.admitted = now
-        self.sampling = request.sampling.tag_ints()  # the step tag's per-row sampling, made once
+        # the step tag's per-row sampling, made once (each step sets its position, token, target)
+        self.sampling = request.sampling.tag_ints(index, -1 if request.logprobs is None else request.logprobs)
+        self.stateful = request.sampling.penalized  # its tokens are kept on the sampling stage
+        self.scores_prompt = request.prompt_logprobs is not None
+        if self.scores_prompt:
+            self.r.prompt_logprobs = [None] * len(request.prompt)
+        # one token a step: the sampling stage sees each position (penalties) or scores each (echo)
+        self.narrow = self.stateful or self.scores_prompt
 
 
 class _Group:
@@ -155,6 +164,7 @@ class Scheduler:
         if logits_log is not None and pipe.topology.dropped_heads:
             raise TvmpipeError("logits_log needs the logits at the driver: this pipeline was built with logits=False")
         self.logits_log = logits_log
+        self.scored = pipe.topology.sends_scores  # log probabilities come back (Pipeline(scores=True))
         self.results = results  # index -> SequenceResult of every finished sequence, if given
         self.finished: deque[SequenceResult] = deque()  # finished since the caller last took them
         self.per_row = row_admission and pipe.topology.row_reset
@@ -173,6 +183,7 @@ class Scheduler:
         self.ready: deque[_Group] = deque()
         self.fed_from: dict[int, int] = {}  # step -> the micro-batch whose draws it took (timeline)
         self._rows: dict[int, tuple[_Group | None, _Row]] = {}  # index -> where the sequence is, until it ends
+        self.retired: deque[int] = deque()  # ended sequences whose tokens the sampling stage may hold
         self._next_index = 0
         self._seen_losses = pipe.state_losses
 
@@ -191,6 +202,9 @@ class Scheduler:
         """Queue a checked request (requests.Request); returns its sequence index (`index`, or the
         next free one)."""
         index = self._next_index if index is None else index
+        if (request.logprobs is not None or request.prompt_logprobs is not None) and not self.scored:
+            raise TvmpipeError("log probabilities need a pipeline whose sampling stage sends them: this one was built "
+                               "with scores=False")
         if index in self._rows:
             raise TvmpipeError(f"sequence {index} is already queued or running")
         self._next_index = max(self._next_index, index + 1)
@@ -348,7 +362,8 @@ class Scheduler:
         ns = [1] * self.batch
         if self.chunk > 1:
             for i, x in g.running:
-                ns[i] = max(1, min(self.chunk, len(x.hist) - x.pos))
+                if not x.narrow:  # a row scored or penalized goes one token a step (the sampler sees each)
+                    ns[i] = max(1, min(self.chunk, len(x.hist) - x.pos))
         return ns
 
     def _draws(self, g: _Group, ns: list[int]) -> list[int]:
@@ -356,7 +371,7 @@ class Scheduler:
         the token after the step's is known (and in a finished or empty row)."""
         ds = [-1] * self.batch
         for i, x in g.running:
-            if x.pos + ns[i] >= len(x.hist):
+            if x.pos + ns[i] >= len(x.hist) and x.request.max_new_tokens > 0:
                 ds[i] = x.pos + ns[i] - len(x.r.prompt)
         return ds
 
@@ -382,14 +397,22 @@ class Scheduler:
                 toks[i * chunk:i * chunk + ns[i]] = x.hist[p:p + ns[i]]
             poss[i] = p
             fresh[i] = 1 if p == 0 else 0
-            rows[width * i:width * (i + 1)] = row_ints(x.request.key, ds[i], src >= 0 and p >= n, x.sampling)
+            sampling = x.sampling
+            if x.narrow:
+                sampling[_POS] = p
+                sampling[_TOK] = x.hist[p] if p < n else -1
+                scored = x.scores_prompt and p + 1 < len(x.r.prompt)  # scores the prompt's next token
+                sampling[_TARGET] = x.hist[p + 1] if scored else -1
+                sampling[_LP] = (x.request.prompt_logprobs if scored
+                                 else -1 if x.request.logprobs is None else x.request.logprobs)
+            rows[width * i:width * (i + 1)] = row_ints(x.request.key, ds[i], src >= 0 and p >= n, sampling)
         if all(poss[i] == 0 for i, _ in g.running):
             fresh = [1] * batch  # the group (re)starts: the whole slot
         tok, pos, layout = self._tok_spec, self._pos_spec, self.layout
         out = {layout.token_name: np.array(toks, dtype=tok.dtype).reshape(tok.shape),
                layout.position_name: np.array(poss, dtype=pos.dtype).reshape(pos.shape),
                SLOT_NAME: np.array([g.slot] + fresh, dtype=np.int64),
-               STEP_NAME: encode_step(src, fwd, rows)}
+               STEP_NAME: encode_step(src, fwd, rows, self.retired.popleft() if self.retired else -1)}
         if self._count_spec is not None:
             out[layout.count_name] = np.array(ns, dtype=self._count_spec.dtype).reshape(self._count_spec.shape)
         return out
@@ -426,16 +449,38 @@ class Scheduler:
             x.confirmed = p
         if self.logits_log is not None:
             self._log_logits(result.outputs, live)
-        drew = [(i, x) for i, x, p in live if p == len(x.hist)]  # the others' next tokens are known
+        scores = result.scores
+        for i, x, p in live:
+            if x.scores_prompt and p < len(x.r.prompt):  # this step scored prompt token p
+                entry = logprob_of(scores[i], x.request.prompt_logprobs) if scores is not None else None
+                if entry is None:
+                    self._finish(g, i, x, FinishReason.ERROR, time.time(), "the model's logits for this sequence "
+                                 f"were not finite (NaN or inf) at prompt token {p}")
+                    continue
+                x.r.prompt_logprobs[p] = entry
+            if x.request.max_new_tokens == 0 and p == len(x.hist):  # the prompt alone was asked for (echo)
+                self._finish(g, i, x, FinishReason.LENGTH, time.time())
+        drew = [(i, x) for i, x, p in live if p == len(x.hist) and g.rows[i] is x]  # the others' next tokens are known
         events = []
         if drew:
             now = time.time()
             for i, x in drew:
                 t = int(result.drawn[i])
+                if t == STATE_LOST:  # the sampling stage lost its tokens: feed them again from position 0
+                    self._rebuild(g)
+                    return events
                 if t == NOT_FINITE:
                     self._finish(g, i, x, FinishReason.ERROR, now, "the model's logits for this sequence were not "
                                  f"finite (NaN or inf) at generated token {len(x.r.tokens)}")
                     continue
+                entry = None
+                if x.request.logprobs is not None:
+                    entry = logprob_of(scores[i], x.request.logprobs) if scores is not None else None
+                    if entry is None:
+                        self._finish(g, i, x, FinishReason.ERROR, now, "the model's logits for this sequence were "
+                                     f"not finite (NaN or inf) at generated token {len(x.r.tokens)}")
+                        continue
+                    x.r.cumulative_logprob += entry[0]
                 if x.r.first_token_s is None:
                     x.r.first_token_s = now - x.admitted
                 x.r.tokens.append(t)
@@ -444,12 +489,24 @@ class Scheduler:
                 why = (FinishReason.STOP if t in x.request.stop_tokens
                        else FinishReason.LENGTH if len(x.r.tokens) >= x.request.max_new_tokens
                        else FinishReason.CONTEXT if len(x.hist) > self.layout.max_context else None)
-                events.append(TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why))
+                first = x.r.prompt_logprobs if x.scores_prompt and len(x.r.tokens) == 1 else None
+                events.append(TokenEvent(x.r.index, t, len(x.r.tokens) - 1, why, entry,
+                                         None if first is None else tuple(first)))
                 if why:
                     self._finish(g, i, x, why, now)
         if self.active.get(g.key) is g:
             self._want(g)  # its next step's tokens are known now, or in flight
         return events
+
+    def _rebuild(self, g: _Group) -> None:
+        """Feed g's rows again from position 0 (the sampling stage lost the tokens it keeps for their
+        penalties: a stage restart that lost no cache); tokens already drawn are kept."""
+        g.epoch += 1
+        g.last = None
+        for _, x in g.running:
+            x.pos = x.confirmed = 0
+            x.r.replays += 1
+        self._want(g)
 
     def _log_logits(self, outputs: list, live: list[tuple[int, _Row, int]]) -> None:
         """The logits of each live row's last token this step, by its position."""
@@ -478,9 +535,22 @@ class Scheduler:
             self._want(g)  # a row admitted, or the others go on
 
     def _end(self, x: _Row, why: FinishReason, error: str | None = None) -> None:
+        if x.stateful:
+            self.retired.append(x.r.index)  # the sampling stage drops its tokens with a later step
         x.r.finish = why
         x.r.error = error
         if self.results is not None:
             self.results[x.r.index] = x.r
         self.finished.append(x.r)
         del self._rows[x.r.index]
+
+
+def logprob_of(scores, k: int) -> Logprob | None:
+    """A row's scores (decode_layout's SCORES floats) as (log probability, ((id, logprob), ...) of the
+    k most likely); None where they are not finite (its logits were not)."""
+    lp = float(scores[0])
+    if lp != lp or lp == float("inf"):
+        return None
+    k = min(k, MAX_LOGPROBS)
+    ids = scores[1:1 + k]
+    return lp, tuple(zip((int(t) for t in ids), (float(v) for v in scores[1 + MAX_LOGPROBS:1 + MAX_LOGPROBS + k])))

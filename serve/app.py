@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from tvmpipe.generation.engine import EngineClosed, QueueFull
+from tvmpipe.generation.output import RequestOutput
 from tvmpipe.serve import metrics
 from tvmpipe.serve.protocol import DONE, ApiError, Ask, Reply, finish_reason, read_ask, read_json_body, sse
 from tvmpipe.serve.sequence import Bridge, SequenceFailed, ServedSequence
@@ -197,16 +198,30 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         if service.codec is None:  # no text to send: the tokens are the answer
             ask = dataclasses.replace(ask, return_token_ids=True)
         prepared = service.prepare(ask)
+        loop = asyncio.get_running_loop()
+        bridge = bridges.get(loop) or bridges.setdefault(loop, Bridge(loop))
+        seqs: list[ServedSequence] = []
         try:
-            loop = asyncio.get_running_loop()
-            bridge = bridges.get(loop) or bridges.setdefault(loop, Bridge(loop))
-            seq = ServedSequence(engine, bridge, prepared.request)
-        except QueueFull as exc:
-            raise ApiError(429, f"{exc}: retry later", code="queue_full") from None
-        except EngineClosed as exc:
+            for r in prepared.requests:
+                seqs.append(ServedSequence(engine, bridge, r))
+        except (QueueFull, EngineClosed) as exc:
+            for seq in seqs:  # a request's choices run together or not at all
+                seq.close()
+            if isinstance(exc, QueueFull):
+                raise ApiError(429, f"{exc}: retry later", code="queue_full") from None
             raise ApiError(503, str(exc), code="unavailable") from None
-        counters.prompt_tokens += len(prepared.prompt_ids)
-        reply = Reply(ask, service.model, prepared.prompt_ids)
+        counters.prompt_tokens += prepared.prompt_tokens
+        prompts = ask.prompts or (ask.prompt,)
+        reply = Reply(ask, service.model, prepared.prompt_ids, token_text=service.token_text,
+                      prompts=prepared.prompts,
+                      prompt_texts=[service.prompt_text(ask, p, ids) for p, ids in zip(prompts, prepared.prompts)]
+                      if ask.echo else [])
+        if len(seqs) > 1:
+            if ask.stream:
+                return StreamingResponse(events_of_choices(seqs, reply), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await whole_choices(request, seqs, reply, prepared.n, prepared.runs)
+        seq = seqs[0]
         if ask.stream:
             return StreamingResponse(events(seq, reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -224,10 +239,16 @@ async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
         yield sse(reply.chunk("", [], None, first=True))
         first = False
     count = 0
+    scored = ask.logprobs is not None or (ask.echo and not ask.chat)
     try:
         async for out in seq.outputs():
             count += len(out.token_ids)
-            if first or out.finish is not None:
+            if scored:  # each chunk carries its tokens' log probabilities (the first: an echo's prompt)
+                finish = finish_reason(out.finish) if out.finish is not None else None
+                yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=first, logprobs=out.logprobs,
+                                      prompt_logprobs=out.prompt_logprobs))
+                first = False
+            elif first or out.finish is not None:
                 finish = finish_reason(out.finish) if out.finish is not None else None
                 yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=first))
                 first = False
@@ -250,13 +271,15 @@ async def whole(request: Request, seq: ServedSequence, reply: Reply) -> Response
     first has its sequence cancelled."""
 
     async def run() -> dict[str, Any]:
-        text, ids, finish = [], [], "length"
+        text, ids, finish, lps, prompt_lps = [], [], "length", [], None
         async for out in seq.outputs():
             text.append(out.text)
             ids.extend(out.token_ids)
+            lps.extend(out.logprobs or ())
+            prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
             if out.finish is not None:
                 finish = finish_reason(out.finish)
-        return reply.body("".join(text), ids, finish)
+        return reply.body("".join(text), ids, finish, logprobs=lps, prompt_logprobs=prompt_lps)
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -270,6 +293,118 @@ async def whole(request: Request, seq: ServedSequence, reply: Reply) -> Response
         if not work.done():
             work.cancel()
             seq.close()
+    if not work.done() or work.cancelled():
+        return Response(status_code=CLIENT_GONE)
+    try:
+        return JSONResponse(work.result())
+    except SequenceFailed as exc:
+        code = 503 if exc.shutdown else 500
+        return error_response(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed"))
+
+
+async def _choices(seqs: list[ServedSequence]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of a request's sequences as they come, each with its choice's index; the first
+    that fails fails the request (SequenceFailed), and leaving early cancels every one left."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, seq: ServedSequence) -> None:
+        try:
+            async for out in seq.outputs():
+                queue.put_nowait((i, out, None))
+        except SequenceFailed as exc:
+            queue.put_nowait((i, None, exc))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, seq)) for i, seq in enumerate(seqs)]
+    try:
+        left = len(seqs)
+        while left:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                left -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for seq in seqs:
+            seq.close()
+
+
+async def events_of_choices(seqs: list[ServedSequence], reply: Reply) -> AsyncIterator[bytes]:
+    """The server-sent events of a request with several choices (n, a batch of prompts): each
+    chunk names its choice's index, each choice begins with its first chunk (a chat's role, an
+    echo's prompt) and ends with its finish_reason."""
+    ask = reply.ask
+    started: set[int] = set()
+    count = 0
+    if ask.chat:
+        for i in range(len(seqs)):
+            yield sse(reply.chunk("", [], None, first=True, index=i))
+            started.add(i)
+    try:
+        async for i, out in _choices(seqs):
+            count += len(out.token_ids)
+            finish = finish_reason(out.finish) if out.finish is not None else None
+            yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=i not in started, index=i,
+                                  logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
+            started.add(i)
+    except SequenceFailed as exc:
+        code = 503 if exc.shutdown else 500
+        yield sse(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed").body())
+        yield DONE
+        return
+    if ask.include_usage:
+        yield sse(reply.usage_chunk(count))
+    yield DONE
+
+
+async def whole_choices(request: Request, seqs: list[ServedSequence], reply: Reply, n: int,
+                        runs: int) -> Response:
+    """A non-streamed request with several sequences: every choice once all have ended; with
+    best_of (`runs` > n a prompt), the n of each prompt's whose tokens are the most likely (the
+    sum of their log probabilities, as vLLM ranks them), renumbered in that order."""
+
+    async def run() -> dict[str, Any]:
+        got: dict[int, dict[str, Any]] = {}
+        async for i, out in _choices(seqs):
+            c = got.setdefault(i, {"text": [], "ids": [], "lps": [], "prompt": None, "finish": "length", "rank": 0.0})
+            c["text"].append(out.text)
+            c["ids"].extend(out.token_ids)
+            c["lps"].extend(out.logprobs or ())
+            if out.prompt_logprobs is not None:
+                c["prompt"] = out.prompt_logprobs
+            if out.finish is not None:
+                c["finish"] = finish_reason(out.finish)
+                c["rank"] = out.result.cumulative_logprob if out.result is not None else 0.0
+        choices, tokens = [], 0
+        for p in range(len(seqs) // runs):
+            mine = [got.get(p * runs + j) or {"text": [], "ids": [], "lps": [], "prompt": None, "finish": "length",
+                                                "rank": 0.0} for j in range(runs)]
+            if runs > n:
+                mine = sorted(mine, key=lambda c: -c["rank"])[:n]
+            for j, c in enumerate(mine):
+                tokens += len(c["ids"])
+                choices.append(reply.choice("".join(c["text"]), c["ids"], c["finish"], index=p * n + j,
+                                            logprobs=c["lps"], prompt_logprobs=c["prompt"]))
+        return reply.bodies(choices, tokens)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            for seq in seqs:
+                seq.close()
     if not work.done() or work.cancelled():
         return Response(status_code=CLIENT_GONE)
     try:

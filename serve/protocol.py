@@ -2,11 +2,13 @@
 error JSON, and the response and chunk objects of /v1/completions and /v1/chat/completions.
 
 Every parameter a body may carry is named here, once: the ones tvmpipe builds (`max_tokens`,
-`temperature`, `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, and vLLM's
-`top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `chat_template_kwargs`), and the ones
-it does not, which are accepted only at the value that asks for nothing (`n` 1, `logprobs`
-null/false, `presence_penalty` 0, ...). Any other value, and any name not listed, is refused with a
-400 naming the parameter: a client never gets a silent default in place of what it asked for.
+`temperature`, `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `logprobs`
+(chat: with `top_logprobs`), `echo`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, a
+list of prompts, and vLLM's `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids`, `chat_template_kwargs`), and the ones it does not, which are accepted only at
+the value that asks for nothing (`logit_bias` {}, `min_tokens` 0, `tools` [], ...). Any other
+value, and any name not listed, is refused with a 400 naming the parameter: a client never gets a
+silent default in place of what it asked for.
 
 Values are checked where the generation layer checks them (requests.Request.checked, the
 sampler's Sampling.check), whose FieldErrors name the field; this module only checks what JSON
@@ -20,18 +22,21 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from tvmpipe.core import jsonlimits
+from tvmpipe.bundle.decode_layout import MAX_LOGPROBS
 from tvmpipe.core.errors import FieldError, TvmpipeError
-from tvmpipe.generation.requests import FinishReason
+from tvmpipe.generation.requests import FinishReason, Logprob
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's (and vLLM's) default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: sampling, unless the client asks for 0 (greedy)
 
 # The generation layer names the fields it checks (core.errors.FieldError); a served request names
 # its JSON parameters, where they differ
-FIELD_PARAMS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids"}
+FIELD_PARAMS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids", "prompt_logprobs": "logprobs"}
+MAX_CHOICES = 16  # n and best_of at most: each choice is a sequence in a row of its own
+LOGPROB_FLOOR = -9999.0  # a log probability of -inf (a token the model rules out) as vLLM writes it: JSON has no inf
 
 
 class ApiError(Exception):
@@ -97,7 +102,8 @@ class Ask:
 
     chat: bool
     model: str
-    prompt: str | list[int] | None = None  # /v1/completions
+    prompt: str | list[int] | None = None  # /v1/completions (the first prompt of a batch)
+    prompts: tuple[str | list[int], ...] = ()  # /v1/completions: every prompt of a batch (one choice each, x n)
     messages: list[Any] | None = None  # /v1/chat/completions
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
@@ -113,6 +119,14 @@ class Ask:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    logprobs: int | None = None  # the most likely tokens to return beside each token's log probability
+    echo: bool = False  # /v1/completions: the prompt (and its log probabilities) before the completion
+    n: int = 1
+    best_of: int | None = None  # /v1/completions: choices generated, the n most likely returned
+    min_p: Any = 0.0
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    repetition_penalty: Any = 1.0
 
     @property
     def prompt_param(self) -> str:
@@ -120,25 +134,24 @@ class Ask:
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "stop_token_ids", "ignore_eos", "return_token_ids"}
-_SUPPORTED = {False: _COMMON | {"prompt"},
-              True: _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt"}}
+           "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs", "n", "min_p", "presence_penalty",
+           "frequency_penalty", "repetition_penalty"}
+_SUPPORTED = {False: _COMMON | {"prompt", "echo", "best_of"},
+              True: _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
+                               "top_logprobs"}}
 
 # Parameters tvmpipe does not build: accepted only at the value that asks for nothing
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "suffix": ("",), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},), "min_tokens": (0,),
     "user": None,  # an end-user id for abuse monitoring: any string, nothing to build
 }
-_WHY = {"n": "one choice a request (send n requests: they run concurrently)",
-        "best_of": "one choice a request", "logprobs": "no log probabilities",
-        "top_logprobs": "no log probabilities", "echo": "no echo of the prompt",
+_WHY = {"suffix": "no insertion: the models served here complete left to right",
+        "min_tokens": "no minimum length (the stop tokens are not masked)",
         "tools": "no tool calls", "tool_choice": "no tool calls", "functions": "no tool calls",
         "function_call": "no tool calls", "parallel_tool_calls": "no tool calls",
-        "response_format": "plain text only", "logit_bias": "no logit bias",
-        "presence_penalty": "no penalties", "frequency_penalty": "no penalties", "repetition_penalty": "no penalties"}
+        "response_format": "plain text only", "logit_bias": "no logit bias"}
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -178,19 +191,26 @@ def _stops(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A string or a list of token ids; a list of one of these is that one (OpenAI's batched form
-    with a single prompt); several prompts are refused (one request each runs as fast)."""
+MAX_PROMPTS = 64  # prompts of one batched /v1/completions request (each runs as a sequence of its own)
+
+
+def _prompts(value: Any) -> tuple[str | list[int], ...]:
+    """A string or a list of token ids, or OpenAI's batch: a list of several of these (one choice
+    each, all run concurrently)."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        if len(value) > 1:
-            raise bad_request(f"prompt: a batch of {len(value)} prompts; tvmpipe serve takes one prompt a request "
-                              "(send one request per prompt: they run concurrently)", "prompt")
-        value = value[0]
+        if len(value) > MAX_PROMPTS:
+            raise bad_request(f"prompt: a batch of {len(value)} prompts, more than {MAX_PROMPTS} (send several "
+                              "requests: they run concurrently)", "prompt")
+        return tuple(_prompt(p) for p in value)
+    return (_prompt(value),)
+
+
+def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return list(value)
-    raise bad_request("prompt must be a string or a list of token ids", "prompt")
+    raise bad_request("prompt must be a string, a list of token ids, or a list of these", "prompt")
 
 
 # What the server itself passes to a chat template (generation.text's render_chat): a kwarg of the
@@ -279,10 +299,36 @@ def read_ask(body: Any, *, chat: bool) -> Ask:
     else:
         if "prompt" not in given:
             raise bad_request("prompt: required (a string or a list of token ids)", "prompt")
-        kw["prompt"] = _prompt(given["prompt"])
+        prompts = _prompts(given["prompt"])
+        kw["prompt"], kw["prompts"] = prompts[0], prompts
+        if "echo" in given:
+            kw["echo"] = _boolean(given["echo"], "echo")
+        if "logprobs" in given and given["logprobs"] is not False:  # vLLM also reads false as none
+            kw["logprobs"] = _integer(given["logprobs"], "logprobs")
+        if "best_of" in given:
+            kw["best_of"] = _integer(given["best_of"], "best_of")
+    if chat:
+        if _boolean(given.get("logprobs", False), "logprobs"):
+            kw["logprobs"] = _integer(given.get("top_logprobs", 0), "top_logprobs")
+        elif "top_logprobs" in given:
+            raise bad_request("top_logprobs: only with logprobs=true", "top_logprobs")
+    if kw.get("logprobs") is not None and not 0 <= kw["logprobs"] <= MAX_LOGPROBS:
+        param = "top_logprobs" if chat else "logprobs"
+        raise bad_request(f"{param} must be from 0 to {MAX_LOGPROBS}, got {kw['logprobs']}", param)
+    if "n" in given:
+        kw["n"] = _integer(given["n"], "n")
+        if not 1 <= kw["n"] <= MAX_CHOICES:
+            raise bad_request(f"n must be from 1 to {MAX_CHOICES}, got {kw['n']}", "n")
+    if kw.get("best_of") is not None:
+        if not kw.get("n", 1) <= kw["best_of"] <= MAX_CHOICES:
+            raise bad_request(f"best_of must be from n ({kw.get('n', 1)}) to {MAX_CHOICES}, got {kw['best_of']}",
+                              "best_of")
+        if kw["best_of"] > kw.get("n", 1) and given.get("stream"):
+            raise bad_request("best_of > n cannot be streamed (the choices are known only once all have ended)",
+                              "best_of")
     if "max_tokens" in given:
         kw["max_tokens"] = _integer(given["max_tokens"], "max_tokens")
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if name in given:
             kw[name] = _number(given[name], name)
     if "top_k" in given:
@@ -346,45 +392,122 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _floor(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 @dataclass
 class Reply:
-    """The response objects of one request: a whole body, or its stream's chunks."""
+    """The response objects of one request: a whole body, or its stream's chunks. `token_text`
+    writes a token as log probabilities name it; `prompts` and `prompt_texts`: each prompt's ids
+    and text (a batch's; an echo's text); choice i answers prompt i // n."""
 
     ask: Ask
     model: str
     prompt_ids: list[int]
     id: str = ""
     created: int = 0
+    token_text: Callable[[int], str] = field(default=lambda t: f"token_id:{t}", repr=False)
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)
     _template: tuple[str, list[str]] | None = field(default=None, repr=False)
+    _offsets: dict[int, int] = field(default_factory=dict, repr=False)  # choice -> text offset so far (streams)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.ask.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = self.created or int(time.time())
+        self.prompts = self.prompts or [self.prompt_ids]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def _top(self, entry: Logprob, k: int) -> list[tuple[int, float]]:
+        return list(entry[1][:k])
+
+    def logprobs(self, token_ids: Sequence[int], entries: Sequence[Logprob | None], choice: int = 0
+                 ) -> dict[str, Any] | None:
+        """A choice's (or chunk's) `logprobs` object for `token_ids`, one entry each (None: the
+        first prompt token of an echo), in OpenAI's shape for the endpoint: completions' parallel
+        lists (the top log probabilities as a dict holding the chosen token too, as vLLM's), chat's
+        `content` list. Log probabilities of -inf are written as LOGPROB_FLOOR (JSON has no inf)."""
+        k = self.ask.logprobs
+        if k is None:
+            return None
+        tt = self.token_text
+        if self.ask.chat:
+            content = []
+            for t, e in zip(token_ids, entries):
+                s = tt(t)
+                top = [{"token": tt(i), "logprob": _floor(lp), "bytes": list(tt(i).encode("utf-8"))}
+                       for i, lp in self._top(e, k)]
+                content.append({"token": s, "logprob": _floor(e[0]), "bytes": list(s.encode("utf-8")),
+                                "top_logprobs": top})
+            return {"content": content}
+        tokens, lps, tops, offsets = [], [], [], []
+        at = self._offsets.get(choice, 0)
+        for t, e in zip(token_ids, entries):
+            s = tt(t)
+            tokens.append(s)
+            offsets.append(at)
+            at += len(s)
+            if e is None:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(_floor(e[0]))
+            top = {tt(i): _floor(lp) for i, lp in self._top(e, k)}
+            top.setdefault(s, _floor(e[0]))
+            tops.append(top)
+        self._offsets[choice] = at
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.ask.chat else "text_completion") + (".chunk" if chunk and self.ask.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _ids(self, choice: dict[str, Any], token_ids: list[int] | None, first: bool) -> dict[str, Any]:
-        if self.ask.return_token_ids and token_ids is not None:
-            if first:
-                choice["prompt_token_ids"] = list(self.prompt_ids)
+    def echoed(self, choice: int, prompt_logprobs: Sequence[Logprob | None] | None) -> tuple[str, list[int], list]:
+        """What an echo puts before choice `choice`'s completion: its prompt's text, ids, and log
+        probabilities (None each where none were asked for)."""
+        p = choice // max(1, self.ask.n)
+        ids = self.prompts[p]
+        entries = list(prompt_logprobs) if prompt_logprobs is not None else [None] * len(ids)
+        return (self.prompt_texts[p] if p < len(self.prompt_texts) else ""), ids, entries
+
+    def choice(self, text: str, token_ids: list[int], finish: str, *, index: int = 0,
+               logprobs: Sequence[Logprob] | None = None,
+               prompt_logprobs: Sequence[Logprob | None] | None = None) -> dict[str, Any]:
+        """One choice of a non-streamed response (an echo puts its prompt first)."""
+        ids, entries = list(token_ids), list(logprobs or ())
+        if self.ask.echo and not self.ask.chat:
+            head, pids, pentries = self.echoed(index, prompt_logprobs)
+            text, ids, entries = head + text, pids + ids, pentries + entries
+        lp = self.logprobs(ids, entries, index) if self.ask.logprobs is not None else None
+        if self.ask.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if self.ask.return_token_ids:
+            choice["prompt_token_ids"] = list(self.prompts[index // max(1, self.ask.n)])
             choice["token_ids"] = list(token_ids)
         return choice
 
-    def body(self, text: str, token_ids: list[int], finish: str) -> dict[str, Any]:
-        """The non-streaming response."""
-        if self.ask.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head(False), "choices": [self._ids(choice, token_ids, True)],
-                "usage": usage(len(self.prompt_ids), len(token_ids))}
+    def body(self, text: str, token_ids: list[int], finish: str, **choice: Any) -> dict[str, Any]:
+        """The non-streaming response of one choice."""
+        return self.bodies([self.choice(text, token_ids, finish, **choice)], len(token_ids))
 
-    def chunk(self, text: str | None, token_ids: list[int] | None, finish: str | None, *, first: bool = False) -> dict:
-        """One streamed chunk: text (chat: the delta's content; None with `first`: the role alone),
-        the tokens it covers, and the finish_reason on the last one."""
+    def bodies(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
+        """The non-streaming response of every choice."""
+        return {**self._head(False), "choices": choices, "usage": usage(self.prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, token_ids: list[int] | None, finish: str | None, *, first: bool = False,
+              index: int = 0, logprobs: Sequence[Logprob] | None = None,
+              prompt_logprobs: Sequence[Logprob | None] | None = None) -> dict:
+        """One streamed chunk of choice `index`: text (chat: the delta's content; None with `first`:
+        the role alone), the tokens it covers (and their log probabilities where asked for), and
+        the finish_reason on the last one. A completions echo puts the prompt in the first chunk."""
+        lp = None
         if self.ask.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -392,10 +515,22 @@ class Reply:
                 delta["content"] = text or ""
             elif text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if self.ask.logprobs is not None and token_ids:
+                lp = self.logprobs(token_ids, logprobs or (), index)
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        out = {**self._head(True), "choices": [self._ids(choice, token_ids, first)]}
+            ids, entries = list(token_ids or ()), list(logprobs or ())
+            if first and self.ask.echo:
+                head, pids, pentries = self.echoed(index, prompt_logprobs)
+                text, ids, entries = head + (text or ""), pids + ids, pentries + entries
+            if self.ask.logprobs is not None:
+                lp = self.logprobs(ids, entries, index)
+            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        if self.ask.return_token_ids and token_ids is not None:
+            if first:
+                choice["prompt_token_ids"] = list(self.prompts[index // max(1, self.ask.n)])
+            choice["token_ids"] = list(token_ids)
+        out = {**self._head(True), "choices": [choice]}
         if self.ask.include_usage:
             out["usage"] = None
         return out
@@ -415,7 +550,7 @@ class Reply:
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
-        return {**self._head(True), "choices": [], "usage": usage(len(self.prompt_ids), completion_tokens)}
+        return {**self._head(True), "choices": [], "usage": usage(self.prompt_tokens, completion_tokens)}
 
 
 _TEXT_PROBE = "\u0000text\u0000"  # placeholders of Reply.token_event's template

@@ -3,7 +3,10 @@ generation request. The HTTP routes (serve.app) call this and nothing below it.
 
 Keys and seeds: a served request uses key 0, as prompt 0 of `tvmpipe generate` does, so its seeded
 draws equal a one-prompt `tvmpipe generate --seed S` (executor.sampler keys each draw by seed, key
-and token index). A sampling request without a seed gets a fresh random one, as OpenAI's does.
+and token index). Choice j of a request with `n` (or `best_of`) choices is keyed j: the n choices
+draw differently, choice 0 is the request with n = 1, and a seeded request with n reproduces. Each
+prompt of a batch is keyed the same way (its choices 0..n-1), as if sent alone. A sampling request
+without a seed gets a fresh random one, as OpenAI's does.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from tvmpipe.core.errors import TvmpipeError
@@ -30,11 +34,27 @@ SEED_RANGE = 2 ** 63  # the sampler's seeds: 0 .. 2^63 - 1
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready to submit: its prompt ids and the checked generation request (with its stop
-    strings, which the engine's output processor watches for)."""
+    """A request ready to submit: each prompt's ids, and the checked generation requests (with
+    their stop strings, which the engine's output processor watches for): `runs` per prompt
+    (best_of, else n), prompt after prompt; `n` of each prompt's are returned (with best_of: the
+    n whose tokens are the most likely)."""
 
-    prompt_ids: list[int]
-    request: Request
+    prompts: list[list[int]]
+    requests: list[Request]
+    n: int = 1
+    runs: int = 1
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompts[0]
+
+    @property
+    def request(self) -> Request:
+        return self.requests[0]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
 class Service:
@@ -63,10 +83,31 @@ class Service:
             raise ApiError(404, f"the model {ask.model!r} does not exist: this server serves {self.model!r}",
                            param="model", code="model_not_found")
 
-    def prompt_ids(self, ask: Ask) -> list[int]:
+    def token_text(self, token: int) -> str:
+        """One token as text, for log probabilities (as vLLM writes them: the token decoded alone;
+        without a tokenizer `token_id:N`)."""
+        return self._token_text(token)
+
+    @lru_cache(maxsize=65536)
+    def _token_text(self, token: int) -> str:
+        if self.codec is None:
+            return f"token_id:{token}"
+        try:
+            return self.codec.decode([token])
+        except Exception:  # noqa: BLE001 - a token with no text of its own: its id
+            return f"token_id:{token}"
+
+    def prompt_text(self, ask: Ask, prompt: str | list[int], ids: list[int]) -> str:
+        """The prompt as text, for echo: as given, or its ids decoded."""
+        if isinstance(prompt, str) or ask.chat:
+            return prompt if isinstance(prompt, str) else ""
+        return "".join(self.token_text(t) for t in ids) if self.codec is None else self.codec.decode(ids)
+
+    def prompt_ids(self, ask: Ask, prompt: str | list[int] | None = None) -> list[int]:
         """The prompt's token ids: given as ids, encoded, or the chat rendered by the template."""
-        if not ask.chat and isinstance(ask.prompt, list):
-            return list(ask.prompt)
+        prompt = ask.prompt if prompt is None else prompt
+        if not ask.chat and isinstance(prompt, list):
+            return list(prompt)
         codec = self.codec
         if codec is None:
             what = "chat" if ask.chat else "a text prompt"
@@ -75,7 +116,7 @@ class Service:
                               "no_tokenizer")
         try:
             if not ask.chat:
-                return codec.encode(ask.prompt)
+                return codec.encode(prompt)
             if not codec.has_chat_template:
                 raise bad_request(f"the model {self.model!r} has no chat template (its tokenizer directory {codec.directory} "
                                   "has no chat_template.jinja nor chat_template in tokenizer_config.json): use "
@@ -91,19 +132,31 @@ class Service:
         self.check_model(ask)
         if ask.stop and self.codec is None:
             raise bad_request("stop strings need a tokenizer: this server has none (stop_token_ids work without)", "stop")
-        ids = self.prompt_ids(ask)
-        if not ids:
-            raise bad_request(f"the {ask.prompt_param} is empty (no tokens)", ask.prompt_param)
-        default = None if ask.chat else DEFAULT_COMPLETION_TOKENS
-        n = resolve_max_tokens(ask.max_tokens, default, len(ids), self.max_context, prompt_param=ask.prompt_param,
-                               tokens_param=ask.tokens_param)
         seed = ask.seed if ask.seed is not None else secrets.randbelow(SEED_RANGE)
         stops = list(ask.stop_token_ids)
         if self.codec is not None and not ask.ignore_eos:
             stops += [t for t in self.codec.stop_token_ids if t not in stops]
-        try:
-            request = Request.checked(ids, n, self.layout, what=ask.prompt_param, stop_tokens=stops, key=0,
-                                      sampling=Sampling(ask.temperature, ask.top_k, seed, ask.top_p), stop=ask.stop)
-        except TvmpipeError as exc:
-            raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
-        return Prepared(ids, request)
+        runs = ask.best_of or ask.n
+        sampling = Sampling(ask.temperature, ask.top_k, seed, ask.top_p, ask.min_p, ask.presence_penalty,
+                            ask.frequency_penalty, ask.repetition_penalty)
+        # best_of ranks choices by their tokens' log probabilities; echo scores the prompt (max_tokens 0: only that)
+        logprobs = 0 if ask.logprobs is None and runs > ask.n else ask.logprobs
+        prompt_logprobs = (ask.logprobs if ask.logprobs is not None else 0 if ask.max_tokens == 0 else None
+                           ) if ask.echo else None
+        prompts, requests = [], []
+        for i, prompt in enumerate(ask.prompts or (ask.prompt,) if not ask.chat else (None,)):
+            what = ask.prompt_param if len(ask.prompts) < 2 else f"prompt[{i}]"
+            ids = self.prompt_ids(ask, prompt)
+            if not ids:
+                raise bad_request(f"the {what} is empty (no tokens)", ask.prompt_param)
+            default = None if ask.chat else DEFAULT_COMPLETION_TOKENS
+            n = resolve_max_tokens(ask.max_tokens, default, len(ids), self.max_context, prompt_param=what,
+                                   tokens_param=ask.tokens_param)
+            try:
+                requests += [Request.checked(ids, n, self.layout, what=what, stop_tokens=stops, key=j,
+                                             sampling=sampling, stop=ask.stop, logprobs=logprobs,
+                                             prompt_logprobs=prompt_logprobs) for j in range(runs)]
+            except TvmpipeError as exc:
+                raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
+            prompts.append(ids)
+        return Prepared(prompts, requests, ask.n, runs)

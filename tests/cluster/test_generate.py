@@ -441,7 +441,7 @@ def test_a_pipeline_without_logits_sends_the_driver_tokens_only(decode_bundle, o
     logits_bytes = b.graph.entries[b.graph.head_entries[b.generation.logits]].nbytes
     per_frame = {}
     for logits in (True, False):
-        with Pipeline(decode_bundle, 2, launcher="process", slots=3, logits=logits) as pipe:
+        with Pipeline(decode_bundle, 2, launcher="process", slots=3, logits=logits, scores=False) as pipe:
             edges = {(e.src, e.dst): e.entries for e in pipe.topology.edges}
             assert (edges[(1, DRIVER)] == (pipe.topology.token_entry,)) is not logits
             res = Generator(pipe).generate_all(PROMPTS, NEW, in_flight=3)

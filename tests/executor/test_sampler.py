@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tvmpipe.bundle.decode_layout import RowTag, StepTag, no_step, row_ints
+from tvmpipe.bundle.decode_layout import HEAD, ROW, RowTag, StepTag, no_step, row_ints
 from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.executor.sampler import Sampling, sample_token
 
@@ -20,13 +20,13 @@ def hot(key: int, index: int, s: Sampling, fed: bool = False) -> RowTag:
 def test_the_step_tag_round_trips_through_its_int64_entry():
     tag = StepTag(41, (hot(7, 3, Sampling(0.8, 10, 2 ** 62 + 5, 0.9), fed=True),), True)
     raw = tag.encode()
-    assert raw.dtype == np.int64 and raw.shape == (2 + 7,)
+    assert raw.dtype == np.int64 and raw.shape == (HEAD + ROW,)
     assert StepTag.decode(raw.copy()) == tag
     assert tag.rows[0] == RowTag(7, 3, True, 2 ** 62 + 5, 10, 0.8, 0.9)
     assert StepTag.decode(no_step(1)) == StepTag() and StepTag().rows[0].token_index == -1 and not StepTag().feed_next
     rows = (hot(7, 3, Sampling(0.5, 0, 1), True), RowTag(), hot(9, 0, Sampling()))  # a static batch of three
     tag = StepTag(5, rows, False)
-    assert tag.encode().shape == (2 + 7 * 3,) and StepTag.decode(tag.encode()) == tag
+    assert tag.encode().shape == (HEAD + ROW * 3,) and StepTag.decode(tag.encode()) == tag
     assert StepTag.decode(no_step(3)).rows == (RowTag(),) * 3
 
 

@@ -88,14 +88,14 @@ def _poisoned_sampler(monkeypatch):
 
     real = worker.sample_token
 
-    def sample_token(logits, tag, vocab, batch=1):
+    def sample_token(logits, tag, vocab, batch=1, states=None, scores=None):
         if tag is not None:
             rows = np.array(logits, dtype=np.float32).reshape(batch, -1)
             for r in range(batch):
                 if tag[HEAD + ROW * r + SEED] == POISON_SEED:
                     rows[r] = np.nan
             logits = rows.reshape(np.shape(logits))
-        return real(logits, tag, vocab, batch)
+        return real(logits, tag, vocab, batch, states, scores)
 
     monkeypatch.setattr(worker, "sample_token", sample_token)
 

@@ -54,17 +54,36 @@ def test_chat_body():
     assert ask.tokens_param == "max_completion_tokens" and ask.chat_template_kwargs == {"enable_thinking": False}
 
 
+def test_scoring_and_choices_are_read():
+    ask = read_ask({"model": "m", "prompt": [[1, 2], "b"], "logprobs": 5, "echo": True, "n": 2, "best_of": 3,
+                    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1},
+                   chat=False)
+    assert ask.prompts == ([1, 2], "b") and ask.prompt == [1, 2] and ask.logprobs == 5 and ask.echo
+    assert (ask.n, ask.best_of, ask.presence_penalty, ask.frequency_penalty, ask.repetition_penalty, ask.min_p) == (
+        2, 3, 0.5, -0.5, 1.2, 0.1)
+    chat = read_ask({"model": "m", "messages": [], "logprobs": True, "top_logprobs": 3}, chat=True)
+    assert chat.logprobs == 3
+    assert read_ask({"model": "m", "messages": [], "logprobs": True}, chat=True).logprobs == 0
+    assert read_ask({"model": "m", "messages": [], "logprobs": False}, chat=True).logprobs is None
+    assert read_ask({"model": "m", "prompt": "x", "logprobs": False}, chat=False).logprobs is None
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "n": 0}, "n"),
+    ({"model": "m", "prompt": "x", "n": 17}, "n"),
     ({"model": "m", "prompt": "x", "n": True}, "n"),
-    ({"model": "m", "prompt": "x", "logprobs": 1}, "logprobs"),
-    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "m", "prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+    ({"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ({"model": "m", "prompt": "x", "echo": 1}, "echo"),
     ({"model": "m", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "min_tokens": 2}, "min_tokens"),
+    ({"model": "m", "prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "suffix": "end"}, "suffix"),
     ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [[1]] * 65}, "prompt"),
     ({"model": "m", "prompt": 5}, "prompt"),
     ({"model": "m", "prompt": [1, "a"]}, "prompt"),
     ({"model": "m"}, "prompt"),
@@ -84,7 +103,11 @@ def test_completions_refusals_name_the_parameter(body, param):
 
 @pytest.mark.parametrize("body,param", [
     ({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "messages": [], "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [], "logprobs": 1}, "logprobs"),
+    ({"model": "m", "messages": [], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"model": "m", "messages": [], "echo": True}, "echo"),
+    ({"model": "m", "messages": [], "best_of": 2}, "best_of"),
     ({"model": "m", "messages": [], "response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "m", "messages": [], "max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
@@ -96,8 +119,8 @@ def test_chat_refusals_name_the_parameter(body, param):
 
 
 def test_refusals_are_openai_error_json():
-    e = refused({"model": "m", "prompt": "x", "logprobs": 1})
-    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": "logprobs",
+    e = refused({"model": "m", "prompt": "x", "logit_bias": {"5": 1}})
+    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": "logit_bias",
                                   "code": "unsupported_parameter"}}
     assert "not supported" in e.message
     assert refused({"model": "m", "prompt": "x", "frobnicate": 1}).message.startswith("unknown parameter 'frobnicate'")

@@ -129,17 +129,22 @@ def test_stop_strings_end_the_sequence_unsent(client, oracle):
 
 
 def test_unsupported_parameters_are_refused_with_openai_errors(client):
-    for kw, param in [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"best_of": 2}, "best_of"),
-                      ({"logit_bias": {"5": 10}}, "logit_bias"), ({"echo": True}, "echo")]:
+    for kw, param in [({"logit_bias": {"5": 10}}, "logit_bias"), ({"suffix": "end"}, "suffix"),
+                      ({"extra_body": {"min_tokens": 3}}, "min_tokens")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
         assert info.value.param == param and info.value.code == "unsupported_parameter", kw
+    for kw, param in [({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 1, "n": 2}, "best_of")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
+        assert info.value.param == param, kw
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True)
-    assert info.value.param == "logprobs"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                       top_logprobs=21)
+    assert info.value.param == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2)
-    assert info.value.param == "prompt" and "one prompt a request" in info.value.message
+        client.completions.create(model=MODEL, prompt=["one", ""], max_tokens=2)
+    assert info.value.param == "prompt" and "prompt[1]" in info.value.message
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="Hello")
     assert info.value.code == "model_not_found"

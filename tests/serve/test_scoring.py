@@ -1,0 +1,327 @@
+"""Clients that score (issue 51): log probabilities, echo, n and best_of, the penalties and min_p,
+batched prompts, and lm-eval itself, against a real `tvmpipe serve` on a checkpoint, each held to a
+reference: transformers' own log-softmax, and its LogitsProcessors, on the same fp32 checkpoint.
+
+The server runs a chunked step (`--chunk 4`): plain prompts go in four tokens a step, while echo and
+penalized requests go one token a step (the sampling stage scores or sees every position), side by
+side in the same pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from tests.serve.harness import ROOT, ServerProcess
+from tests.support.checkpoints import COVER, load_transformers, write_checkpoint
+
+MODEL = "gpt2-step"  # harness.MODEL, the served name
+CONTEXT = 64
+CHUNK = 4
+TOL = 1e-4  # fp32 logits, log probabilities compared in float64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The zoo GPT-2's tiny fp32 checkpoint with its word-level tokenizer (w0 .. w125, <s>, </s>)."""
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "gpt2", COVER["gpt2"], with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    return load_transformers(checkpoint, "float32")
+
+
+@pytest.fixture(scope="module")
+def scoring_server(checkpoint, tmp_path_factory):
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    bundle = tmp_path_factory.mktemp("bundle") / "gpt2_c4"
+    export(str(checkpoint), progress=Progress(stream=None), decode=CONTEXT, chunk=CHUNK).write(bundle)
+    srv = ServerProcess(bundle, "--stages", "2", "--processes", "--max-waiting", "64",
+                        log_path=tmp_path_factory.mktemp("server") / "stderr.txt")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(scoring_server):
+    return openai.OpenAI(base_url=scoring_server.base, api_key="unused", max_retries=0, timeout=120)
+
+
+def log_softmax(hf, ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax at every position of `ids` (float64 of its fp32 logits)."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def reference_tokens(hf, prompt: list[int], n: int, processors=(), seed: int | None = None, key: int = 0,
+                     sampling=None) -> list[int]:
+    """Greedy (or, with `sampling`, the keyed draw of executor.sampler over the processed
+    distribution) continuation of `prompt` by transformers, its logits through `processors`
+    (transformers LogitsProcessors: called with the ids so far and the scores)."""
+    import torch
+
+    ids = list(prompt)
+    for i in range(n):
+        with torch.no_grad():
+            scores = hf(torch.tensor([ids])).logits[:, -1].double()
+        for p in processors:
+            scores = p(torch.tensor([ids]), scores)
+        x = scores[0].numpy()
+        if sampling is None:
+            ids.append(int(np.argmax(x)))
+        else:
+            ids.append(sampling.pick(x, key, i))
+    return ids[len(prompt):]
+
+
+class OutputPenalties:
+    """OpenAI's presence and frequency penalties (over the generated tokens only, as vLLM's): the
+    formula of OpenAI's docs, which transformers has no processor for."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.n, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[0, self.n:].numpy()
+        counts = np.bincount(out, minlength=scores.shape[-1])[:scores.shape[-1]]
+        import torch
+
+        return scores - torch.tensor(self.frequency * counts + self.presence * (counts > 0), dtype=scores.dtype)
+
+
+PROMPT = [5, 17, 3, 9, 60, 2, 44, 44, 13]
+
+
+def word(t: int) -> str:
+    """Token t as the checkpoint's tokenizer writes it."""
+    return f"w{t}" if t < 126 else ("<s>", "</s>")[t - 126]
+
+
+def test_completion_logprobs_and_echo_equal_transformers(client, hf):
+    """echo + logprobs=5: every prompt token after the first and every generated one carries its
+    log probability under transformers' log-softmax of the same checkpoint (within 1e-4), the
+    first prompt token null, the top 5 the reference's; the greedy tokens are the reference's;
+    streamed chunks add up to the same."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=5, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    gen = c.token_ids
+    assert gen == reference_tokens(hf, PROMPT, 6)
+    ids = PROMPT + gen
+    lsm = log_softmax(hf, ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [lsm[i - 1, ids[i]] for i in range(1, len(ids))]
+    assert np.allclose(lp.token_logprobs[1:], want, atol=TOL, rtol=0)
+    assert lp.tokens == [word(t) for t in ids] and c.text.startswith("w5 w17 w3")
+    for i in range(1, len(ids)):
+        top = np.argsort(-lsm[i - 1], kind="stable")[:5]
+        got = lp.top_logprobs[i]
+        assert set(got) >= {word(t) for t in top} and len(got) in (5, 6)  # the top 5, and the token itself
+        assert all(abs(got[word(t)] - lsm[i - 1, t]) < TOL for t in top)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=5, max_tokens=6,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    streamed = [v for ch in chunks if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    # without echo: the generated tokens' alone
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, logprobs=0, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.text == c.text[len("w5 w17 w3 w9 w60 w2 w44 w44 w13"):]
+    assert np.allclose(plain.logprobs.token_logprobs, want[len(PROMPT) - 1:], atol=TOL, rtol=0)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(client, hf):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    c = r.choices[0]
+    lsm = log_softmax(hf, PROMPT)
+    assert c.text == " ".join(word(t) for t in PROMPT) and r.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None
+    assert np.allclose(c.logprobs.token_logprobs[1:], [lsm[i - 1, PROMPT[i]] for i in range(1, len(PROMPT))],
+                       atol=TOL, rtol=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert info.value.param == "max_tokens"
+
+
+def test_chat_logprobs_equal_transformers(client, hf):
+    """chat logprobs + top_logprobs=3: OpenAI's content list (token, logprob, bytes, top 3), plain
+    and streamed, against transformers on the rendered chat prompt."""
+    msgs = [{"role": "user", "content": "w5 w6 w7"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=3, max_tokens=5,
+                                       temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    prompt, gen = c.prompt_token_ids, c.token_ids
+    lsm = log_softmax(hf, prompt + gen)
+    content = c.logprobs.content
+    assert [e.token for e in content] == [word(t) for t in gen] and gen == reference_tokens(hf, prompt, 5)
+    for i, e in enumerate(content):
+        row = lsm[len(prompt) + i - 1]
+        assert abs(e.logprob - row[gen[i]]) < TOL and e.bytes == list(e.token.encode())
+        assert [t.token for t in e.top_logprobs] == [word(t) for t in np.argsort(-row, kind="stable")[:3]]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=3,
+                                                 max_tokens=5, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = [e for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_n_choices_are_seeded_per_choice_and_reproduce(client, hf):
+    """n=3 seeded: three different streams, the same on a second request, choice 0 the n=1
+    request's, each choice j the keyed draw (seed, j, index) of transformers' distribution."""
+    from tvmpipe.executor.sampler import Sampling
+
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices] and len(set(texts)) == 3
+    assert client.completions.create(**kw).choices[0].text == texts[0]
+    s = Sampling(1.0, 0, 11)
+    for j, text in enumerate(texts):
+        assert text == " ".join(word(t) for t in reference_tokens(hf, PROMPT, 6, key=j, sampling=s))
+    streamed = {}
+    for ch in client.completions.create(n=3, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == texts
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w9"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+
+
+def test_best_of_returns_the_most_likely_choices(client):
+    """best_of=4, n=2: the two of the four seeded sequences (those of n=4) whose tokens' log
+    probabilities sum highest, in that order."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    four = client.completions.create(n=4, logprobs=0, **kw).choices
+    ranked = sorted(four, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("kw", [{"presence_penalty": 1.5}, {"frequency_penalty": 0.7},
+                                {"frequency_penalty": 1.2, "presence_penalty": -0.5},
+                                {"extra_body": {"repetition_penalty": 1.5}},
+                                {"extra_body": {"repetition_penalty": 0.8}}])
+def test_penalties_equal_the_processor_chain(client, hf, kw):
+    """Greedy with each penalty: the tokens of transformers with the same processor
+    (RepetitionPenaltyLogitsProcessor over prompt and output; OpenAI's presence/frequency formula
+    over the output), streamed and plain."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    extra = {"ignore_eos": True, "return_token_ids": True, **kw.get("extra_body", {})}
+    args = {k: v for k, v in kw.items() if k != "extra_body"}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body=extra, **args)
+    procs = []
+    if "repetition_penalty" in extra:
+        procs.append(RepetitionPenaltyLogitsProcessor(extra["repetition_penalty"]))
+    if args:
+        procs.append(OutputPenalties(len(PROMPT), args.get("presence_penalty", 0), args.get("frequency_penalty", 0)))
+    want = reference_tokens(hf, PROMPT, 16, procs)
+    assert r.choices[0].token_ids == want
+    assert want != reference_tokens(hf, PROMPT, 16)  # the penalty changed something
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                       extra_body=extra, **args)
+    assert [t for ch in chunks for t in ch.choices[0].token_ids] == want
+
+
+def test_min_p_and_penalties_with_seeded_sampling_equal_the_processor_chain(client, hf):
+    """temperature 1, min_p 0.3 and a repetition penalty, seeded: the keyed draws over
+    transformers' RepetitionPenaltyLogitsProcessor then MinPLogitsWarper."""
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    from tvmpipe.executor.sampler import Sampling
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=8,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, "min_p": 0.3,
+                                              "repetition_penalty": 1.3})
+    want = reference_tokens(hf, PROMPT, 12, [RepetitionPenaltyLogitsProcessor(1.3), MinPLogitsWarper(0.3)],
+                            key=0, sampling=Sampling(1.0, 0, 8))
+    assert r.choices[0].token_ids == want
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=8,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert plain.choices[0].token_ids != want
+
+
+def test_a_batch_of_prompts_gets_one_choice_each(client):
+    """A list of prompts (text and ids): one choice a prompt, each the single request's; with n=2,
+    prompt p's choices are 2p and 2p + 1."""
+    prompts = ["w5 w6 w7", [9, 60, 2], "w100"]
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == alone
+    assert r.usage.prompt_tokens == 3 + 3 + 1 and r.usage.completion_tokens == 15
+    two = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.text for c in two.choices] == [t for t in alone for _ in range(2)]
+    streamed = {}
+    for ch in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == alone
+
+
+# ---- lm-eval ----------------------------------------------------------------------------------------
+
+TASKS = ROOT / "tests" / "data" / "lm_eval"
+
+
+def test_lm_eval_scores_as_transformers(scoring_server, checkpoint, hf, monkeypatch, tmp_path):
+    """lm-eval's `local-completions` model on the local multiple-choice task (its loglikelihood
+    path: token-id prompts, echo, logprobs=1, max_tokens=1, batches of 2 prompts, 4 concurrent
+    requests) and a generate_until task: each choice's log-likelihood is transformers' own within
+    1e-4, the accuracy the same, and the generations transformers' greedy ones."""
+    import json
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(ROOT)  # the task files name their data relative to the repository
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    args = (f"model={MODEL},base_url={scoring_server.base}/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={checkpoint},num_concurrent=4,max_retries=1,tokenized_requests=True,max_length={CONTEXT},"
+            "batch_size=2")
+    out = lm_eval.simple_evaluate(model="local-completions", model_args=args,
+                                  tasks=["tvmpipe_choices", "tvmpipe_words"],
+                                  task_manager=TaskManager(include_path=str(TASKS)), log_samples=True)
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    docs = [json.loads(line) for line in (TASKS / "choices.jsonl").read_text().splitlines()]
+    samples = sorted(out["samples"]["tvmpipe_choices"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(docs)
+    right = 0
+    for doc, s in zip(docs, samples):
+        ctx = tok.encode(doc["context"])
+        want = []
+        for choice in doc["choices"]:
+            ids = tok.encode(doc["context"] + " " + choice)
+            lsm = log_softmax(hf, ids)
+            want.append(sum(lsm[i - 1, ids[i]] for i in range(len(ctx), len(ids))))
+        got = [ll for ll, _ in s["filtered_resps"]]
+        assert np.allclose(got, want, atol=TOL, rtol=0), (doc, got, want)
+        right += int(np.argmax(want)) == doc["gold"]
+    assert out["results"]["tvmpipe_choices"]["acc,none"] == pytest.approx(right / len(docs))
+    words = [json.loads(line) for line in (TASKS / "words.jsonl").read_text().splitlines()]
+    gens = sorted(out["samples"]["tvmpipe_words"], key=lambda s: s["doc_id"])
+    assert len(gens) == len(words)
+    for doc, s in zip(words, gens):
+        ids = tok.encode(doc["context"])
+        text = tok.decode(reference_tokens(hf, ids, 5), skip_special_tokens=True)  # as vLLM's and tvmpipe's text
+        assert s["filtered_resps"][0] == text.split("w7")[0], (doc, s["filtered_resps"], text)
+    assert sum(bool(s["filtered_resps"][0]) for s in gens) >= len(gens) // 2  # words, not only special tokens
