@@ -108,15 +108,24 @@ def _nibbles(qs: Any, lead: tuple[int, ...]) -> Any:
 
 
 def _scale_min_k4(scales: Any) -> tuple[Any, Any]:
-    """Q4_K/Q5_K: the 8 six-bit scales and 8 six-bit mins of each block's 12 scale bytes
-    (gguf's Q4_K.get_scale_min)."""
+    """Q4_K/Q5_K: the 8 six-bit scales and 8 six-bit mins of each block's 12 scale bytes (gguf's
+    Q4_K.get_scale_min). Bytes 0-3 (d) hold scales 0-3 and the top bits of scales 4-7, bytes 4-7
+    (m) mins 0-3 and the top bits of mins 4-7, bytes 8-11 (md) the low nibbles of scales 4-7 and
+    mins 4-7. Written without a concat: entry h*4 + i is `((x[i] >> a_h) & b_h) | ((md[i] >> c_h) &
+    e_h)` with per-half constants, so each value reads one byte of each of two fields at an index
+    affine in its own: the schedule (dlight's GEMV/Reduction) can inline it into the matmul."""
     import torch
 
-    s = scales.reshape(*scales.shape[:-1], 3, 4)
-    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
-    return sc, mn
+    s = scales.reshape(*scales.shape[:-1], 1, 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]  # [..., 1, 4], broadcast over the halves h
+
+    def const(*v: int) -> Any:
+        return torch.tensor(v, dtype=torch.uint8).reshape(2, 1)
+
+    lo = (md & const(0, 15))  # h = 0: nothing from md; h = 1: its low nibble
+    sc = ((d >> const(0, 2)) & const(63, 48)) | lo
+    mn = ((m >> const(0, 2)) & const(63, 48)) | ((md >> const(0, 4)) & const(0, 15))
+    return sc.reshape(*scales.shape[:-1], 8), mn.reshape(*scales.shape[:-1], 8)
 
 
 def dequantize(fmt: PackedFormat, f: dict[str, Any]) -> Any:

@@ -37,6 +37,9 @@ CASES = {
 }
 
 
+unscheduled: dict[str, object] = {}  # the fixture's compiled functions before scheduling, by case
+
+
 @pytest.fixture(scope="module")
 def gguf_case(tmp_path_factory: pytest.TempPathFactory):
     """gguf_case(name) -> (file, bundle): written and compiled once per module."""
@@ -44,12 +47,15 @@ def gguf_case(tmp_path_factory: pytest.TempPathFactory):
     from tvmpipe.compiler.progress import Progress
 
     cache: dict[str, tuple[Path, Path]] = {}
+    unscheduled.clear()
 
     def get(name: str) -> tuple[Path, Path]:
         if name not in cache:
             d = tmp_path_factory.mktemp(f"gguf_{name}")
             f = write_gguf(d / f"{name}.gguf", **CASES[name])
-            export(str(f), decode=CONTEXT, progress=Progress(stream=None)).write(d / "b")
+            exported = export(str(f), decode=CONTEXT, progress=Progress(stream=None))
+            exported.write(d / "b")
+            unscheduled[name] = exported.unscheduled
             cache[name] = (f, d / "b")
         return cache[name]
 
@@ -112,6 +118,38 @@ def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(gguf
             assert "right_shift" in kinds or "astype" in kinds, kinds  # the unpack ops are in it
     # every linear layer of both blocks (one F32: not packed) and the head
     assert len(matrices) == 2 * 7 - 1 + 1, sorted(matrices)
+
+
+def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(gguf_case):
+    """At batch 1 every fused unpack + matmul function is taken by dlight's GEMV or Reduction rule
+    (threads across the row's packed bytes), as export's schedule step tries them in order; none is
+    left to Fallback (one thread an output, the row read serially)."""
+    import tvm
+    import tvm.s_tir.dlight as dl
+
+    from tvmpipe.compiler import launches
+
+    gguf_case("llama_mixed")
+    mod = unscheduled["llama_mixed"]
+    rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction()]
+    seen = 0
+    for gv, func in mod.functions.items():
+        name = gv.name_hint
+        if "matmul" not in name or not any(k in name for k in ("right_shift", "cast")):
+            continue
+        taken = None
+        for rule in rules:
+            try:
+                with launches.cuda_target("sm_90"):
+                    got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
+            except Exception:  # noqa: BLE001 - export goes on to the next rule too
+                continue
+            if got.attrs is not None and "tirx.is_scheduled" in got.attrs:
+                taken = type(rule).__name__
+                break
+        assert taken is not None, name
+        seen += 1
+    assert seen >= 10
 
 
 def test_the_gguf_tokenizer_and_chat_template_become_the_bundle_tokenizer(gguf_case):
