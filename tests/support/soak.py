@@ -254,6 +254,17 @@ def _gen_action(rng: random.Random, index: int, gap: float) -> Action:
         sampling = None
         body.update(rng.choice([{}, {"temperature": 0.7}, {"temperature": 2.0, "top_k": 1}, {"top_p": 0.01},
                                 {"temperature": 1e-3, "seed": 5}, {"temperature": 50, "seed": 6}]))
+    if rng.random() < 0.2:  # log probabilities: the tokens stay the offline run's
+        if chat:
+            body.update(logprobs=True, top_logprobs=rng.choice([0, 2, 5]))
+        else:
+            body["logprobs"] = rng.choice([0, 1, 5])
+    if rng.random() < 0.12:  # penalties: other tokens than the offline run's, checked for form only
+        body.update(rng.choice([{"presence_penalty": 1.0}, {"frequency_penalty": 0.5, "presence_penalty": -0.3},
+                                {"repetition_penalty": 1.3}, {"repetition_penalty": 0.9, "min_p": 0.05}]))
+        sampling = None
+    if rng.random() < 0.1:  # several choices: choice 0 is keyed as the request alone, the others form only
+        body["n"] = rng.choice([2, 3])
     if rng.random() < 0.8:
         body["max_tokens" if not chat or rng.random() < 0.5 else "max_completion_tokens"] = rng.randint(1, room_hint)
     if rng.random() < 0.35:
@@ -860,26 +871,56 @@ def read_whole(rec: Record) -> tuple[Answer | None, list[str]]:
     try:
         assert out["object"] == ("chat.completion" if chat else "text_completion"), out["object"]
         assert out["model"] == MODEL and isinstance(out["id"], str)
-        assert len(out["choices"]) == 1
+        n = body.get("n", 1)
+        assert [c["index"] for c in out["choices"]] == list(range(n)), [c["index"] for c in out["choices"]]
+        for c in out["choices"]:
+            text = c["message"]["content"] if chat else c["text"]
+            if chat:
+                assert c["message"]["role"] == "assistant"
+            assert isinstance(text, str)
+            assert c["finish_reason"] in ("stop", "length"), c["finish_reason"]
+            check_logprobs(c["logprobs"], body, c.get("token_ids"), chat)
         c = out["choices"][0]
         text = c["message"]["content"] if chat else c["text"]
-        if chat:
-            assert c["message"]["role"] == "assistant"
-        assert isinstance(text, str)
         finish = c["finish_reason"]
-        assert finish in ("stop", "length"), finish
         tokens = c.get("token_ids")
         u = out["usage"]
         if tokens is not None:
-            assert u["completion_tokens"] == len(tokens), (u, len(tokens))
+            assert u["completion_tokens"] == sum(len(x["token_ids"]) for x in out["choices"]), (u, len(tokens))
             assert u["prompt_tokens"] == len(c["prompt_token_ids"])
         assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
-        assert u["completion_tokens"] >= 1
+        assert u["completion_tokens"] >= n
         if body.get("return_token_ids") and tokens is None:
             bad.append("return_token_ids asked, no token_ids")
         return Answer(tokens, c.get("prompt_token_ids"), finish, text), bad
     except (AssertionError, KeyError, TypeError, IndexError) as exc:
         return None, [f"malformed 200 body ({type(exc).__name__} {exc}): {rec.text[:300]}"]
+
+
+def check_logprobs(lp: Any, body: dict, token_ids: list[int] | None, chat: bool) -> None:
+    """A choice's (or chunk's) logprobs: absent unless asked; else OpenAI's shape, one entry a
+    token, k most likely (completions: and the token itself) each, every value a finite number <= 0."""
+    asked = body.get("logprobs")
+    if asked is None or asked is False:
+        assert lp is None, f"logprobs not asked, got {lp}"
+        return
+    if lp is None:  # a chunk of no token (a chat's role, a last one that adds no token) has none
+        assert token_ids == [] or (token_ids is None and chat), "logprobs asked, none returned"
+        return
+    if chat:
+        k = body.get("top_logprobs", 0)
+        entries = lp["content"]
+        values = [e["logprob"] for e in entries] + [t["logprob"] for e in entries for t in e["top_logprobs"]]
+        assert all(len(e["top_logprobs"]) == k and e["bytes"] == list(e["token"].encode()) for e in entries), entries
+    else:
+        entries = lp["token_logprobs"]
+        assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == len(entries)
+        values = list(entries) + [v for top in lp["top_logprobs"] for v in top.values()]
+        # the k most likely and the token itself (fewer where tokens decode to the same text: one key)
+        assert all(1 <= len(top) <= asked + 1 for top in lp["top_logprobs"]), lp["top_logprobs"]
+    if token_ids is not None:
+        assert len(entries) == len(token_ids), (len(entries), len(token_ids))
+    assert all(isinstance(v, float) and -1e4 <= v <= 0 for v in values), values
 
 
 def read_stream(rec: Record) -> tuple[Answer | None, list[str]]:
@@ -900,39 +941,47 @@ def read_stream(rec: Record) -> tuple[Answer | None, list[str]]:
         bad.append(f"an error event in the stream: {json.dumps(errors[0])[:300]}")
         return None, bad
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    tokens: list[int] = []
+    n = body.get("n", 1)
+    tokens: list[int] = []  # choice 0's (keyed as the request alone)
     prompt_ids = None
-    finish = None
+    finishes: dict[int, str] = {}  # each choice's
+    all_tokens = 0
     text = []
     try:
         ids = {c["id"] for c in chunks}
         assert len(ids) <= 1, ids
+        started: set[int] = set()
         for k, c in enumerate(chunks):
             assert c["object"] == ("chat.completion.chunk" if chat else "text_completion"), c["object"]
             if not c["choices"]:
-                assert include_usage and k == len(chunks) - 1 and finish is not None, "a chunk without choices"
+                assert include_usage and k == len(chunks) - 1 and len(finishes) == n, "a chunk without choices"
                 u = c["usage"]
-                assert u["completion_tokens"] == (len(tokens) if body.get("return_token_ids") else u["completion_tokens"])
+                assert u["completion_tokens"] == (all_tokens if body.get("return_token_ids") else u["completion_tokens"])
                 assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
                 continue
-            assert finish is None, "a choice chunk after the finish_reason"
             assert ("usage" in c and c["usage"] is None) if include_usage else "usage" not in c, "usage in a choice chunk"
-            ch = c["choices"][0]
             assert len(c["choices"]) == 1
-            if chat:
-                if k == 0:
-                    assert ch["delta"].get("role") == "assistant", ch
-                text.append(ch["delta"].get("content") or "")
-            else:
-                text.append(ch["text"])
+            ch = c["choices"][0]
+            i = ch["index"]
+            assert 0 <= i < n and i not in finishes, f"a chunk of choice {i} (n {n}) after its finish_reason"
+            if chat and i not in started:
+                assert ch["delta"].get("role") == "assistant", ch
+            started.add(i)
+            check_logprobs(ch["logprobs"], body, ch.get("token_ids"), chat)
+            all_tokens += len(ch.get("token_ids", []))
+            if ch["finish_reason"] is not None:
+                assert ch["finish_reason"] in ("stop", "length"), ch["finish_reason"]
+                finishes[i] = ch["finish_reason"]
+            if i != 0:
+                continue
+            text.append((ch["delta"].get("content") or "") if chat else ch["text"])
             if "prompt_token_ids" in ch:
                 assert prompt_ids is None
                 prompt_ids = ch["prompt_token_ids"]
             tokens += ch.get("token_ids", [])
-            finish = ch["finish_reason"]
-            assert finish in (None, "stop", "length"), finish
+        finish = finishes.get(0)
         if not rec.cut:
-            assert finish is not None, "no finish_reason"
+            assert len(finishes) == n, f"finish_reasons of {sorted(finishes)}, n {n}"
             if include_usage:
                 assert chunks and not chunks[-1]["choices"], "include_usage: no usage chunk at the end"
     except (AssertionError, KeyError, TypeError, IndexError) as exc:
