@@ -78,7 +78,26 @@ def build_report(bundle: Bundle) -> dict[str, Any]:
         "state_bytes_per_slot": None if m is None else bundle.state_bytes_per_slot,
         "state_resident_bytes_per_slot": None if m is None else bundle.state_resident_bytes_per_slot,
         "generation": None if m is None or m.generation is None else m.generation.to_json(),
+        "weights": None if param_names is None else _weights(g, param_names, (m.source or {}) if m else {}),
     }
+
+
+def _weights(g: Graph, param_names: list[str], source: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each weight with its format and bytes: a packed matrix (bundle.json `source.packed`: a
+    quantized GGUF or --quantize bundle) as one entry over its fields, in its format (Q4_K, int4,
+    ...); every other param in its dtype."""
+    packed = source.get("packed") if isinstance(source.get("packed"), dict) else {}
+    out, held = [], set()
+    for matrix, info in packed.items():
+        fields = [n for n in info.get("fields", {}).values() if n in g.node_index]
+        held.update(fields)
+        out.append({"name": matrix, "format": info.get("format"), "shape": info.get("shape"),
+                    "bytes": sum(g.entry_of(n).nbytes for n in fields), "params": fields})
+    for n in param_names:
+        if n not in held:
+            e = g.entry_of(n)
+            out.append({"name": n, "format": e.dtype, "shape": list(e.shape), "bytes": e.nbytes, "params": [n]})
+    return out
 
 
 def _state_pair(g: Graph, p: Any, buffers: int) -> dict[str, Any]:
@@ -149,7 +168,16 @@ def render_text(report: dict[str, Any], wide: bool = False) -> str:
     with stages, one row per stage with the weight bytes it loads)."""
     title, rows = _summary(report)
     text = [f"  {k:<12} {v}" if wide or k in PATH_ROWS else _clip(f"  {k:<12} {v}", WIDTH) for k, v in rows]
-    return "\n".join([title, *text, "", *_stage_table(report), *_table(report, wide)]) + "\n"
+    return "\n".join([title, *text, "", *_stage_table(report), *_weight_table(report), *_table(report, wide)]) + "\n"
+
+
+def _weight_table(r: dict[str, Any]) -> list[str]:
+    """Each weight's format, shape and bytes, where the bundle holds packed (quantized) matrices."""
+    ws = r.get("weights") or []
+    if not any(w["params"] != [w["name"]] for w in ws):
+        return []
+    rows = [(w["name"], str(w["format"]), "x".join(map(str, w["shape"] or [])), format_bytes(w["bytes"])) for w in ws]
+    return render_table([Column(t) for t in ("weight", "format", "shape", "bytes")], rows) + [""]
 
 
 def stage_weights(bundle: Bundle, stages: list[tuple[int, int]]) -> list[dict[str, Any]]:
@@ -236,6 +264,12 @@ def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
         chunked = f" (up to {_token_shape(r, gen)[-1]} a row, count {gen['count']})" if gen.get("count") else ""
         rows.append(("generation", f"token {gen['token']}{chunked}, position {gen['position']}, logits output "
                                    f"{gen['logits']}, max context {gen['max_context']}, vocab {gen['vocab_size']}"))
+    if r.get("weights") and any(w["params"] != [w["name"]] for w in r["weights"]):  # packed matrices
+        per: dict[str, list[int]] = {}
+        for w in r["weights"]:
+            per.setdefault(w["format"], []).append(w["bytes"])
+        rows.append(("weights", ", ".join(f"{f} {len(b)} ({format_bytes(sum(b))})" for f, b in
+                                          sorted(per.items(), key=lambda kv: -sum(kv[1])))))
     a = r["activation_bytes"]
     rows.append(("activations", f"{format_bytes(a['no_reuse'])} without storage reuse, "
                                 f"{format_bytes(a['with_reuse'])} with TVM's storage plan"))

@@ -343,6 +343,10 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any], files: dict[str,
             raise SourceError(f"internal: {model}: parameter(s) {', '.join(lost[:3])} have no checkpoint tensor")
         by_var = {s.arg.name: files[s.target] for s in params}
     imp = _bind(mod, model, source, sources, by_var)
+    if imp.packed:  # which params hold which packed matrix, in which format (tvmpipe inspect)
+        from tvmpipe.compiler.packed import manifest
+
+        imp.source["packed"] = manifest({n: by_var[n] for n in imp.packed})
     imp.native_dtype = native if files is None else None
     imp.state = state
     user = (torch.export.graph_signature.OutputKind.USER_OUTPUT, torch.export.graph_signature.OutputKind.LOSS_OUTPUT)

@@ -69,6 +69,10 @@ class GGUFTensor:
         return FLOAT_TYPES[self.entry.type] if self.fmt is None else self._field.dtype
 
     @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * np_dtype(self.dtype).itemsize
 

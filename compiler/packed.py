@@ -95,6 +95,20 @@ def group_format(scheme: str, group: int) -> PackedFormat:
     return PackedFormat("int8", group, 2 + group, (_f("d", 0, 2, "float16"), _f("qs", 2, group, "int8")))
 
 
+def manifest(tensors: dict[str, Any]) -> dict[str, Any]:
+    """bundle.json `source.packed`: each packed matrix (named after its fields' common prefix),
+    its format, its [rows, cols] and which graph param holds each field; `tvmpipe inspect` reads
+    it. `tensors` maps graph param names to their field tensors (`fmt`, `field_name`,
+    `matrix_shape`)."""
+    out: dict[str, Any] = {}
+    for name, t in sorted(tensors.items()):
+        matrix = name[: -len(t.field_name) - 1] if name.endswith("_" + t.field_name) else name
+        entry = out.setdefault(matrix, {"format": t.fmt.name, "block": t.fmt.block,
+                                        "shape": list(t.matrix_shape), "fields": {}})
+        entry["fields"][t.field_name] = name
+    return out
+
+
 def _shifts(*values: int) -> Any:
     """A small uint8 constant of shift amounts, shaped [n, 1] to broadcast over a field's last axis."""
     import torch

@@ -85,6 +85,10 @@ class QuantizedTensor:
     def dtype(self) -> str:
         return next(f for f in self.fmt.fields if f.name == self.field_name).dtype
 
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
     def numpy(self) -> np.ndarray:
         w = self.source.numpy()
         if str(w.dtype) != "float32":

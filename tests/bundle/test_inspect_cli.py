@@ -18,7 +18,7 @@ from tvmpipe.bundle.inspect import SCHEMA, build_report, render_text
 
 REPORT_KEYS = {"schema", "path", "kind", "model", "source", "target", "batch", "dtype", "tvm_version", "created_by",
                "params", "counts", "activation_bytes", "inputs", "outputs", "nodes", "state", "state_bytes_per_slot",
-               "state_resident_bytes_per_slot", "generation"}
+               "state_resident_bytes_per_slot", "generation", "weights"}
 NODE_KEYS = {"index", "name", "op", "kind", "func_name", "inputs", "outputs", "launches", "workspaces", "ops",
              "weight_bytes"}
 

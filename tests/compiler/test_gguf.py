@@ -152,6 +152,24 @@ def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(g
     assert seen >= 10
 
 
+def test_inspect_shows_each_weights_format_and_bytes(gguf_case):
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.inspect import build_report, render_text
+
+    f, bundle = gguf_case("llama_mixed")
+    r = build_report(load_bundle(bundle))
+    by_name = {w["name"]: w for w in r["weights"]}
+    q = by_name["p_model_model_layers_0_self_attn_q_proj"]
+    assert q["format"] == "Q4_0" and q["shape"] == [HIDDEN, HIDDEN] and q["bytes"] == HIDDEN * HIDDEN // 32 * 18
+    assert by_name["p_model_model_layers_1_mlp_down_proj"]["format"] == "Q5_K"
+    assert by_name["p_model_lm_head"]["format"] == "Q6_K"
+    assert {w["format"] for w in r["weights"]} >= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+                                                   "F16", "BF16", "float32"}
+    assert sum(w["bytes"] for w in r["weights"]) == r["params"]["bytes"]  # every param counted once
+    text = render_text(r)
+    assert "p_model_model_layers_0_self_attn_q_proj" in text and "Q6_K" in text
+
+
 def test_the_gguf_tokenizer_and_chat_template_become_the_bundle_tokenizer(gguf_case):
     from transformers import AutoTokenizer
 

@@ -1,0 +1,147 @@
+"""Quantized models: a GGUF file of a real configuration through `tvmpipe compile FILE.gguf --decode`.
+
+    python bench/quant.py                 # SmolLM-135M's configuration
+    python bench/quant.py --models 1.1b   # TinyLlama-1.1B's (a ~0.7 GB file)
+
+The file is written with gguf's GGUFWriter from the configuration (bench/checkpoint.py MODELS),
+seeded random weights, in a Q4_K_M-like mix: Q4_K where a row is whole 256-value blocks (the MLP's
+down projection at 135M; every matrix at 1.1B), Q4_0 elsewhere, the MLP's down projection and the
+head Q6_K where they are whole blocks, the embedding Q8_0. Per file:
+
+  * file and bundle bytes (the bundle's weights against the file's tensor bytes: target <= 1.05x);
+  * compile: wall time and peak RSS of `tvmpipe compile FILE.gguf --decode --max-context 16` in a
+    child process (bench/checkpoint.py `measure`: VmHWM), against 1.5 x the file + 1 GiB;
+  * the reference backend's tokens/s (greedy_decode, NumPy, one process) over 8 new tokens.
+
+Results go to bench/results/quant.json (with `when`, `commit`, `machine`); `make perf-page` puts
+them in docs/performance.md. The GPU comparison (int4 against fp16 tokens/s) is not measured
+here: see docs/compiler.md, "GGUF files and packed weights".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from bench.checkpoint import GIB, MODELS, gib, measure  # noqa: E402
+
+PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705, 13]
+NEW = 8
+
+
+def write_file(path: Path, cfg: dict, seed: int = 0) -> dict:
+    """A Llama GGUF of configuration `cfg` (bench/checkpoint.py MODELS) in a Q4_K_M-like mix."""
+    import gguf
+    import numpy as np
+
+    from tests.support.gguf_files import _tensor
+
+    rng = np.random.default_rng(seed)
+    h, layers, heads, kv = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], \
+        cfg["num_key_value_heads"]
+    ffn, vocab, hd = cfg["intermediate_size"], cfg["vocab_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("bench llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_rope_dimension_count(hd)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([1] * vocab)
+    types: dict[str, int] = {}
+
+    def add(name: str, rows: int, cols: int, kind: str) -> None:
+        t = kind if kind in ("F32", "Q8_0", "Q4_0") or cols % 256 == 0 else ("Q4_0" if kind == "Q4_K" else "Q8_0")
+        types[t] = types.get(t, 0) + 1
+        value = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02) if t in ("Q8_0", "Q4_0") \
+            else np.zeros((rows, cols), np.float32)  # the k-quants are random blocks (tests/support/gguf_files.py)
+        _tensor(w, rng, name, value, t)
+
+    add("token_embd.weight", vocab, h, "Q8_0")
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
+        for n, r in (("attn_q", h), ("attn_k", kv * hd), ("attn_v", kv * hd), ("attn_output", h)):
+            add(f"blk.{i}.{n}.weight", r, h, "Q4_K")
+        add(f"blk.{i}.ffn_gate.weight", ffn, h, "Q4_K")
+        add(f"blk.{i}.ffn_up.weight", ffn, h, "Q4_K")
+        add(f"blk.{i}.ffn_down.weight", h, ffn, "Q6_K")
+    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    if not cfg.get("tie_word_embeddings"):
+        add("output.weight", vocab, h, "Q6_K")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return types
+
+
+def reference_tokens_per_s(bundle: Path) -> float:
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    greedy_decode(bundle, PROMPT[:2], 1)  # warm: maps the weights
+    t = time.perf_counter()
+    greedy_decode(bundle, PROMPT, NEW)
+    return round((len(PROMPT) + NEW - 1) / (time.perf_counter() - t), 2)
+
+
+def run(model: str, work: Path) -> dict:
+    from tests.support.gguf_files import tensor_bytes
+    from tvmpipe.bundle import load_bundle
+
+    f = work / f"{model}.gguf"
+    t = time.perf_counter()
+    types = write_file(f, MODELS[model])
+    write_s = time.perf_counter() - t
+    out = work / "bundle"
+    m = measure(f, out)
+    b = load_bundle(out)
+    weights = sum(b.param_nbytes(n) for n in b.param_names)
+    tb = tensor_bytes(f)
+    file_bytes = f.stat().st_size
+    peak = m["peak_kib"] * 1024
+    return {"model": model, "types": types, "file_gib": gib(file_bytes), "tensor_bytes": tb,
+            "bundle_weight_bytes": weights, "bundle_over_file_tensors": round(weights / tb, 4),
+            "write_s": round(write_s, 1), "compile_s": m["compile_s"], "compile_peak_gib": gib(peak),
+            "compile_baseline_gib": gib(m["baseline_kib"] * 1024),
+            "compile_target_gib": gib(1.5 * file_bytes + GIB), "compile_within_target": peak <= 1.5 * file_bytes + GIB,
+            "reference_tokens_per_s": reference_tokens_per_s(out)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.stamp import stamp
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["135m"], choices=list(MODELS))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant.json"))
+    args = ap.parse_args(argv)
+    runs = []
+    for model in args.models:
+        work = Path(tempfile.mkdtemp(prefix=f"tvmpipe-quant-{model}-"))
+        try:
+            runs.append(run(model, work))
+            print(json.dumps(runs[-1]), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    Path(args.out).write_text(json.dumps(stamp({"runs": runs}), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
