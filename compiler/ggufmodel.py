@@ -30,7 +30,6 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
 
     zoo.ensure_torchvision()
     import transformers
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     cfg = {k: v for k, v in src.config.items() if k != "model_type"}
     try:
@@ -50,9 +49,7 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
     except Exception as exc:  # noqa: BLE001 - a config the class cannot build
         raise SourceError(f"{src.path}: transformers cannot build {src.architecture} from its metadata "
                           f"({type(exc).__name__}: {one_line(exc)})") from None
-    processor = TENSOR_PROCESSORS.get(src.arch, TensorProcessor)(config=src.config)
-    to_hf = get_gguf_hf_weights_map(model, processor)
-    by_hf = {hf: src.entries[g] for g, hf in to_hf.items() if g in src.entries}
+    by_hf = _names(model, src)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
 
@@ -127,6 +124,25 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
             head = model.get_output_embeddings()
             head.weight = model.get_input_embeddings().weight
     return CheckpointModel(model.eval(), sources, "float32")
+
+
+def _names(model: Any, src: GGUFSource) -> dict[str, Any]:
+    """The model's parameter names -> the file's entries, through gguf's own tensor name map (what
+    transformers' get_gguf_hf_weights_map uses; it builds the map once per submodule, which takes
+    seconds on a 30-layer model, where one map of the top-level names covers a CausalLM)."""
+    import gguf
+
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == src.arch), None)
+    if arch is None:
+        raise SourceError(f"{src.path}: gguf knows no architecture '{src.arch}'")
+    name_map = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    out: dict[str, Any] = {}
+    for hf_name in model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        g = name_map.get_name(base)
+        if g is not None and f"{g}.{suffix}" in src.entries:
+            out[hf_name] = src.entries[f"{g}.{suffix}"]
+    return out
 
 
 def _replace(model: Any, name: str, module: Any) -> None:

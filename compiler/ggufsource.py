@@ -176,19 +176,44 @@ def _read(path: Path, reader: Any) -> GGUFSource:
     if not entries:
         raise SourceError(f"{path}: the GGUF file holds no tensors")
     try:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, ...
-        raise SourceError(f"{path}: transformers cannot read its metadata ({type(exc).__name__}: "
+        config = _config(reader, arch, model_type, entries)
+    except Exception as exc:  # noqa: BLE001 - a malformed field: ValueError, IndexError, UnicodeError, ...
+        raise SourceError(f"{path}: its metadata does not read as a {arch} config ({type(exc).__name__}: "
                           f"{one_line(exc)})") from None
-    config = dict(parsed.get("config", {}))
     has_tok = _field(reader, "tokenizer.ggml.model") is not None and _field(reader, "tokenizer.ggml.tokens") is not None
     model_type = config.get("model_type", model_type)
     return GGUFSource(path=path, arch=arch, model_type=model_type,
                       architecture=ARCHITECTURES.get(model_type, ARCHITECTURES[arch]), config=config, entries=entries,
                       has_tokenizer=has_tok,
                       tensor_bytes=total, types=types)
+
+
+def _config(reader: Any, arch: str, model_type: str, entries: dict[str, GGUFEntry]) -> dict[str, Any]:
+    """transformers' config keys from the metadata, as its load_gguf_checkpoint maps them (its own
+    GGUF_CONFIG_MAPPING and defaults; the head tied where the file has no `output.weight`; the
+    vocabulary the token list's length where no key gives it), read from this reader: that
+    function opens the file again and parses every tokenizer array, which takes seconds at a real
+    vocabulary (tests/compiler/test_gguf.py checks the two agree)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING, _gguf_parse_value
+
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in entries}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, value)
+    for key, fld in reader.fields.items():
+        if len(fld.data) > 64:  # the tokenizer's arrays: no config key is one
+            continue
+        prefix, _, rest = key.replace(arch, model_type).partition(".")
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if target is None or target == -1:
+            continue
+        value = [_gguf_parse_value(fld.parts[i], fld.types) for i in fld.data]
+        value = value[0] if len(value) == 1 else value
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, model_type)
+        config[target] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in reader.fields:
+        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return config
 
 
 def q_k_rows(rows: int, heads: int) -> tuple[int, ...]:

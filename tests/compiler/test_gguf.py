@@ -85,6 +85,18 @@ def test_a_gguf_bundle_gives_transformers_tokens_and_logits(name, gguf_case):
     assert weights <= 1.05 * tensor_bytes(f), (weights, tensor_bytes(f))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_config_is_the_one_transformers_reads(name, gguf_case):
+    """open_gguf maps the metadata itself (one reader, tokenizer arrays unparsed): the same config
+    as transformers' load_gguf_checkpoint."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tvmpipe.compiler.ggufsource import open_gguf
+
+    f, _ = gguf_case(name)
+    assert open_gguf(f).config == load_gguf_checkpoint(str(f), return_tensors=False)["config"]
+
+
 def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(gguf_case):
     """Every packed field is a uint8/int8/f16/bf16 param of the file's bytes; every function reading
     one either gathers embedding rows (take) or holds the matmul: one kernel, which reads the packed
