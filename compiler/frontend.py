@@ -156,10 +156,6 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
 
         scheme, group = quantize or "int4", group_size or quant.DEFAULT_GROUP
         quant.check(scheme, group)
-        if want != "float32" and dtype is not None:
-            raise SourceError(f"--quantize computes in float32 (weights packed, unpacked to float32 in the kernels); "
-                              f"--dtype {dtype} does not apply")
-        want = "float32"
     built = build_model(ckpt, want)
     source = {"kind": "checkpoint", "name": ckpt.name, "sha256": None, "architecture": ckpt.architecture,
               "dtype": ckpt.dtype, "config_sha256": sha256_file(path / CONFIG)}

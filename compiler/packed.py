@@ -204,9 +204,10 @@ def _define_modules() -> tuple[type, type]:
     import torch
 
     class _Packed(torch.nn.Module):
-        def __init__(self, fmt: PackedFormat, rows: int, cols: int, fields: dict[str, Any]) -> None:
+        def __init__(self, fmt: PackedFormat, rows: int, cols: int, fields: dict[str, Any],
+                     dtype: Any = torch.float32) -> None:
             super().__init__()
-            self.fmt, self.rows, self.cols = fmt, rows, cols
+            self.fmt, self.rows, self.cols, self.dtype = fmt, rows, cols, dtype
             for name, p in fields.items():
                 self.register_parameter(name, p)
 
@@ -217,19 +218,26 @@ def _define_modules() -> tuple[type, type]:
         def weight(self) -> Any:
             """What transformers reads a layer's dtype from (get_output_embeddings().weight.dtype):
             the dtype the matrix computes in."""
-            return torch.empty(0, dtype=torch.float32)
+            return torch.empty(0, dtype=self.dtype)
+
+        def unpacked(self, fields: dict[str, Any]) -> Any:
+            """The float matrix: unpacked in float32 (gguf's order), then rounded once to the
+            compute dtype where that is half precision (what a bf16 model holding the
+            dequantized weight holds)."""
+            w = dequantize(self.fmt, fields)
+            return w if self.dtype == torch.float32 else w.to(self.dtype)
 
     class PackedLinear(_Packed):
         """nn.Linear over a packed weight [out, in]: dequantize (unpack ops), then F.linear."""
 
-        def __init__(self, fmt: PackedFormat, rows: int, cols: int, fields: dict[str, Any], bias: Any = None) -> None:
-            super().__init__(fmt, rows, cols, fields)
+        def __init__(self, fmt: PackedFormat, rows: int, cols: int, fields: dict[str, Any], bias: Any = None,
+                     dtype: Any = torch.float32) -> None:
+            super().__init__(fmt, rows, cols, fields, dtype)
             self.bias = bias
             self.in_features, self.out_features = cols, rows
 
         def forward(self, x: Any) -> Any:
-            w = dequantize(self.fmt, self.fields())
-            return torch.nn.functional.linear(x, w, self.bias)
+            return torch.nn.functional.linear(x, self.unpacked(self.fields()), self.bias)
 
     class PackedEmbedding(_Packed):
         """nn.Embedding over a packed table [vocab, dim]: the ids' rows of each field, then dequantized."""
@@ -241,6 +249,6 @@ def _define_modules() -> tuple[type, type]:
         def forward(self, ids: Any) -> Any:
             flat = ids.reshape(-1)
             rows = {k: torch.index_select(v, 0, flat) for k, v in self.fields().items()}
-            return dequantize(self.fmt, rows).reshape(*ids.shape, self.cols)
+            return self.unpacked(rows).reshape(*ids.shape, self.cols)
 
     return PackedLinear, PackedEmbedding

@@ -6,7 +6,9 @@ Q8_0 with the group size free (compiler/packed.py `group_format`), so the same u
 same fused matmul kernels run them. Each weight is quantized when the bundle's weights file is
 written, one tensor at a time, from the checkpoint tensor read by byte range (streamed like any
 checkpoint compile): `QuantizedTensor.numpy()` computes one field. Every linear layer is
-quantized except a head tied to the embedding (the embedding, a lookup, stays in float).
+quantized except a head tied to the embedding (the embedding, a lookup, stays in float). The
+model computes in the checkpoint's dtype (or --dtype's): a bf16/fp16 one unpacks in float32 and
+rounds the weight once to its dtype (q4f16: the float16 scale, float16 compute).
 
 The values, for a group x of G floats (float32):
     int4: d = max|x| signed as in llama.cpp's Q4_0 (the value of largest magnitude / -8),
@@ -132,7 +134,7 @@ def quantize_linears(built: Any, scheme: str, group: int) -> list[str]:
             p = torch.nn.Parameter(torch.empty(t.shape, dtype=getattr(torch, f.dtype)), requires_grad=False)
             built.sources[id(p)] = t
             fields[f.name] = p
-        new = linear_cls(fmt, rows, cols, fields, module.bias)
+        new = linear_cls(fmt, rows, cols, fields, module.bias, dtype=module.weight.dtype)
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, leaf, new)
         done.append(name)

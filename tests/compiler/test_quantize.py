@@ -38,6 +38,7 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
     export(str(ckpt), decode=24, quantize=scheme, group_size=group, progress=Progress(stream=None)).write(tmp_path / "b")
     b = load_bundle(tmp_path / "b")
     assert b.manifest.source["quantize"] == {"scheme": scheme, "group_size": group, "layers": 2 * 7 + 1}
+    _assert_unpacked_in_matmuls(tmp_path / "b")
     model = load_transformers(ckpt, "float32")
     with torch.no_grad():
         for m in model.modules():
@@ -56,6 +57,54 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
     weights = sum(b.param_nbytes(n) for n in b.param_names)
     limit = 0.3 if scheme == "int4" else 0.6
     assert weights <= limit * tensor_bytes(ckpt), (weights, tensor_bytes(ckpt))
+
+
+def _assert_unpacked_in_matmuls(bundle) -> None:
+    """Every function reading a packed field (bundle.json source.packed) is a matmul's, one launch."""
+    import json
+
+    from tvmpipe.bundle import load_bundle
+
+    b = load_bundle(bundle)
+    ops = json.loads((bundle / "ops.json").read_text())["functions"]
+    kernels = json.loads((bundle / "kernels.json").read_text())["functions"]
+    packed = {n for m in b.manifest.source["packed"].values() for n in m["fields"].values()}
+    readers = 0
+    for node in b.graph.nodes:
+        if node.op == "tvm_op" and {b.graph.nodes[i.node].name for i in node.inputs} & packed:
+            fn = node.attrs["func_name"]
+            assert "matmul" in [o["op"] for o in ops[fn]["ops"]] and len(kernels[fn]["launches"]) == 1, fn
+            readers += 1
+    assert readers >= 2 * 4  # a layer's projections may share a function (gate and up)
+
+
+def test_a_bf16_checkpoint_quantizes_and_computes_in_bf16(checkpoint, tmp_path):
+    """llama (bf16, tied: the head stays the embedding, in bf16) with int4: the bundle computes in
+    bf16 (each weight unpacked in float32 and rounded once to bf16), and gives the tokens of
+    transformers' bf16 model holding those bf16 weights."""
+    import torch
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.compiler.quantize import fake_quantize
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    ckpt = checkpoint("llama")
+    export(str(ckpt), decode=24, quantize="int4", progress=Progress(stream=None)).write(tmp_path / "b")
+    b = load_bundle(tmp_path / "b")
+    assert b.manifest.dtype == "bfloat16" and b.manifest.source["quantize"]["layers"] == 2 * 7
+    _assert_unpacked_in_matmuls(tmp_path / "b")
+    model = load_transformers(ckpt, "bfloat16")
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.weight is not head:
+                m.weight.copy_(torch.from_numpy(fake_quantize(m.weight.float().numpy(), "int4", 32)).to(torch.bfloat16))
+    want = transformers_generate(model, PROMPT, NEW)
+    assert len(set(want)) > 1, want
+    assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
 
 
 def test_quantize_applies_to_a_checkpoint_decode_step_only(tmp_path, capsys):
