@@ -164,6 +164,26 @@ def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(g
     assert seen >= 10
 
 
+def test_nvcc_builds_the_fused_unpack_matmul_kernels(gguf_case, tmp_path):
+    """kernels.cu of the every-type bundle compiles for sm_90 (the shifts, masks and f16 loads of
+    every format), and each launch passes as many arguments as its kernel takes."""
+    import shutil
+
+    from tests.support.cubin_elf import compile_and_read
+    from tvmpipe.bundle import load_bundle
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    f, bundle = gguf_case("llama_mixed")
+    b = load_bundle(bundle)
+    kernels = compile_and_read(nvcc, b.cuda_source, "sm_90", tmp_path)
+    launches = json.loads((bundle / "kernels.json").read_text())["functions"]
+    for fn, rec in launches.items():
+        for launch in rec["launches"]:
+            assert len(kernels[launch["kernel"]].params) == len(launch["args"]), (fn, launch["kernel"])
+
+
 def test_inspect_shows_each_weights_format_and_bytes(gguf_case):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.bundle.inspect import build_report, render_text
