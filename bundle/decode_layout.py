@@ -17,7 +17,8 @@ Synthetic entries, numbered after the graph's last entry (n = len(graph.entries)
 
 The step tag is `[from_seq, feed_next, retired, then ROW ints per row]`, a row being
 `[key, token_index, fed, seed, top_k, temperature bits, top_p bits, sequence, position, token, target,
-logprobs, min_p bits, presence bits, frequency bits, repetition bits]` (floats as their float64 bits):
+logprobs, min_p bits, presence bits, frequency bits, repetition bits, extras, min_tokens]` (floats as
+their float64 bits):
 
 - `from_seq` >= 0: the rows marked `fed` take the tokens drawn by micro-batch `from_seq` (their own
   previous step, fed back over the pipeline's feedback edge) in place of the driver's; -1: every row
@@ -34,7 +35,9 @@ logprobs, min_p bits, presence bits, frequency bits, repetition bits]` (floats a
   for the penalties (executor.sampler.SequenceStates): the tokens at positions 0.. so far. `position`
   is the position of the row's (first) token this step and `token` that token when the driver knows
   it (-1: the draw fed back, which the sampling stage made itself). `retired` (head, -1: none) is a
-  sequence that ended: the sampling stage drops its state.
+  sequence that ended: the sampling stage drops its state. `extras` 1: the sequence's logit bias and
+  stop ids were installed on the sampling stage (Pipeline.install_sampling); `min_tokens`: its stop
+  ids are ruled out while it draws a token_index below it.
 - `logprobs` -1: no log probabilities; k in 0..MAX_LOGPROBS: the row's scores (`__scores__`) hold the
   log probability of the token it draws, or of `target` (>= 0: the prompt's next token, for a step
   that draws nothing), and its k most likely tokens, from the raw log-softmax of the logits.
@@ -60,8 +63,8 @@ SCORES_NAME = "__scores__"
 FROM, FEED_NEXT, RETIRED = range(3)
 HEAD = 3
 (KEY, INDEX, FED_AT, SEED, TOP_K, TEMPERATURE, TOP_P, SEQUENCE, POSITION, FED_TOKEN, TARGET, LOGPROBS, MIN_P,
- PRESENCE, FREQUENCY, REPETITION) = range(16)  # offsets inside a row
-ROW = 16
+ PRESENCE, FREQUENCY, REPETITION, EXTRAS, MIN_TOKENS) = range(18)  # offsets inside a row
+ROW = 18
 SAMPLING_INTS = ROW - SEED  # a row's sampling, from `seed` on (Sampling.tag_ints)
 MAX_LOGPROBS = 20  # top log probabilities a row may ask for (OpenAI's bound)
 SCORES = 1 + 2 * MAX_LOGPROBS  # a row's scores: the token's log probability, top ids, their log probabilities
@@ -83,7 +86,7 @@ def row_ints(key: int, token_index: int, fed: bool, sampling: Sequence[int]) -> 
     return [key, token_index, int(fed), *sampling]
 
 
-NO_SAMPLING = (0, 0, 0, float_bits(1.0), -1, 0, -1, -1, -1, 0, 0, 0, float_bits(1.0))  # greedy, nothing else
+NO_SAMPLING = (0, 0, 0, float_bits(1.0), -1, 0, -1, -1, -1, 0, 0, 0, float_bits(1.0), 0, 0)  # greedy, nothing else
 
 
 def encode_step(from_seq: int, feed_next: bool, rows: Sequence[int], retired: int = -1) -> np.ndarray:
@@ -117,18 +120,22 @@ class RowTag:
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
+    extras: bool = False
+    min_tokens: int = 0
 
     def ints(self) -> list[int]:
         return row_ints(self.key, self.token_index, self.fed,
                         (self.seed, self.top_k, float_bits(self.temperature), float_bits(self.top_p), self.sequence,
                          self.position, self.token, self.target, self.logprobs, float_bits(self.min_p),
-                         float_bits(self.presence), float_bits(self.frequency), float_bits(self.repetition)))
+                         float_bits(self.presence), float_bits(self.frequency), float_bits(self.repetition),
+                         int(self.extras), self.min_tokens))
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> "RowTag":
         return cls(v[KEY], v[INDEX], bool(v[FED_AT]), v[SEED], v[TOP_K], bits_float(v[TEMPERATURE]),
                    bits_float(v[TOP_P]), v[SEQUENCE], v[POSITION], v[FED_TOKEN], v[TARGET], v[LOGPROBS],
-                   bits_float(v[MIN_P]), bits_float(v[PRESENCE]), bits_float(v[FREQUENCY]), bits_float(v[REPETITION]))
+                   bits_float(v[MIN_P]), bits_float(v[PRESENCE]), bits_float(v[FREQUENCY]), bits_float(v[REPETITION]),
+                   bool(v[EXTRAS]), v[MIN_TOKENS])
 
 
 @dataclass(frozen=True)

@@ -382,6 +382,16 @@ class Pipeline:
     def metrics(self) -> PipelineMetrics:
         return compute_metrics(self.record())
 
+    def install_sampling(self, sequence: int, extras: Any) -> None:
+        """Install a sequence's sampling extras (executor.sampler.SequenceExtras: its logit bias, the
+        stop ids min_tokens rules out) on the sampling stage, before its first step: a control-plane
+        call that returns once the stage holds them. WorkerError / WorkerLost if that stage cannot
+        take them now (restarting): a step that needs them draws STATE_LOST and the generation layer
+        installs them again."""
+        if self.topology.sampler is None:
+            raise TvmpipeError("install_sampling: this pipeline draws no tokens (not a decode step)")
+        self.launcher.call(self.topology.sampler, "install_sampling", sequence, extras)
+
     def status(self) -> list[WorkerStatus | str]:
         """Each worker's status, or the error a status call got."""
         return [s if isinstance(s, WorkerStatus) else str(s) for s in self.launcher.call_all("status")]

@@ -40,7 +40,7 @@ from tvmpipe.cluster.topology import Edge
 from tvmpipe.executor import Stage
 from tvmpipe.executor.errors import DeviceError
 from tvmpipe.executor.inputs import random_feed
-from tvmpipe.executor.sampler import SequenceStates, no_scores, sample_token
+from tvmpipe.executor.sampler import SequenceExtras, SequenceStates, no_scores, sample_token
 
 
 @dataclass
@@ -374,6 +374,13 @@ class StageWorker:
             release, f.release = f.release, None
             if release is not None:
                 release()
+
+    def install_sampling(self, sequence: int, extras: SequenceExtras) -> None:
+        """Sequence `sequence`'s sampling extras (its logit bias, the stop ids min_tokens rules out),
+        on the sampling stage, before its first step (executor.sampler.SequenceStates)."""
+        if self._logits is None:
+            raise TvmpipeError(f"stage {self.index} does not draw tokens: sampling extras go to the sampling stage")
+        self._states.install(sequence, extras)
 
     def status(self) -> WorkerStatus:
         with self._cond:

@@ -2,7 +2,8 @@
 
 A pipeline's sampling stage (the one that computes the logits) draws each row's token with
 `sample_token`, reading what to draw from the step tag (bundle.decode_layout). Greedy is the argmax of
-the logits as processed. The processors, in vLLM's order: the penalties (repetition over the prompt and
+the logits as processed. The processors, in vLLM's order: the logit bias and the min_tokens mask (the
+stop ids ruled out while fewer than min_tokens were drawn), the penalties (repetition over the prompt and
 the output, as transformers' RepetitionPenaltyLogitsProcessor; frequency and presence over the output,
 as OpenAI's and vLLM's), then temperature, top_k, top_p and min_p (as transformers' MinPLogitsWarper:
 tokens below min_p times the top token's probability are dropped), then a draw from a generator keyed
@@ -20,7 +21,11 @@ driver knows it, its token; the draws the stage makes are appended as it makes t
 position 0 starts the sequence's tokens afresh (a new sequence, or the scheduler rebuilding caches
 after a stage restart, which feeds every token again); a row whose tokens are not all known here (this
 stage restarted and lost them while the sequence went on) draws `STATE_LOST`, and the scheduler feeds
-the sequence again from position 0, which rebuilds them. A retired sequence's state is dropped.
+the sequence again from position 0, which rebuilds them. A retired sequence's state is dropped. What a
+tag cannot carry at all (a logit bias map, the stop ids min_tokens masks: `SequenceExtras`) the
+scheduler installs before the sequence's first step (Pipeline.install_sampling); a row whose extras
+this stage does not hold (it restarted since) draws STATE_LOST too, and the scheduler installs them
+again before it feeds the sequence again.
 
 What one request asks can never fail the step it shares with others: a temperature below
 `GREEDY_BELOW` (1e-5, vLLM's floor) draws greedily, since dividing by it would overflow the logits,
@@ -37,9 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tvmpipe.bundle.decode_layout import (FED_TOKEN, FREQUENCY, HEAD, INDEX, KEY, LOGPROBS, MAX_LOGPROBS, MIN_P,
-                                          POSITION, PRESENCE, REPETITION, RETIRED, ROW, SCORES, SEED, SEQUENCE,
-                                          TARGET, TEMPERATURE, TOP_K, TOP_P, bits_float, float_bits)
+from tvmpipe.bundle.decode_layout import (EXTRAS, FED_TOKEN, FREQUENCY, HEAD, INDEX, KEY, LOGPROBS, MAX_LOGPROBS,
+                                          MIN_P, MIN_TOKENS, POSITION, PRESENCE, REPETITION, RETIRED, ROW, SCORES,
+                                          SEED, SEQUENCE, TARGET, TEMPERATURE, TOP_K, TOP_P, bits_float, float_bits)
 from tvmpipe.core.errors import FieldError
 
 GREEDY_BELOW = 1e-5  # a temperature below this draws greedily (vLLM's _SAMPLING_EPS)
@@ -100,13 +105,14 @@ class Sampling:
         overflow the logits (GREEDY_BELOW)."""
         return self.temperature < GREEDY_BELOW
 
-    def tag_ints(self, sequence: int = -1, logprobs: int = -1) -> list[int]:
+    def tag_ints(self, sequence: int = -1, logprobs: int = -1, extras: bool = False, min_tokens: int = 0) -> list[int]:
         """This sampling as a step tag row's ints from `seed` on (decode_layout.SAMPLING_INTS), for
-        sequence `sequence` asking `logprobs` (-1: none); position, token and target are the step's
-        (the scheduler sets them)."""
+        sequence `sequence` asking `logprobs` (-1: none), with `extras` installed on the sampling
+        stage; position, token and target are the step's (the scheduler sets them)."""
         return [self.seed, self.top_k, float_bits(float(self.temperature)), float_bits(float(self.top_p)), sequence,
                 0, -1, -1, logprobs, float_bits(float(self.min_p)), float_bits(float(self.presence_penalty)),
-                float_bits(float(self.frequency_penalty)), float_bits(float(self.repetition_penalty))]
+                float_bits(float(self.frequency_penalty)), float_bits(float(self.repetition_penalty)), int(extras),
+                min_tokens]
 
     @classmethod
     def from_row(cls, row: list[int]) -> "Sampling":
@@ -153,6 +159,25 @@ class Sampling:
         return int(np.random.default_rng([self.seed, key, token_index]).choice(len(p), p=p))
 
 
+@dataclass(frozen=True)
+class SequenceExtras:
+    """What a sequence's draws need beyond its tag, installed on the sampling stage once: its logit
+    bias (token ids and the values added to their logits) and the stop ids that min_tokens rules out."""
+
+    bias_ids: tuple[int, ...] = ()
+    bias: tuple[float, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+
+    def apply(self, logits: np.ndarray, token_index: int, min_tokens: int) -> np.ndarray:
+        """The logits (float64, a copy) with the bias added and, below min_tokens, the stop ids ruled out."""
+        x = np.array(logits, dtype=np.float64).reshape(-1)
+        if self.bias_ids:
+            np.add.at(x, list(self.bias_ids), self.bias)
+        if token_index < min_tokens and self.stop_ids:
+            x[list(self.stop_ids)] = -np.inf
+        return x
+
+
 class SequenceStates:
     """The tokens of each sequence that needs them for its penalties, on the sampling stage, keyed
     by the tag's `sequence` (module docstring): `tokens[s]` holds positions 0.. of sequence s as
@@ -164,15 +189,23 @@ class SequenceStates:
     def __init__(self, kept: int = KEPT_SEQUENCES):
         self.kept = kept
         self.tokens: OrderedDict[int, list[int]] = OrderedDict()
+        self.extras: OrderedDict[int, SequenceExtras] = OrderedDict()
 
     def retire(self, sequence: int) -> None:
         self.tokens.pop(sequence, None)
+        self.extras.pop(sequence, None)
+
+    def install(self, sequence: int, extras: SequenceExtras) -> None:
+        """Sequence `sequence`'s extras (from the control plane, before its first step)."""
+        self.extras[sequence] = extras
+        while len(self.extras) > self.kept:
+            self.extras.popitem(last=False)
 
     def at(self, sequence: int, position: int, token: int) -> list[int] | None:
         """Sequence `sequence`'s tokens up to and including `position`, whose token is `token`
         (-1: one this stage drew); None when they are not all known here."""
         if position == 0:
-            self.retire(sequence)
+            self.tokens.pop(sequence, None)
             if token < 0:
                 return None
             held = self.tokens[sequence] = [token]
@@ -214,9 +247,10 @@ def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int, batch: i
         at = HEAD + ROW * r
         index = tag[at + INDEX]
         want = tag[at + LOGPROBS]
-        plain = tag[at + PRESENCE] == 0 and tag[at + FREQUENCY] == 0 and tag[at + REPETITION] in (0, ONE_BITS)
+        penalized = not (tag[at + PRESENCE] == 0 and tag[at + FREQUENCY] == 0 and tag[at + REPETITION] in (0, ONE_BITS))
+        plain = not penalized and not tag[at + EXTRAS]
         held = None
-        if not plain and states is not None and tag[at + SEQUENCE] >= 0:  # every step: the tokens so far
+        if penalized and states is not None and tag[at + SEQUENCE] >= 0:  # every step: the tokens so far
             held = states.at(tag[at + SEQUENCE], tag[at + POSITION], tag[at + FED_TOKEN])
         if index < 0:  # nothing drawn; a prompt step may score the prompt's next token
             if want >= 0 and tag[at + TARGET] >= 0 and scores is not None:
@@ -227,15 +261,18 @@ def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int, batch: i
             out[r] = row.argmax() if finite_enough(row) else NOT_FINITE
         elif plain:
             out[r] = Sampling.from_row(tag[at:at + ROW]).pick(row, tag[at + KEY], index)
-        elif held is None:
-            out[r] = STATE_LOST
-            continue
         else:
+            extras = states.extras.get(tag[at + SEQUENCE]) if tag[at + EXTRAS] and states is not None else None
+            if (penalized and held is None) or (tag[at + EXTRAS] and extras is None):
+                out[r] = STATE_LOST  # this stage lost what the row needs: the scheduler feeds it again
+                continue
             sampling = Sampling.from_row(tag[at:at + ROW])
-            tokens = np.asarray(held, dtype=np.int64)
-            x = sampling.penalize(row, tokens, tokens[len(held) - index:])  # the output: after the prompt
+            x = extras.apply(row, index, tag[at + MIN_TOKENS]) if extras is not None else row
+            if penalized:
+                tokens = np.asarray(held, dtype=np.int64)
+                x = sampling.penalize(x, tokens, tokens[len(held) - index:])  # the output: after the prompt
             out[r] = sampling.pick(x, tag[at + KEY], index)
-            if out[r] >= 0:
+            if penalized and out[r] >= 0:
                 states.drew(tag[at + SEQUENCE], int(out[r]))
         if want >= 0 and scores is not None and out[r] >= 0:
             score_into(scores[r], row, int(out[r]), want)

@@ -65,6 +65,13 @@ class EngineCore:
         """Submit what the scheduler plans while the window has room, then wait for the oldest step
         in flight and return the tokens it drew ([] when nothing is in flight)."""
         s, pipe = self.scheduler, self.pipe
+        while s.installs:  # what sequences' draws need beyond their tags, before their steps go in
+            index, extras = s.installs.popleft()
+            try:
+                pipe.install_sampling(index, extras)
+            except TvmpipeError as exc:  # the stage is restarting: its rows draw STATE_LOST, installed again then
+                print(f"tvmpipe engine: sequence {index}: sampling extras not installed ({exc}); "
+                      "installed again when its step asks", file=sys.stderr)
         for planned in s.schedule(pipe.submitted, pipe.window - pipe.in_flight):
             seq = pipe.submit(planned.inputs)
             if seq != planned.seq:

@@ -10,7 +10,7 @@ from an HTTP body, a library user from plain lists through `Generator.generate`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import enum
 
@@ -72,7 +72,9 @@ class Request:
 
     `logprobs` k (None: none): each generated token's log probability and the k most likely;
     `prompt_logprobs` k: the same for each prompt token after the first (an echo), and then
-    `max_new_tokens` may be 0 (the prompt scored, nothing generated)."""
+    `max_new_tokens` may be 0 (the prompt scored, nothing generated). `logit_bias`: (token id, value
+    added to its logit) pairs; `min_tokens`: the stop tokens are ruled out until that many were
+    generated (both installed on the sampling stage: executor.sampler.SequenceExtras)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -82,19 +84,40 @@ class Request:
     stop: tuple[str, ...] = ()  # stop strings: the output processor ends the sequence where one appears
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @classmethod
     def checked(cls, prompt: Sequence[int], max_new_tokens: int, layout: DecodeLayout, *,
                 sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), key: int = 0,
                 what: str = "prompt", stop: Sequence[str] = (), logprobs: int | None = None,
-                prompt_logprobs: int | None = None) -> "Request":
+                prompt_logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None,
+                min_tokens: int = 0) -> "Request":
         """A request whose every field fits `layout` (FieldErrors naming the field; prompt errors
         name `what`)."""
-        return cls(check_prompt(prompt, layout, what),
-                   check_max_new_tokens(max_new_tokens, 0 if prompt_logprobs is not None else 1),
+        n = check_max_new_tokens(max_new_tokens, 0 if prompt_logprobs is not None else 1)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, (int, np.integer)) or not 0 <= min_tokens <= n:
+            raise FieldError("min_tokens", f"must be an integer from 0 to max_new_tokens ({n}), got {min_tokens!r}")
+        return cls(check_prompt(prompt, layout, what), n,
                    sampling.check(layout.vocab_size), check_stop_tokens(stop_tokens, layout.vocab_size), key,
                    check_stop_strings(stop), check_logprobs(logprobs, "logprobs"),
-                   check_logprobs(prompt_logprobs, "prompt_logprobs"))
+                   check_logprobs(prompt_logprobs, "prompt_logprobs"), check_logit_bias(logit_bias or {}, layout.vocab_size),
+                   int(min_tokens))
+
+
+MAX_BIAS = 100.0  # OpenAI's bound on a logit bias
+
+
+def check_logit_bias(bias: Mapping[int, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    """Token ids inside the vocabulary, each with a finite value in [-100, 100] (OpenAI's range)."""
+    out = []
+    for t, v in bias.items():
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise FieldError("logit_bias", f"token id {t!r} is outside the vocabulary 0..{vocab - 1}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not -MAX_BIAS <= v <= MAX_BIAS:
+            raise FieldError("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {v!r}")
+        out.append((int(t), float(v)))
+    return tuple(sorted(out))
 
 
 def check_logprobs(k: Any, field: str) -> int | None:

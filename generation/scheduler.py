@@ -54,7 +54,7 @@ import numpy as np
 from tvmpipe.bundle.decode_layout import (FED_TOKEN, LOGPROBS, MAX_LOGPROBS, NO_SAMPLING, POSITION, SEED, SLOT_NAME,
                                           STEP_NAME, TARGET, encode_step, row_ints)
 from tvmpipe.core.errors import FieldError, TvmpipeError
-from tvmpipe.executor.sampler import NOT_FINITE, STATE_LOST
+from tvmpipe.executor.sampler import NOT_FINITE, STATE_LOST, SequenceExtras
 from tvmpipe.generation.requests import FinishReason, Logprob, Request, SequenceResult, TokenEvent, layout_of
 
 if TYPE_CHECKING:
@@ -87,8 +87,13 @@ class _Row:
         self.confirmed = 0
         self.admitted = now
         # the step tag's per-row sampling, made once (each step sets its position, token, target)
-        self.sampling = request.sampling.tag_ints(index, -1 if request.logprobs is None else request.logprobs)
-        self.stateful = request.sampling.penalized  # its tokens are kept on the sampling stage
+        # what its tag cannot carry: installed on the sampling stage before its first step
+        self.extras = (SequenceExtras(tuple(t for t, _ in request.logit_bias), tuple(v for _, v in request.logit_bias),
+                                      tuple(sorted(request.stop_tokens)) if request.min_tokens else ())
+                       if request.logit_bias or request.min_tokens else None)
+        self.sampling = request.sampling.tag_ints(index, -1 if request.logprobs is None else request.logprobs,
+                                                  self.extras is not None, request.min_tokens)
+        self.stateful = request.sampling.penalized or self.extras is not None  # state on the sampling stage
         self.scores_prompt = request.prompt_logprobs is not None
         if self.scores_prompt:
             self.r.prompt_logprobs = [None] * len(request.prompt)
@@ -183,7 +188,8 @@ class Scheduler:
         self.ready: deque[_Group] = deque()
         self.fed_from: dict[int, int] = {}  # step -> the micro-batch whose draws it took (timeline)
         self._rows: dict[int, tuple[_Group | None, _Row]] = {}  # index -> where the sequence is, until it ends
-        self.retired: deque[int] = deque()  # ended sequences whose tokens the sampling stage may hold
+        self.retired: deque[int] = deque()  # ended sequences whose state the sampling stage may hold
+        self.installs: deque[tuple[int, SequenceExtras]] = deque()  # to install before the next steps (EngineCore)
         self._next_index = 0
         self._seen_losses = pipe.state_losses
 
@@ -209,6 +215,8 @@ class Scheduler:
             raise TvmpipeError(f"sequence {index} is already queued or running")
         self._next_index = max(self._next_index, index + 1)
         row = _Row(index, request, time.time())
+        if row.extras is not None:
+            self.installs.append((index, row.extras))
         self.queue.append(row)
         self._rows[index] = (None, row)
         return index
@@ -499,13 +507,15 @@ class Scheduler:
         return events
 
     def _rebuild(self, g: _Group) -> None:
-        """Feed g's rows again from position 0 (the sampling stage lost the tokens it keeps for their
-        penalties: a stage restart that lost no cache); tokens already drawn are kept."""
+        """Feed g's rows again from position 0, their extras installed again first (the sampling
+        stage lost the state it keeps for them: a restart); tokens already drawn are kept."""
         g.epoch += 1
         g.last = None
         for _, x in g.running:
             x.pos = x.confirmed = 0
             x.r.replays += 1
+            if x.extras is not None:
+                self.installs.append((x.r.index, x.extras))
         self._want(g)
 
     def _log_logits(self, outputs: list, live: list[tuple[int, _Row, int]]) -> None:

@@ -4,9 +4,9 @@ error JSON, and the response and chunk objects of /v1/completions and /v1/chat/c
 Every parameter a body may carry is named here, once: the ones tvmpipe builds (`max_tokens`,
 `temperature`, `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `logprobs`
 (chat: with `top_logprobs`), `echo`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, a
-list of prompts, and vLLM's `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`return_token_ids`, `chat_template_kwargs`), and the ones it does not, which are accepted only at
-the value that asks for nothing (`logit_bias` {}, `min_tokens` 0, `tools` [], ...). Any other
+list of prompts, `logit_bias`, and vLLM's `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, `return_token_ids`, `chat_template_kwargs`), and the ones it does
+not, which are accepted only at the value that asks for nothing (`tools` [], `suffix` "", ...). Any other
 value, and any name not listed, is refused with a 400 naming the parameter: a client never gets a
 silent default in place of what it asked for.
 
@@ -127,6 +127,8 @@ class Ask:
     presence_penalty: Any = 0.0
     frequency_penalty: Any = 0.0
     repetition_penalty: Any = 1.0
+    logit_bias: dict[int, Any] = field(default_factory=dict)
+    min_tokens: int = 0
 
     @property
     def prompt_param(self) -> str:
@@ -135,23 +137,22 @@ class Ask:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs", "n", "min_p", "presence_penalty",
-           "frequency_penalty", "repetition_penalty"}
+           "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
 _SUPPORTED = {False: _COMMON | {"prompt", "echo", "best_of"},
               True: _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                                "top_logprobs"}}
 
 # Parameters tvmpipe does not build: accepted only at the value that asks for nothing
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",), "logit_bias": ({},),
+    "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},), "min_tokens": (0,),
+    "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
     "user": None,  # an end-user id for abuse monitoring: any string, nothing to build
 }
 _WHY = {"suffix": "no insertion: the models served here complete left to right",
-        "min_tokens": "no minimum length (the stop tokens are not masked)",
         "tools": "no tool calls", "tool_choice": "no tool calls", "functions": "no tool calls",
         "function_call": "no tool calls", "parallel_tool_calls": "no tool calls",
-        "response_format": "plain text only", "logit_bias": "no logit bias"}
+        "response_format": "plain text only"}
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -189,6 +190,24 @@ def _stops(value: Any) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise bad_request("stop: stop strings must not be empty", "stop")
     return tuple(dict.fromkeys(stops))
+
+
+MAX_LOGIT_BIAS = 1024  # tokens one logit_bias may name (installed on the sampling stage per sequence)
+
+
+def _logit_bias(value: Any) -> dict[int, Any]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to numbers (their range is the
+    generation layer's to check)."""
+    if not isinstance(value, dict):
+        raise bad_request(f"logit_bias must be an object of token ids to numbers, got {json.dumps(value)}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias names {len(value)} tokens, more than {MAX_LOGIT_BIAS}", "logit_bias")
+    out = {}
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.strip().lstrip("-").isdigit()):
+            raise bad_request(f"logit_bias: {json.dumps(k)} is not a token id", "logit_bias")
+        out[int(k)] = _number(v, "logit_bias")
+    return out
 
 
 MAX_PROMPTS = 64  # prompts of one batched /v1/completions request (each runs as a sequence of its own)
@@ -326,6 +345,10 @@ def read_ask(body: Any, *, chat: bool) -> Ask:
         if kw["best_of"] > kw.get("n", 1) and given.get("stream"):
             raise bad_request("best_of > n cannot be streamed (the choices are known only once all have ended)",
                               "best_of")
+    if "logit_bias" in given:
+        kw["logit_bias"] = _logit_bias(given["logit_bias"])
+    if "min_tokens" in given:
+        kw["min_tokens"] = _integer(given["min_tokens"], "min_tokens")
     if "max_tokens" in given:
         kw["max_tokens"] = _integer(given["max_tokens"], "max_tokens")
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

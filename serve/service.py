@@ -155,7 +155,8 @@ class Service:
             try:
                 requests += [Request.checked(ids, n, self.layout, what=what, stop_tokens=stops, key=j,
                                              sampling=sampling, stop=ask.stop, logprobs=logprobs,
-                                             prompt_logprobs=prompt_logprobs) for j in range(runs)]
+                                             prompt_logprobs=prompt_logprobs, logit_bias=ask.logit_bias,
+                                             min_tokens=ask.min_tokens) for j in range(runs)]
             except TvmpipeError as exc:
                 raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
             prompts.append(ids)

@@ -26,7 +26,8 @@ from tvmpipe.cluster.control.shipping import Shipment, build_shipment, local_bun
 from tvmpipe.cluster.worker import StageSpec, StageWorker
 
 # The worker methods the driver may call; anything else is refused on the worker side.
-CONTROL_METHODS = frozenset({"address", "node", "prepare", "connect", "stop", "pause", "status", "stats"})
+CONTROL_METHODS = frozenset({"address", "node", "prepare", "connect", "stop", "pause", "status", "stats",
+                             "install_sampling"})
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,26 @@ def row(seq: int, pos: int, token: int, index: int, s: Sampling, **kw) -> RowTag
                   presence=s.presence_penalty, frequency=s.frequency_penalty, min_p=s.min_p, **kw)
 
 
+def test_extras_bias_and_mask_and_are_asked_for():
+    """A row with extras draws from its logits biased and, below min_tokens, with the stop ids ruled
+    out; a row whose extras this stage does not hold draws STATE_LOST; the scores stay raw."""
+    from tvmpipe.executor.sampler import SequenceExtras
+
+    logits = np.zeros(VOCAB)
+    logits[[5, 6]] = [2.0, 1.0]
+    st = SequenceStates()
+    st.install(2, SequenceExtras((6, 9), (0.5, 3.0), (9,)))
+
+    def draw(index, min_tokens, states=st):
+        scores = no_scores(1)
+        tag = StepTag(-1, (RowTag(token_index=index, sequence=2, extras=True, min_tokens=min_tokens, logprobs=0),))
+        return int(sample_token(logits, tag.encode().tolist(), VOCAB, 1, states, scores)[0]), scores[0, 0]
+
+    assert draw(0, 2) == (5, pytest.approx(lsm(logits)[5]))  # 9 (biased to 3.0) ruled out below min_tokens
+    assert draw(2, 2)[0] == 9  # from then on the bias wins
+    assert draw(0, 0, SequenceStates())[0] == STATE_LOST
+
+
 def test_the_stage_keeps_a_penalized_sequences_tokens_by_position():
     """A penalized row draws from its logits penalized over the tokens at positions 0..p (kept from
     the tags and from its own draws); a roll-back truncates what lost steps drew; a gap (a stage
@@ -83,10 +103,14 @@ PENALIZED = [Sampling(0.9, 10, 3, 1.0, 0.0, 0.5, 0.3, 1.3), Sampling(repetition_
              Sampling(0.7, 0, 5, 0.95, 0.1, -0.4, 0.6, 1.0), Sampling(), Sampling(1.0, 0, 9)]
 
 
+EXTRAS = {3: {"logit_bias": {7: 4.0, 11: -2.5}}, 4: {"min_tokens": 4, "stop_tokens": [1, 2, 3, 4, 5, 6, 7, 8]},
+          0: {"logit_bias": {2: 1.5}}}  # installed on the sampling stage (Pipeline.install_sampling)
+
+
 def requests(layout):
     from tvmpipe.generation import Request
 
-    return [Request.checked(p, NEW, layout, sampling=s, key=i, logprobs=2)
+    return [Request.checked(p, NEW, layout, sampling=s, key=i, logprobs=2, **EXTRAS.get(i, {}))
             for i, (p, s) in enumerate(zip(PROMPTS, PENALIZED))]
 
 
@@ -104,9 +128,10 @@ def run(pipe, kill: int | None = None, at: int = 6):
 
 
 def test_penalized_streams_and_logprobs_survive_a_killed_sampling_stage(decode_bundle):
-    """Penalized, seeded sequences with logprobs, stage 1 of 2 (the sampling stage, which holds
-    caches) SIGKILLed mid-way: every sequence is fed again from position 0, the stage's tokens
-    rebuilt on the way; the streams and their log probabilities equal a run without the fault."""
+    """Penalized, seeded sequences with logprobs (some with a logit bias or min_tokens), stage 1 of 2
+    (the sampling stage, which holds caches) SIGKILLed mid-way: every sequence is fed again from
+    position 0, the stage's tokens rebuilt on the way, its extras installed again; the streams and
+    their log probabilities equal a run without the fault."""
     from tvmpipe.cluster import Pipeline, Timeouts
 
     with Pipeline(decode_bundle, 2, launcher="process", slots=3, timeouts=Timeouts(progress=20)) as pipe:
@@ -114,12 +139,14 @@ def test_penalized_streams_and_logprobs_survive_a_killed_sampling_stage(decode_b
         faulted, lp, results = run(pipe, kill=1)
         assert pipe.restarts == [0, 1] and pipe.state_losses == 1
     assert faulted == clean and lp == clean_lp
-    assert all(len(t) == NEW for t in clean) and sum(r.replays for r in results.values()) >= 1
+    assert all(len(t) == NEW for i, t in enumerate(clean) if i != 4) and sum(r.replays for r in results.values()) >= 1
     with Pipeline(decode_bundle, 2, launcher="process", slots=3) as pipe:
         from tvmpipe.generation import Generator
 
         plain = [r.tokens for r in Generator(pipe).generate_all(PROMPTS, NEW, temperature=0.0)]
     assert clean[1] != plain[1]  # the repetition penalty of the greedy sequence changed it
+    assert clean[3] != plain[3] and 7 in clean[3]  # so did the logit bias
+    assert len(clean[4]) >= 5 and not set(clean[4][:4]) & set(range(1, 9))  # no stop token before min_tokens
 
 
 def test_a_sampling_stage_without_caches_rebuilds_what_it_lost(decode_bundle):

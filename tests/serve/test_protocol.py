@@ -66,6 +66,8 @@ def test_scoring_and_choices_are_read():
     assert read_ask({"model": "m", "messages": [], "logprobs": True}, chat=True).logprobs == 0
     assert read_ask({"model": "m", "messages": [], "logprobs": False}, chat=True).logprobs is None
     assert read_ask({"model": "m", "prompt": "x", "logprobs": False}, chat=False).logprobs is None
+    biased = read_ask({"model": "m", "prompt": "x", "logit_bias": {"5": -100, "17": 2.5}, "min_tokens": 3}, chat=False)
+    assert biased.logit_bias == {5: -100, 17: 2.5} and biased.min_tokens == 3
 
 
 @pytest.mark.parametrize("body,param", [
@@ -78,8 +80,10 @@ def test_scoring_and_choices_are_read():
     ({"model": "m", "prompt": "x", "best_of": 1, "n": 2}, "best_of"),
     ({"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
     ({"model": "m", "prompt": "x", "echo": 1}, "echo"),
-    ({"model": "m", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
-    ({"model": "m", "prompt": "x", "min_tokens": 2}, "min_tokens"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"x5": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": [5]}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "min_tokens": 1.5}, "min_tokens"),
     ({"model": "m", "prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "suffix": "end"}, "suffix"),
     ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
@@ -119,8 +123,8 @@ def test_chat_refusals_name_the_parameter(body, param):
 
 
 def test_refusals_are_openai_error_json():
-    e = refused({"model": "m", "prompt": "x", "logit_bias": {"5": 1}})
-    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": "logit_bias",
+    e = refused({"model": "m", "prompt": "x", "suffix": "end"})
+    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": "suffix",
                                   "code": "unsupported_parameter"}}
     assert "not supported" in e.message
     assert refused({"model": "m", "prompt": "x", "frobnicate": 1}).message.startswith("unknown parameter 'frobnicate'")

@@ -257,6 +257,49 @@ def test_min_p_and_penalties_with_seeded_sampling_equal_the_processor_chain(clie
     assert plain.choices[0].token_ids != want
 
 
+class Bias:
+    """OpenAI's logit_bias: values added to the logits (transformers has no processor for it)."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.bias = bias
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for t, v in self.bias.items():
+            scores[:, t] += v
+        return scores
+
+
+def test_logit_bias_and_min_tokens_equal_the_processor_chain(client, hf):
+    """logit_bias (greedy, and seeded with a penalty) and min_tokens (a stop token the greedy
+    stream would draw first ruled out for the first 4 tokens, as transformers'
+    MinNewTokensLengthLogitsProcessor), against transformers with the same processors."""
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    from tvmpipe.executor.sampler import Sampling
+
+    bias = {30: 3.0, 102: -100.0, 44: 1.5}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                  logit_bias={str(t): v for t, v in bias.items()}, extra_body=extra)
+    want = reference_tokens(hf, PROMPT, 10, [Bias(bias)])
+    assert r.choices[0].token_ids == want and want != reference_tokens(hf, PROMPT, 10) and 102 not in want
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0.8, seed=2,
+                                  logit_bias={"30": 2.0}, extra_body={**extra, "repetition_penalty": 1.4})
+    assert r.choices[0].token_ids == reference_tokens(
+        hf, PROMPT, 10, [Bias({30: 2.0}), RepetitionPenaltyLogitsProcessor(1.4)], sampling=Sampling(0.8, 0, 2))
+    greedy = reference_tokens(hf, PROMPT, 8)
+    stop = greedy[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={**extra, "min_tokens": 4, "stop_token_ids": [stop]})
+    masked = reference_tokens(hf, PROMPT, 8, [MinNewTokensLengthLogitsProcessor(len(PROMPT), 4, [stop])])
+    cut = next((i + 1 for i, t in enumerate(masked) if t == stop), len(masked))  # it stops at the token after 4
+    assert r.choices[0].token_ids == masked[:cut] and stop not in masked[:4]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={**extra, "stop_token_ids": [stop]})
+    assert plain.choices[0].token_ids == [stop] and plain.choices[0].finish_reason == "stop"
+
+
 def test_a_batch_of_prompts_gets_one_choice_each(client):
     """A list of prompts (text and ids): one choice a prompt, each the single request's; with n=2,
     prompt p's choices are 2p and 2p + 1."""

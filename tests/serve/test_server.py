@@ -129,12 +129,13 @@ def test_stop_strings_end_the_sequence_unsent(client, oracle):
 
 
 def test_unsupported_parameters_are_refused_with_openai_errors(client):
-    for kw, param in [({"logit_bias": {"5": 10}}, "logit_bias"), ({"suffix": "end"}, "suffix"),
-                      ({"extra_body": {"min_tokens": 3}}, "min_tokens")]:
+    for kw, param in [({"suffix": "end"}, "suffix"), ({"extra_body": {"tools": [{"type": "function"}]}}, "tools")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
         assert info.value.param == param and info.value.code == "unsupported_parameter", kw
-    for kw, param in [({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 1, "n": 2}, "best_of")]:
+    for kw, param in [({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 1, "n": 2}, "best_of"),
+                      ({"logit_bias": {"999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                      ({"extra_body": {"min_tokens": 3}}, "min_tokens")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
         assert info.value.param == param, kw
