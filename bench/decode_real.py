@@ -40,6 +40,12 @@ batch B, compiled without their weights, and the model's config.json. In one cal
     whose tokens differ and the first differing position, with the reference's logit gap between
     its token and the cuda token there (a near tie when small).
 
+int4 (issue 52; only where bench/real_bundles.py prepared `<model>-int4` bundles, its
+`--quantize-models`): the same runs of each model's `--quantize int4` decode steps (int4 codes and
+float16 scales kept packed, unpacked inside the matmul kernels; their weights generated as codes 0
+and random scales), and `int4_over_fp16`: their tokens/s over the float16 bundle's at the same
+context and batch (target >= 2.5x at the largest model, batch 1; reported).
+
 Targets (reported, not enforced; `verdicts`): the largest model's (1.1B) batch-1 step >= 50 % of
 the floor at K = 1; tokens/s >= 2x transformers' (sdpa) at every batch (K = 1, smallest T); T
 largest <= 1.2x T smallest. Exit status 1 when the tokens differ between K or between S in flight
@@ -70,6 +76,8 @@ from gpu_gate import add_require_gpu, no_gpu_exit, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"floor_fraction": 0.5, "over_transformers": 2.0, "largest_over_smallest_context": 1.2}
+QUANT_SUFFIX = "-int4"  # bench/real_bundles.py: OUT/<model>-int4 holds the model's --quantize int4 steps
+INT4_TARGET = 2.5  # issue 52: int4 over fp16 tokens/s, the largest model at batch 1
 CATEGORIES = ("matmul", "attention", "cache_update", "rest")
 
 
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         vs_transformers(doc, model)
         save()
     doc["verdicts"] = verdicts(doc)
+    doc["int4_over_fp16"] = int4_over_fp16(doc)
     doc["all_exact"], doc["complete"] = exact, "not_run" not in doc
     save()
     print(f"[decode_real] wrote {args.out} in {doc['wall_s']} s; verdicts: {json.dumps(doc['verdicts'])}")
@@ -550,6 +559,8 @@ def transformers_side(args, real: Path, ready: dict[str, dict[tuple[int, int], P
     apart from the stages'); into doc["transformers"]. False when it failed."""
     spec = {}
     for model, combos in ready.items():
+        if model.endswith(QUANT_SUFFIX):  # the base model's configuration, measured once under its own name
+            continue
         vocab = json.loads((real / model / "config.json").read_text())["vocab_size"]
         rng = random.Random(0)
         batches = sorted({b for _, b in combos})
@@ -588,6 +599,33 @@ def vs_transformers(doc: dict, model: str) -> None:
                                              "tokens_per_s": ours["tokens_per_s"],
                                              "transformers_tokens_per_s": h["tokens_per_s"],
                                              "ratio": round(ours["tokens_per_s"] / h["tokens_per_s"], 3)})
+
+
+def int4_over_fp16(doc: dict) -> dict | None:
+    """Issue 52: each `<model>-int4` bundle's tokens/s (K = 1, one micro-batch in flight) over the
+    float16 bundle of the same model, context and batch; the target (>= INT4_TARGET) is judged on
+    the largest model's batch-1 rows. None when no int4 bundle ran."""
+    rows = []
+    for model, m in doc["models"].items():
+        base = doc["models"].get(model[: -len(QUANT_SUFFIX)]) if model.endswith(QUANT_SUFFIX) else None
+        if base is None:
+            continue
+        for name, rec in m["bundles"].items():
+            other = base["bundles"].get(name)
+            q = next((r for r in rec.get("runs", []) if r["stages"] == 1 and r["in_flight"] == 1), None)
+            f = next((r for r in (other or {}).get("runs", []) if r["stages"] == 1 and r["in_flight"] == 1), None)
+            if q and f and f["tokens_per_s"] > 0:
+                rows.append({"model": model[: -len(QUANT_SUFFIX)], "bundle": name, "batch": rec["batch"],
+                             "max_context": rec["max_context"], "int4_tokens_per_s": q["tokens_per_s"],
+                             "fp16_tokens_per_s": f["tokens_per_s"], "int4_weight_bytes": rec["weight_bytes"],
+                             "fp16_weight_bytes": other["weight_bytes"],
+                             "ratio": round(q["tokens_per_s"] / f["tokens_per_s"], 3)})
+    if not rows:
+        return None
+    largest = max(rows, key=lambda r: r["fp16_weight_bytes"])["model"]
+    judged = [r for r in rows if r["model"] == largest and r["batch"] == 1]
+    return {"rows": rows, "target": INT4_TARGET, "judged_on": largest,
+            "met": all(r["ratio"] >= INT4_TARGET for r in judged) if judged else None}
 
 
 def verdicts(doc: dict) -> dict:

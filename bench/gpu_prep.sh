@@ -110,8 +110,10 @@ REAL_MODELS=${GPU_PREP_REAL_MODELS-135m,1.1b}
 if [ -n "$REAL_MODELS" ]; then
   say "compiling real-size decode steps ($REAL_MODELS; ${GPU_PREP_REAL_COMBOS:-512x1,2048x1,512x8,2048x8}) -> .gpu/bundles/real"
   rm -rf .gpu/bundles/real
+  # GPU_PREP_REAL_QUANT (issue 52, opt-in: e.g. 1.1b): those models' --quantize int4 steps too, as <model>-int4
   "$PY" bench/real_bundles.py prepare --out .gpu/bundles/real --models "$REAL_MODELS" \
-    --combos "${GPU_PREP_REAL_COMBOS:-512x1,2048x1,512x8,2048x8}" --work "$tmp/real"
+    --combos "${GPU_PREP_REAL_COMBOS:-512x1,2048x1,512x8,2048x8}" --work "$tmp/real" \
+    --quantize-models "${GPU_PREP_REAL_QUANT:-}" --quantize-combos "${GPU_PREP_REAL_QUANT_COMBOS:-512x1,512x8}"
 else
   say "GPU_PREP_REAL_MODELS is empty: no real-size decode steps (the decode_real step then fails)"
 fi

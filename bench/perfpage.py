@@ -363,6 +363,34 @@ def checkpoint(d: dict) -> list[Row]:
     return rows
 
 
+def quant(d: dict) -> list[Row]:
+    """bench/quant.py: GGUF files of real configurations (Q4_K_M-like mixes, random weights)
+    through `tvmpipe compile FILE.gguf --decode`: compile peak memory and time, the bundle's
+    weights against the file's tensor bytes (blocks kept packed), the reference loop's speed."""
+    area = "Your own checkpoint"
+    rows = []
+    for r in d["runs"]:
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r["types"].items()))
+        rows.append(Row(area, f"GGUF {r['model']} ({kinds}): compile peak RSS (target 1.5x the file + 1 GiB)",
+                        f"{r['compile_peak_gib']:.2f} GiB for a {r['file_gib']:.2f} GiB file; compile "
+                        f"{r['compile_s']:.0f} s", "<= 1.5x file + 1 GiB", r["compile_within_target"]))
+        rows.append(Row(area, f"GGUF {r['model']}: bundle weights against the file's tensor bytes (packed as stored)",
+                        f"{r['bundle_over_file_tensors']:.4f}x", "<= 1.05x", r["bundle_over_file_tensors"] <= 1.05))
+        rows.append(Row(area, f"GGUF {r['model']}: single-process reference loop (NumPy, unpacks every weight "
+                        "every step), this CPU", f"{r['reference_tokens_per_s']:.2f} tokens/s"))
+        for k, st in sorted((r.get("stages") or {}).items()):
+            if "error" in st:
+                rows.append(Row(area, f"GGUF {r['model']}: each stage's peak RSS at K = {k}", "not measured (failed)",
+                                "", False))
+                continue
+            rows.append(Row(area, f"GGUF {r['model']}: each stage's peak RSS at K = {k} (packed weights/{k} + 0.45 GiB; "
+                            "heaviest stage's own weights + 0.45 GiB)",
+                            slash(st["stage_peak_rss_gib"], ".2f") + f" GiB (targets {st['target_gib']:.2f} / "
+                            f"{st['heaviest_target_gib']:.2f})", f"<= weights/{k} + 0.45 GiB",
+                            st["within_target"] and st["within_heaviest_target"]))
+    return rows
+
+
 def generate_gpu_host(d: dict) -> list[Row]:
     """bench/generate.py run on the GPU host's CPUs (simulated stages, no GPU): a core per process."""
     cpus = d.get("machine", {}).get("cpus")
@@ -584,11 +612,17 @@ def decode_real(d: dict) -> list[Row]:
     if cost:
         parts.append(f"T {cost[0]['contexts'][1]} {cost[0]['ratio']:.2f}x T {cost[0]['contexts'][0]}")
     verdicts = [x["met"] for x in (floor, over, ctx) if x is not None]
+    q = d.get("int4_over_fp16")
+    quant = [] if not q else [Row(
+        "GPU (H100)", f"int4 (--quantize int4, packed) over fp16 decode tokens/s, K = 1 ({q['judged_on'].upper()} at "
+        "batch 1 judged)", "; ".join(f"{r['model']} b{r['batch']} T{r['max_context']}: {r['ratio']:.2f}x "
+                                     f"({r['int4_tokens_per_s']:.0f} vs {r['fp16_tokens_per_s']:.0f})" for r in q["rows"]),
+        f">= {q['target']:g}x", q["met"])]
     return [Row("GPU (H100)", f"{model.upper()} Llama decode, fp16, batch 1, K = 1, CUDA graphs (T {rec['max_context']}): "
                 "tokens/s, share of the bandwidth floor, over transformers' generate; static context's cost",
                 "; ".join(parts), f">= {100 * floor['target']:.0f} % of the floor, >= {d['targets']['over_transformers']:g}x "
                 f"transformers, <= {d['targets']['largest_over_smallest_context']:g}x",
-                all(verdicts) if len(verdicts) == 3 else None)]
+                all(verdicts) if len(verdicts) == 3 else None)] + quant
 
 
 @dataclass(frozen=True)
@@ -608,6 +642,7 @@ EXTRACTORS = (
     Extractor("serve.json", serve),
     Extractor("soak.json", soak),
     Extractor("checkpoint.json", checkpoint),
+    Extractor("quant.json", quant),
     Extractor("kv_memory.json", kv_memory),
     Extractor("planner.json", planner),
     Extractor("predict.json", predict),

@@ -11,7 +11,10 @@ head Q6_K where they are whole blocks, the embedding Q8_0. Per file:
   * file and bundle bytes (the bundle's weights against the file's tensor bytes: target <= 1.05x);
   * compile: wall time and peak RSS of `tvmpipe compile FILE.gguf --decode --max-context 16` in a
     child process (bench/checkpoint.py `measure`: VmHWM), against 1.5 x the file + 1 GiB;
-  * the reference backend's tokens/s (greedy_decode, NumPy, one process) over 8 new tokens.
+  * the reference backend's tokens/s (greedy_decode, NumPy, one process) over 8 new tokens;
+  * stages: `tvmpipe generate B --stages K --local` at K = 2 and 4, each stage actor's peak RSS
+    against the packed weights / K + 0.45 GiB and against the heaviest stage's own weights +
+    0.45 GiB (bench/checkpoint.py's measure: cuts fall between layers, so shares differ).
 
 Results go to bench/results/quant.json (with `when`, `commit`, `machine`); `make perf-page` puts
 them in docs/performance.md. The GPU comparison (int4 against fp16 tokens/s) is not measured
@@ -60,10 +63,13 @@ def write_file(path: Path, cfg: dict, seed: int = 0) -> dict:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_tokenizer_model("llama")  # SentencePiece-style: <unk>, <s>, </s>, then plain pieces
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)])
     w.add_token_scores([0.0] * vocab)
-    w.add_token_types([1] * vocab)
+    w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
     types: dict[str, int] = {}
 
     def add(name: str, rows: int, cols: int, kind: str) -> None:
@@ -101,6 +107,30 @@ def reference_tokens_per_s(bundle: Path) -> float:
     return round((len(PROMPT) + NEW - 1) / (time.perf_counter() - t), 2)
 
 
+def stages(bundle: Path, k: int, weights: int) -> dict:
+    """`tvmpipe generate --stages K --local`: each stage actor's peak RSS against its targets."""
+    import os
+
+    sys.path[:0] = [str(ROOT / "bench")]
+    from bigmodel import monitored  # the /proc sampler of a command's process tree
+
+    g = monitored(["timeout", "1200", sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(k),
+                   "--local", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4", "--json"],
+                  dict(os.environ))
+    try:
+        doc = json.loads(g["stdout"][g["stdout"].index("{"):])
+    except ValueError:
+        return {"error": (g["stderr"] or g["stdout"])[-2000:]}
+    actors = sorted((p["hwm_kib"] * 1024 for p in g["peaks"].values() if "StageActor" in p["cmd"]), reverse=True)[:k]
+    held = [s.get("weight_bytes") or 0 for s in (doc.get("metrics") or {}).get("stages") or []]
+    target = weights / k + 0.45 * GIB
+    return {"stage_peak_rss_gib": [gib(x) for x in actors], "stage_weight_gib": [gib(x) for x in held],
+            "target_gib": gib(target), "within_target": bool(actors) and max(actors) <= target,
+            "heaviest_target_gib": gib(max(held, default=0) + 0.45 * GIB),
+            "within_heaviest_target": bool(actors) and max(actors) <= max(held, default=0) + 0.45 * GIB,
+            "tokens": [s["tokens"] for s in doc["sequences"]], "wall_s": round(g["wall_s"], 1)}
+
+
 def run(model: str, work: Path) -> dict:
     from tests.support.gguf_files import tensor_bytes
     from tvmpipe.bundle import load_bundle
@@ -121,7 +151,8 @@ def run(model: str, work: Path) -> dict:
             "write_s": round(write_s, 1), "compile_s": m["compile_s"], "compile_peak_gib": gib(peak),
             "compile_baseline_gib": gib(m["baseline_kib"] * 1024),
             "compile_target_gib": gib(1.5 * file_bytes + GIB), "compile_within_target": peak <= 1.5 * file_bytes + GIB,
-            "reference_tokens_per_s": reference_tokens_per_s(out)}
+            "reference_tokens_per_s": reference_tokens_per_s(out),
+            "stages": {str(k): stages(out, k, weights) for k in (2, 4)}}
 
 
 def main(argv: list[str] | None = None) -> int:

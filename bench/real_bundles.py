@@ -3,6 +3,7 @@ made here, weights written there.
 
     python bench/real_bundles.py prepare --out .gpu/bundles/real [--models 135m,1.1b]
                                          [--combos 512x1,2048x1,512x8,2048x8] [--work DIR]
+                                         [--quantize-models 135m,1.1b] [--quantize-combos 512x1,512x8]
 
 Here (a CPU machine with TVM, torch and transformers; bench/gpu_prep.sh runs it): each model's
 checkpoint is written by transformers' `save_pretrained` (LlamaForCausalLM of the real
@@ -56,11 +57,22 @@ def combo_name(t: int, b: int) -> str:
     return f"T{t}_b{b}"
 
 
-def is_weight(dtype: str, shape: tuple[int, ...]) -> bool:
-    """A param whose value the GPU host generates: a float matrix (or more dimensions)."""
+QUANT_SUFFIX = "-int4"  # OUT/<model>-int4: the model's --quantize int4 decode steps (--quantize-models)
+
+
+def is_weight(dtype: str, shape: tuple[int, ...], name: str = "", packed: frozenset[str] = frozenset()) -> bool:
+    """A param whose value the GPU host generates: a float matrix (or more dimensions), or a field
+    of a packed (quantized) matrix (bundle.json source.packed): its codes are generated as zeros,
+    its float16 scales at random, which costs a step the same reads as real weights."""
     from tvmpipe.bundle.dtypes import is_float
 
-    return is_float(dtype) and len(shape) >= 2
+    return name in packed or (is_float(dtype) and len(shape) >= 2)
+
+
+def packed_params(source: dict[str, Any] | None) -> frozenset[str]:
+    """The params holding packed matrices' fields, from bundle.json `source.packed`."""
+    packed = (source or {}).get("packed") or {}
+    return frozenset(n for m in packed.values() for n in m.get("fields", {}).values())
 
 
 # ---- here: checkpoints and bundles ---------------------------------------------------------------
@@ -80,9 +92,11 @@ def make_checkpoint(cfg: dict[str, Any], out: Path) -> Path:
     return out
 
 
-def export_bundle(ckpt: str | Path, out: str | Path, max_context: int, batch: int) -> dict[str, int]:
-    """The decode step of checkpoint `ckpt` compiled and written to `out` without its weights
-    (generated from SEED on load), its constants beside it; counts and bytes of what was left out."""
+def export_bundle(ckpt: str | Path, out: str | Path, max_context: int, batch: int,
+                  quantize: str | None = None) -> dict[str, int]:
+    """The decode step of checkpoint `ckpt` (`quantize`d: --quantize) compiled and written to `out`
+    without its weights (generated from SEED on load), its constants beside it; counts and bytes of
+    what was left out."""
     import numpy as np
 
     from tvmpipe.bundle import dtypes
@@ -90,18 +104,20 @@ def export_bundle(ckpt: str | Path, out: str | Path, max_context: int, batch: in
     from tvmpipe.compiler.progress import Progress
     from tvmpipe.core.files import atomic_path
 
-    ex = export(str(ckpt), decode=max_context, batch=batch, progress=Progress(stream=None))
+    ex = export(str(ckpt), decode=max_context, batch=batch, progress=Progress(stream=None), quantize=quantize)
     ex.write(out, params_seed=SEED, overwrite=True)
     specs = ex.params.specs()
-    consts = {n: np.asarray(ex.params[n]) for n, dt, shape in specs if not is_weight(dt, shape)}
+    packed = packed_params(ex.source)
+    consts = {n: np.asarray(ex.params[n]) for n, dt, shape in specs if not is_weight(dt, shape, n, packed)}
     with atomic_path(Path(out).with_name(Path(out).name + CONSTANTS)) as tmp:
         np.savez_compressed(tmp, **consts)
-    left_out = sum(int(np.prod(s, dtype=np.int64)) * dtypes.itemsize(d) for _, d, s in specs if is_weight(d, s))
-    return {"weights_left_out_bytes": left_out, "generated": sum(is_weight(d, s) for _, d, s in specs),
+    left_out = sum(int(np.prod(s, dtype=np.int64)) * dtypes.itemsize(d) for n, d, s in specs
+                   if is_weight(d, s, n, packed))
+    return {"weights_left_out_bytes": left_out, "generated": sum(is_weight(d, s, n, packed) for n, d, s in specs),
             "constants": len(consts)}
 
 
-def compile_one(ckpt: str, out: str, max_context: int, batch: int) -> None:
+def compile_one(ckpt: str, out: str, max_context: int, batch: int, quantize: str | None = None) -> None:
     """In a fresh interpreter: the libraries imported (the baseline), then `export_bundle`. Prints
     one JSON line: wall time, peak and baseline RSS (KiB), what was left out."""
     from tvmpipe.compiler.export import require_tvm
@@ -114,7 +130,7 @@ def compile_one(ckpt: str, out: str, max_context: int, batch: int) -> None:
     transformers.LlamaForCausalLM  # noqa: B018  (transformers imports its model modules lazily)
     base = status_kib("VmRSS")
     t = time.perf_counter()
-    rec = export_bundle(ckpt, out, max_context, batch)
+    rec = export_bundle(ckpt, out, max_context, batch, quantize)
     print(json.dumps({"compile_s": round(time.perf_counter() - t, 1), "peak_rss_kib": status_kib("VmHWM"),
                       "baseline_rss_kib": base, **rec}))
 
@@ -123,10 +139,14 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def prepare(out: Path, models: list[str], combos: list[tuple[int, int]], work: Path, children: bool = True) -> dict:
+def prepare(out: Path, models: list[str], combos: list[tuple[int, int]], work: Path, children: bool = True,
+            quantized: tuple[str, ...] = (), quant_combos: list[tuple[int, int]] | None = None) -> dict:
     """Checkpoints into `work`, bundles and constants into `out` (see the module docstring);
     returns and writes OUT/prep.json. `children`: each bundle compiled in a fresh interpreter,
-    which measures its peak RSS (else in this one: the CPU test, seconds faster)."""
+    which measures its peak RSS (else in this one: the CPU test, seconds faster). The models in
+    `quantized` also get OUT/<model>-int4: the same checkpoint compiled with `--quantize int4`
+    (q4f16_1: int4 codes, a float16 scale per 32 values, float16 compute) for `quant_combos`
+    (default `combos`), which decode_real runs beside the float16 ones (int4 over fp16 tokens/s)."""
     from tvmpipe.core.files import write_json
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
@@ -143,29 +163,40 @@ def prepare(out: Path, models: list[str], combos: list[tuple[int, int]], work: P
         shutil.copyfile(ckpt / "config.json", mdir / "config.json")
         rec: dict[str, Any] = {"config": cfg, "checkpoint_s": round(time.perf_counter() - t, 1), "bundles": {}}
         print(f"[real_bundles] {name}: checkpoint in {rec['checkpoint_s']} s", file=sys.stderr, flush=True)
-        for t_ctx, b in combos:
-            bdir = mdir / combo_name(t_ctx, b)
+        qdir = out / (name + QUANT_SUFFIX)
+        variants = [(mdir, None, combos)]
+        if name in quantized:
+            if qdir.exists():
+                shutil.rmtree(qdir)
+            qdir.mkdir(parents=True)
+            shutil.copyfile(ckpt / "config.json", qdir / "config.json")
+            variants.append((qdir, "int4", quant_combos or combos))
+        for vdir, quant, t_ctx, b in [(v, q, t, b) for v, q, vc in variants for t, b in vc]:
+            bdir = vdir / combo_name(t_ctx, b)
             if children:
                 r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "compile-one", str(ckpt), str(bdir),
-                                    str(t_ctx), str(b)], env=env, cwd=ROOT, capture_output=True, text=True)
+                                    str(t_ctx), str(b), *(["--quantize", quant] if quant else [])],
+                                   env=env, cwd=ROOT, capture_output=True, text=True)
                 if r.returncode != 0:
-                    raise SystemExit(f"[real_bundles] compiling {name} {combo_name(t_ctx, b)} failed:\n{r.stderr[-3000:]}")
+                    raise SystemExit(f"[real_bundles] compiling {vdir.name} {combo_name(t_ctx, b)} failed:\n"
+                                     f"{r.stderr[-3000:]}")
                 c = json.loads(r.stdout.strip().splitlines()[-1])
             else:
                 t = time.perf_counter()
-                c = export_bundle(ckpt, bdir, t_ctx, b)
+                c = export_bundle(ckpt, bdir, t_ctx, b, quant)
                 c["compile_s"] = round(time.perf_counter() - t, 1)
             c["bundle_bytes"] = tree_bytes(bdir)
             c["constants_bytes"] = (bdir.with_name(bdir.name + CONSTANTS)).stat().st_size
-            rec["bundles"][combo_name(t_ctx, b)] = c
+            key = combo_name(t_ctx, b) + (f"_{quant}" if quant else "")
+            rec["bundles"][key] = c
             peak = f", peak RSS {c['peak_rss_kib'] / 1048576:.2f} GiB" if "peak_rss_kib" in c else ""
-            print(f"[real_bundles] {name} {combo_name(t_ctx, b)}: compile {c['compile_s']} s{peak}, bundle "
+            print(f"[real_bundles] {vdir.name} {combo_name(t_ctx, b)}: compile {c['compile_s']} s{peak}, bundle "
                   f"{c['bundle_bytes'] / 1048576:.2f} MiB + constants {c['constants_bytes'] / 1024:.0f} KiB "
                   f"({c['weights_left_out_bytes'] / 1048576:.0f} MiB of weights left out)", file=sys.stderr, flush=True)
         shutil.rmtree(ckpt, ignore_errors=True)
         rec["reference"] = reference_check(mdir, combos, work / f"{name}-weights")
         print(f"[real_bundles] {name}: reference backend {json.dumps(rec['reference'])}", file=sys.stderr, flush=True)
-        rec["carried_bytes"] = tree_bytes(mdir)
+        rec["carried_bytes"] = tree_bytes(mdir) + (tree_bytes(qdir) if name in quantized else 0)
         doc["models"][name] = rec
     doc["carried_bytes"] = sum(m["carried_bytes"] for m in doc["models"].values())
     write_json(out / "prep.json", doc)
@@ -225,6 +256,7 @@ def materialize(src: Path, dst: Path, cache: dict[tuple, Any]) -> Path:
     from tvmpipe.core.files import write_json
 
     manifest = json.loads((src / "bundle.json").read_text())
+    packed = packed_params(manifest.get("source"))
     if manifest["params"].get("generated") is None:
         raise SystemExit(f"{src}: its weights are not generated (bench/real_bundles.py prepare writes them so)")
     graph = read_graph(src / "graph.json")
@@ -239,7 +271,7 @@ def materialize(src: Path, dst: Path, cache: dict[tuple, Any]) -> Path:
             params[n] = consts[n]
         elif (n, e.dtype, e.shape) in cache:
             params[n] = cache[n, e.dtype, e.shape]
-        elif is_weight(e.dtype, e.shape):
+        elif is_weight(e.dtype, e.shape, n, packed):
             missing.append(n)
         else:
             raise SystemExit(f"{src}: param '{n}' ({e.dtype}{list(e.shape)}) is neither a weight matrix nor in "
@@ -269,15 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--combos", default=",".join(f"{t}x{b}" for t, b in COMBOS),
                    help="comma-separated TxB: max context x batch")
     p.add_argument("--work", default=None, help="where the checkpoints go (default: a temporary directory)")
+    p.add_argument("--quantize-models", default="",
+                   help="comma-separated models that also get OUT/<model>-int4 (--quantize int4 decode steps)")
+    p.add_argument("--quantize-combos", default=None, help="TxB of the int4 bundles (default: --combos)")
     c = sub.add_parser("compile-one", help="(internal) one bundle, in a fresh interpreter")
     c.add_argument("ckpt")
     c.add_argument("out")
     c.add_argument("max_context", type=int)
     c.add_argument("batch", type=int)
+    c.add_argument("--quantize", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.cmd == "compile-one":
-        compile_one(args.ckpt, args.out, args.max_context, args.batch)
+        compile_one(args.ckpt, args.out, args.max_context, args.batch, args.quantize)
         return 0
     import tempfile
 
@@ -289,7 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="tvmpipe-real-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        doc = prepare(Path(args.out), models, combos, work)  # type: ignore[arg-type]
+        quantized = tuple(m for m in args.quantize_models.split(",") if m)
+        if any(m not in models for m in quantized):
+            ap.error("--quantize-models must name models of --models")
+        qcombos = [tuple(int(x) for x in c.split("x")) for c in args.quantize_combos.split(",")] \
+            if args.quantize_combos else None
+        doc = prepare(Path(args.out), models, combos, work, quantized=quantized,  # type: ignore[arg-type]
+                      quant_combos=qcombos)  # type: ignore[arg-type]
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
