@@ -24,7 +24,7 @@ from tvmpipe.compiler.packed import FORMATS, PackedFormat
 
 # GGUF general.architecture -> the transformers CausalLM its decode step is built from
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                 "qwen2": "Qwen2ForCausalLM"}
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -152,7 +152,9 @@ def _read(path: Path, reader: Any) -> GGUFSource:
     if arch not in ARCHITECTURES:
         raise SourceError(f"{path}: GGUF architecture '{arch}' is not supported; supported: "
                           f"{', '.join(ARCHITECTURES)}")
-    model_type = "mistral" if arch == "llama" and "mistral" in str(name).lower() else arch
+    # a llama-architecture file named "mistral" is Mistral, as transformers reads it (its test is
+    # `"mistral" in [general.name]`: the whole name)
+    model_type = "mistral" if arch == "llama" and name == "mistral" else arch
     entries: dict[str, GGUFEntry] = {}
     types: dict[str, int] = {}
     total = 0

@@ -3,8 +3,8 @@
 The files are written by gguf's own GGUFWriter (tests/support/gguf_files.py): a tiny Llama with
 every listed tensor type once (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32;
 the k-quants, which gguf cannot write, as random blocks with sane scales), a tied Llama whose LM
-head reads the packed Q8_0 embedding, and a Qwen2 (q/k/v biases, no q/k permutation) in
-Q4_K_M's mix. Each bundle, on the reference backend, gives the greedy tokens of transformers'
+head reads the packed Q8_0 embedding, a Qwen2 (q/k/v biases, no q/k permutation) in Q4_K_M's
+mix, a Qwen3 (q/k norms) and a Phi-3 (fused qkv and gate-up matrices, packed whole). Each bundle, on the reference backend, gives the greedy tokens of transformers'
 own load of the same file (`from_pretrained(dir, gguf_file=...)`, which dequantizes with gguf's
 NumPy dequantizers), with every step's logits within 1e-4 x max|logits| of transformers'; and at K = 2 as a user runs it.
 """
@@ -30,10 +30,16 @@ NEW = 8
 CONTEXT = 24
 Q4_K_M = {**{k: "Q4_K" for k in MIXED}, "output.weight": "Q6_K", "token_embd.weight": "Q6_K",
           "blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K"}
+PHI3 = {"blk.0.attn_qkv.weight": "Q4_K", "blk.1.attn_qkv.weight": "Q5_0", "blk.0.ffn_up.weight": "Q8_0",
+        "blk.1.ffn_up.weight": "Q6_K", "blk.0.ffn_down.weight": "Q4_1", "blk.1.ffn_down.weight": "Q5_K",
+        "blk.0.attn_output.weight": "Q4_0", "blk.1.attn_output.weight": "Q5_1", "token_embd.weight": "Q6_K",
+        "output.weight": "Q4_K"}
 CASES = {
     "llama_mixed": dict(types=MIXED),
-    "llama_tied_q8": dict(types={k: "Q8_0" for k in MIXED}, tied=True, seed=2),
-    "qwen2_q4_k_m": dict(types=Q4_K_M, arch="qwen2", seed=3),
+    "llama_tied_q8": dict(types={k: "Q8_0" for k in MIXED}, tied=True),
+    "qwen2_q4_k_m": dict(types=Q4_K_M, arch="qwen2"),
+    "qwen3_mixed": dict(types=MIXED, arch="qwen3"),  # q/k norms, heads of 128
+    "phi3_fused": dict(types=PHI3, arch="phi3"),  # fused qkv and gate-up matrices
 }
 
 
@@ -73,7 +79,7 @@ def test_a_gguf_bundle_gives_transformers_tokens_and_logits(name, gguf_case):
     assert b.manifest.source["kind"] == "gguf" and b.manifest.dtype == "float32"
     model = load_transformers(f)
     want = transformers_generate(model, PROMPT, NEW)
-    assert len(set(want)) > 1, want  # a stream that is not one repeated token: the check can fail
+    assert len(set(want)) >= 4, want  # not a repeated token or two: the check can fail
     got = greedy_decode(bundle, PROMPT, NEW)
     assert got.tokens[0] == want
     logits = np.stack([step[0] for step in got.logits])

@@ -48,10 +48,13 @@ def _kquant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: object
     raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
     blocks = raw.reshape(rows, -1, size)
     fmt = FORMATS.get(qtype.name)  # a type tvmpipe does not run (Q2_K): random bytes are enough
+    d = rng.uniform(2e-4, 1e-3, blocks.shape[:2]).astype(np.float32)
+    # Q4_K/Q5_K: w = d*sc*q - dmin*m with q, sc, m uniform codes; dmin = d * mean(q) centres w on 0
+    middle = {"Q4_K": 7.5, "Q5_K": 15.5}.get(qtype.name, 1.0)
     for f in fmt.fields if fmt else ():
         if f.dtype == "float16":
-            d = rng.uniform(2e-4, 1e-3, blocks.shape[:2]).astype(np.float16)
-            blocks[..., f.offset:f.offset + 2] = d[..., None].view(np.uint8)
+            value = (d * middle if f.name == "dmin" else d).astype(np.float16)
+            blocks[..., f.offset:f.offset + 2] = value[..., None].view(np.uint8)
     return raw
 
 
@@ -73,17 +76,21 @@ def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, 
 
 
 def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "llama", tied: bool = False,
-               seed: int = 1, tokenizer: bool = True, embedding_scale: float | None = None) -> Path:
-    """A tiny `arch` model (llama or qwen2) as a GGUF file at `path`; `types` by GGUF tensor name.
-    A tied embedding is drawn smaller (0.05 by default), else the head's product with the last
-    token's own embedding wins and the model repeats its input."""
+               seed: int = 1, tokenizer: bool = True, embedding_scale: float | None = None,
+               name: str | None = None) -> Path:
+    """A tiny `arch` model (llama, qwen2, qwen3 or phi3; a llama file `name`d mistral is Mistral,
+    as llama.cpp writes one) as a GGUF file at `path`; `types` by GGUF tensor name. A tied
+    embedding is drawn smaller (0.05 by default), else the head's product with the last token's
+    own embedding wins and the model repeats its input. Qwen3 has q/k RMSNorms and heads of 128
+    (transformers' GGUF reader takes Qwen3's default head_dim; real Qwen3 files have 128); Phi-3
+    its fused qkv and gate-up matrices."""
     import gguf
 
     types = dict(MIXED if types is None else types)
     rng = np.random.default_rng(seed)
-    head_dim = HIDDEN // HEADS
+    head_dim = 128 if arch == "qwen3" else HIDDEN // HEADS
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny {arch}")
+    w.add_name(name or f"tiny {arch}")
     w.add_context_length(CONTEXT)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
@@ -107,6 +114,7 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
+        w.add_pad_token_id(0)  # Phi-3's config would take 32000, outside this vocabulary
         w.add_chat_template(CHAT)
 
     def mat(rows: int, cols: int, scale: float = 0.08) -> np.ndarray:
@@ -116,21 +124,34 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         _tensor(w, rng, name, value, types.get(name, "F32") if value.ndim == 2 else "F32")
 
     add("token_embd.weight", mat(VOCAB, HIDDEN, embedding_scale or (0.05 if tied else 1.0)))
+    def norm(size: int) -> np.ndarray:
+        return 1 + 0.1 * rng.standard_normal(size).astype(np.float32)
+
+    q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
     for i in range(LAYERS):
-        q, k = mat(HIDDEN, HIDDEN), mat(KV_HEADS * head_dim, HIDDEN)
+        q, k, v = mat(q_rows, HIDDEN), mat(kv_rows, HIDDEN), mat(kv_rows, HIDDEN)
         if arch == "llama":
             q, k = _permute(q, HEADS), _permute(k, KV_HEADS)
-        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
-        add(f"blk.{i}.attn_q.weight", q)
-        add(f"blk.{i}.attn_k.weight", k)
-        add(f"blk.{i}.attn_v.weight", mat(KV_HEADS * head_dim, HIDDEN))
+        add(f"blk.{i}.attn_norm.weight", norm(HIDDEN))
+        if arch == "phi3":
+            add(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]))
+        else:
+            add(f"blk.{i}.attn_q.weight", q)
+            add(f"blk.{i}.attn_k.weight", k)
+            add(f"blk.{i}.attn_v.weight", v)
         if arch == "qwen2":
-            for n, size in (("q", HIDDEN), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim)):
+            for n, size in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 add(f"blk.{i}.attn_{n}.bias", 0.1 * rng.standard_normal(size).astype(np.float32))
-        add(f"blk.{i}.attn_output.weight", mat(HIDDEN, HIDDEN))
-        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
-        add(f"blk.{i}.ffn_gate.weight", mat(FFN, HIDDEN))
-        add(f"blk.{i}.ffn_up.weight", mat(FFN, HIDDEN))
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", norm(head_dim))
+            add(f"blk.{i}.attn_k_norm.weight", norm(head_dim))
+        add(f"blk.{i}.attn_output.weight", mat(HIDDEN, q_rows))
+        add(f"blk.{i}.ffn_norm.weight", norm(HIDDEN))
+        if arch == "phi3":  # gate and up in one matrix, gate first (transformers' gate_up_proj)
+            add(f"blk.{i}.ffn_up.weight", np.concatenate([mat(FFN, HIDDEN), mat(FFN, HIDDEN)]))
+        else:
+            add(f"blk.{i}.ffn_gate.weight", mat(FFN, HIDDEN))
+            add(f"blk.{i}.ffn_up.weight", mat(FFN, HIDDEN))
         add(f"blk.{i}.ffn_down.weight", mat(HIDDEN, FFN, 0.06))
     add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
     if not tied:
