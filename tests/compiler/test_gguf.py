@@ -240,6 +240,37 @@ def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(gguf_case):
         assert json.loads(proc.stdout)["sequences"][0]["tokens"] == want, k
 
 
+def test_batch_and_chunk_apply_to_a_gguf_decode_step(gguf_case, tmp_path):
+    """--batch 2 --chunk 3 on the every-type file: the packed matmuls take [B, C] rows; each row gives
+    transformers' tokens."""
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    f, _ = gguf_case("llama_mixed")
+    export(str(f), decode=CONTEXT, batch=2, chunk=3, progress=Progress(stream=None)).write(tmp_path / "b")
+    prompts = [PROMPT, [60, 2, 100, 7, 41]]
+    model = load_transformers(f)
+    assert greedy_decode(tmp_path / "b", prompts, NEW).tokens == [transformers_generate(model, p, NEW) for p in prompts]
+
+
+def test_tokenizer_names_the_tokenizer_of_a_file_without_one(tmp_path):
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cli import main
+
+    with_tok = write_gguf(tmp_path / "tok.gguf")
+    src = tmp_path / "tokdir"
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=with_tok.name).save_pretrained(str(src))
+    f = write_gguf(tmp_path / "notok.gguf", tokenizer=False)
+    assert main(["compile", str(f), "--decode", "--max-context", "16", "--tokenizer", str(src), "-o",
+                 str(tmp_path / "b"), "--quiet"]) == 0
+    b = load_bundle(tmp_path / "b")
+    assert (b.tokenizer_dir / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
 # ---- bad input: one line each, nothing written -------------------------------------------------
 
 def _compile(capsys, src: Path, out: Path, *extra: str) -> str:
