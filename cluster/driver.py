@@ -382,15 +382,16 @@ class Pipeline:
     def metrics(self) -> PipelineMetrics:
         return compute_metrics(self.record())
 
-    def install_sampling(self, sequence: int, extras: Any) -> None:
+    def install_sampling(self, sequence: int, extras: Any, tokenizer: tuple[str, tuple[int, ...]] | None = None) -> bool:
         """Install a sequence's sampling extras (executor.sampler.SequenceExtras: its logit bias, the
-        stop ids min_tokens rules out) on the sampling stage, before its first step: a control-plane
-        call that returns once the stage holds them. WorkerError / WorkerLost if that stage cannot
-        take them now (restarting): a step that needs them draws STATE_LOST and the generation layer
-        installs them again."""
+        stop ids min_tokens rules out, its grammar) on the sampling stage, before its first step: a
+        control-plane call that returns once the stage holds them. False when they hold a grammar and
+        the stage has no tokenizer for it: call again with `tokenizer` (tokenizer.json's text, the eos
+        ids). WorkerError / WorkerLost if that stage cannot take them now (restarting): a step that
+        needs them draws STATE_LOST and the generation layer installs them again."""
         if self.topology.sampler is None:
             raise TvmpipeError("install_sampling: this pipeline draws no tokens (not a decode step)")
-        self.launcher.call(self.topology.sampler, "install_sampling", sequence, extras)
+        return self.launcher.call(self.topology.sampler, "install_sampling", sequence, extras, tokenizer)
 
     def status(self) -> list[WorkerStatus | str]:
         """Each worker's status, or the error a status call got."""

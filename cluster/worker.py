@@ -375,12 +375,17 @@ class StageWorker:
             if release is not None:
                 release()
 
-    def install_sampling(self, sequence: int, extras: SequenceExtras) -> None:
-        """Sequence `sequence`'s sampling extras (its logit bias, the stop ids min_tokens rules out),
-        on the sampling stage, before its first step (executor.sampler.SequenceStates)."""
+    def install_sampling(self, sequence: int, extras: SequenceExtras,
+                         tokenizer: tuple[str, tuple[int, ...]] | None = None) -> bool:
+        """Sequence `sequence`'s sampling extras (its logit bias, the stop ids min_tokens rules out,
+        its grammar), on the sampling stage, before its first step (executor.sampler.SequenceStates).
+        `tokenizer` (tokenizer.json's text, eos ids): the one a grammar needs, sent once; False when
+        a grammar came and this stage has none yet (the caller sends it)."""
         if self._logits is None:
             raise TvmpipeError(f"stage {self.index} does not draw tokens: sampling extras go to the sampling stage")
-        self._states.install(sequence, extras)
+        if tokenizer is not None:
+            self._states.set_tokenizer(tokenizer[0], self._vocab, tokenizer[1])
+        return self._states.install(sequence, extras)
 
     def status(self) -> WorkerStatus:
         with self._cond:

@@ -3,7 +3,8 @@
 A pipeline's sampling stage (the one that computes the logits) draws each row's token with
 `sample_token`, reading what to draw from the step tag (bundle.decode_layout). Greedy is the argmax of
 the logits as processed. The processors, in vLLM's order: the logit bias and the min_tokens mask (the
-stop ids ruled out while fewer than min_tokens were drawn), the penalties (repetition over the prompt and
+stop ids ruled out while fewer than min_tokens were drawn), a grammar's mask (executor.grammar: the
+tokens a response_format cannot take next ruled out), the penalties (repetition over the prompt and
 the output, as transformers' RepetitionPenaltyLogitsProcessor; frequency and presence over the output,
 as OpenAI's and vLLM's), then temperature, top_k, top_p and min_p (as transformers' MinPLogitsWarper:
 tokens below min_p times the top token's probability are dropped), then a draw from a generator keyed
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -50,6 +52,7 @@ from tvmpipe.core.errors import FieldError
 GREEDY_BELOW = 1e-5  # a temperature below this draws greedily (vLLM's _SAMPLING_EPS)
 NOT_FINITE = -1  # the draw of a row whose logits hold NaN or +inf: its sequence ends with an error
 STATE_LOST = -2  # the draw of a row whose tokens this stage no longer holds: the scheduler feeds them again
+GRAMMAR_ERROR = -3  # the draw of a row whose grammar allows no token: its sequence ends with an error
 MAX_SEED = 2 ** 63
 KEPT_SEQUENCES = 4096  # sequences whose tokens a sampling stage keeps at most (the least recent dropped)
 
@@ -162,11 +165,14 @@ class Sampling:
 @dataclass(frozen=True)
 class SequenceExtras:
     """What a sequence's draws need beyond its tag, installed on the sampling stage once: its logit
-    bias (token ids and the values added to their logits) and the stop ids that min_tokens rules out."""
+    bias (token ids and the values added to their logits), the stop ids that min_tokens rules out,
+    and the grammar its output follows (llguidance's, executor.grammar; the stage's tokenizer for it
+    is installed once, SequenceStates.set_tokenizer)."""
 
     bias_ids: tuple[int, ...] = ()
     bias: tuple[float, ...] = ()
     stop_ids: tuple[int, ...] = ()
+    grammar: str | None = None
 
     def apply(self, logits: np.ndarray, token_index: int, min_tokens: int) -> np.ndarray:
         """The logits (float64, a copy) with the bias added and, below min_tokens, the stop ids ruled out."""
@@ -190,16 +196,37 @@ class SequenceStates:
         self.kept = kept
         self.tokens: OrderedDict[int, list[int]] = OrderedDict()
         self.extras: OrderedDict[int, SequenceExtras] = OrderedDict()
+        self.constrained: dict[int, Any] = {}  # sequence -> its grammar's matcher (executor.grammar.Constrained)
+        self.tokenizer: Any = None  # llguidance's, for grammars (set_tokenizer)
 
     def retire(self, sequence: int) -> None:
         self.tokens.pop(sequence, None)
         self.extras.pop(sequence, None)
+        self.constrained.pop(sequence, None)
 
-    def install(self, sequence: int, extras: SequenceExtras) -> None:
-        """Sequence `sequence`'s extras (from the control plane, before its first step)."""
+    def install(self, sequence: int, extras: SequenceExtras) -> bool:
+        """Sequence `sequence`'s extras (from the control plane, before its first step); False,
+        installing nothing, when they hold a grammar and this stage has no tokenizer for it yet."""
+        if extras.grammar is not None and self.tokenizer is None:
+            return False
         self.extras[sequence] = extras
+        self.constrained.pop(sequence, None)
         while len(self.extras) > self.kept:
-            self.extras.popitem(last=False)
+            self.retire(next(iter(self.extras)))
+        return True
+
+    def set_tokenizer(self, tokenizer_json: str, vocab: int, eos: Sequence[int]) -> None:
+        from tvmpipe.executor.grammar import make_tokenizer
+
+        self.tokenizer = make_tokenizer(tokenizer_json, vocab, eos)
+
+    def matcher(self, sequence: int, grammar: str) -> Any:
+        c = self.constrained.get(sequence)
+        if c is None:
+            from tvmpipe.executor.grammar import Constrained
+
+            c = self.constrained[sequence] = Constrained(self.tokenizer, grammar)
+        return c
 
     def at(self, sequence: int, position: int, token: int) -> list[int] | None:
         """Sequence `sequence`'s tokens up to and including `position`, whose token is `token`
@@ -250,7 +277,7 @@ def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int, batch: i
         penalized = not (tag[at + PRESENCE] == 0 and tag[at + FREQUENCY] == 0 and tag[at + REPETITION] in (0, ONE_BITS))
         plain = not penalized and not tag[at + EXTRAS]
         held = None
-        if penalized and states is not None and tag[at + SEQUENCE] >= 0:  # every step: the tokens so far
+        if not plain and states is not None and tag[at + SEQUENCE] >= 0:  # every step: the tokens so far
             held = states.at(tag[at + SEQUENCE], tag[at + POSITION], tag[at + FED_TOKEN])
         if index < 0:  # nothing drawn; a prompt step may score the prompt's next token
             if want >= 0 and tag[at + TARGET] >= 0 and scores is not None:
@@ -263,17 +290,28 @@ def sample_token(logits: np.ndarray, tag: list[int] | None, vocab: int, batch: i
             out[r] = Sampling.from_row(tag[at:at + ROW]).pick(row, tag[at + KEY], index)
         else:
             extras = states.extras.get(tag[at + SEQUENCE]) if tag[at + EXTRAS] and states is not None else None
-            if (penalized and held is None) or (tag[at + EXTRAS] and extras is None):
+            grammar = extras.grammar if extras is not None else None
+            if (held is None and (penalized or grammar is not None)) or (tag[at + EXTRAS] and extras is None):
                 out[r] = STATE_LOST  # this stage lost what the row needs: the scheduler feeds it again
                 continue
             sampling = Sampling.from_row(tag[at:at + ROW])
             x = extras.apply(row, index, tag[at + MIN_TOKENS]) if extras is not None else row
+            constrained = None
+            if grammar is not None:
+                constrained = states.matcher(tag[at + SEQUENCE], grammar)
+                allowed = constrained.allowed(len(x)) if constrained.sync(held[len(held) - index:]) else None
+                if allowed is None or not allowed.any():
+                    out[r] = GRAMMAR_ERROR
+                    continue
+                x = np.where(allowed, x, -np.inf)
             if penalized:
                 tokens = np.asarray(held, dtype=np.int64)
                 x = sampling.penalize(x, tokens, tokens[len(held) - index:])  # the output: after the prompt
             out[r] = sampling.pick(x, tag[at + KEY], index)
-            if penalized and out[r] >= 0:
+            if out[r] >= 0 and held is not None:
                 states.drew(tag[at + SEQUENCE], int(out[r]))
+                if constrained is not None:
+                    constrained.take(int(out[r]))
         if want >= 0 and scores is not None and out[r] >= 0:
             score_into(scores[r], row, int(out[r]), want)
     return out

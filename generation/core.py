@@ -35,6 +35,9 @@ class EngineCore:
         self.scheduler = Scheduler(pipe, **scheduler_kw)
         self.layout = self.scheduler.layout
         self.stalls = 0  # times the scheduler had nothing to submit while busy (a bug, survived)
+        # (tokenizer.json's text, eos ids): what the sampling stage builds a grammar's tokenizer from
+        # (generation.engine.Engine sets it from its codec)
+        self.grammar_tokenizer: tuple[str, tuple[int, ...]] | None = None
 
     @property
     def busy(self) -> bool:
@@ -68,7 +71,11 @@ class EngineCore:
         while s.installs:  # what sequences' draws need beyond their tags, before their steps go in
             index, extras = s.installs.popleft()
             try:
-                pipe.install_sampling(index, extras)
+                if not pipe.install_sampling(index, extras):  # a grammar: the stage needs the tokenizer first
+                    if self.grammar_tokenizer is None:
+                        s.cancel(index, FinishReason.ERROR, "a grammar needs a tokenizer: this engine has none")
+                        continue
+                    pipe.install_sampling(index, extras, self.grammar_tokenizer)
             except TvmpipeError as exc:  # the stage is restarting: its rows draw STATE_LOST, installed again then
                 print(f"tvmpipe engine: sequence {index}: sampling extras not installed ({exc}); "
                       "installed again when its step asks", file=sys.stderr)

@@ -74,7 +74,8 @@ class Request:
     `prompt_logprobs` k: the same for each prompt token after the first (an echo), and then
     `max_new_tokens` may be 0 (the prompt scored, nothing generated). `logit_bias`: (token id, value
     added to its logit) pairs; `min_tokens`: the stop tokens are ruled out until that many were
-    generated (both installed on the sampling stage: executor.sampler.SequenceExtras)."""
+    generated; `grammar`: llguidance's grammar the output follows (a response_format; all three
+    installed on the sampling stage: executor.sampler.SequenceExtras)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -86,13 +87,14 @@ class Request:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    grammar: str | None = None  # llguidance's grammar its output follows (executor.grammar.json_grammar)
 
     @classmethod
     def checked(cls, prompt: Sequence[int], max_new_tokens: int, layout: DecodeLayout, *,
                 sampling: Sampling = Sampling(), stop_tokens: Iterable[int] = (), key: int = 0,
                 what: str = "prompt", stop: Sequence[str] = (), logprobs: int | None = None,
                 prompt_logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None,
-                min_tokens: int = 0) -> "Request":
+                min_tokens: int = 0, grammar: str | None = None) -> "Request":
         """A request whose every field fits `layout` (FieldErrors naming the field; prompt errors
         name `what`)."""
         n = check_max_new_tokens(max_new_tokens, 0 if prompt_logprobs is not None else 1)
@@ -102,7 +104,7 @@ class Request:
                    sampling.check(layout.vocab_size), check_stop_tokens(stop_tokens, layout.vocab_size), key,
                    check_stop_strings(stop), check_logprobs(logprobs, "logprobs"),
                    check_logprobs(prompt_logprobs, "prompt_logprobs"), check_logit_bias(logit_bias or {}, layout.vocab_size),
-                   int(min_tokens))
+                   int(min_tokens), grammar)
 
 
 MAX_BIAS = 100.0  # OpenAI's bound on a logit bias

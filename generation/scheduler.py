@@ -54,7 +54,7 @@ import numpy as np
 from tvmpipe.bundle.decode_layout import (FED_TOKEN, LOGPROBS, MAX_LOGPROBS, NO_SAMPLING, POSITION, SEED, SLOT_NAME,
                                           STEP_NAME, TARGET, encode_step, row_ints)
 from tvmpipe.core.errors import FieldError, TvmpipeError
-from tvmpipe.executor.sampler import NOT_FINITE, STATE_LOST, SequenceExtras
+from tvmpipe.executor.sampler import GRAMMAR_ERROR, NOT_FINITE, STATE_LOST, SequenceExtras
 from tvmpipe.generation.requests import FinishReason, Logprob, Request, SequenceResult, TokenEvent, layout_of
 
 if TYPE_CHECKING:
@@ -89,8 +89,8 @@ class _Row:
         # the step tag's per-row sampling, made once (each step sets its position, token, target)
         # what its tag cannot carry: installed on the sampling stage before its first step
         self.extras = (SequenceExtras(tuple(t for t, _ in request.logit_bias), tuple(v for _, v in request.logit_bias),
-                                      tuple(sorted(request.stop_tokens)) if request.min_tokens else ())
-                       if request.logit_bias or request.min_tokens else None)
+                                      tuple(sorted(request.stop_tokens)) if request.min_tokens else (), request.grammar)
+                       if request.logit_bias or request.min_tokens or request.grammar is not None else None)
         self.sampling = request.sampling.tag_ints(index, -1 if request.logprobs is None else request.logprobs,
                                                   self.extras is not None, request.min_tokens)
         self.stateful = request.sampling.penalized or self.extras is not None  # state on the sampling stage
@@ -480,6 +480,10 @@ class Scheduler:
                 if t == NOT_FINITE:
                     self._finish(g, i, x, FinishReason.ERROR, now, "the model's logits for this sequence were not "
                                  f"finite (NaN or inf) at generated token {len(x.r.tokens)}")
+                    continue
+                if t == GRAMMAR_ERROR:
+                    self._finish(g, i, x, FinishReason.ERROR, now, "its grammar (response_format) allows no token "
+                                 f"at generated token {len(x.r.tokens)}")
                     continue
                 entry = None
                 if x.request.logprobs is not None:

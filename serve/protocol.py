@@ -4,7 +4,7 @@ error JSON, and the response and chunk objects of /v1/completions and /v1/chat/c
 Every parameter a body may carry is named here, once: the ones tvmpipe builds (`max_tokens`,
 `temperature`, `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `logprobs`
 (chat: with `top_logprobs`), `echo`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, a
-list of prompts, `logit_bias`, and vLLM's `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
+list of prompts, `logit_bias`, `response_format` (JSON), and vLLM's `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids`, `chat_template_kwargs`), and the ones it does
 not, which are accepted only at the value that asks for nothing (`tools` [], `suffix` "", ...). Any other
 value, and any name not listed, is refused with a 400 naming the parameter: a client never gets a
@@ -129,6 +129,8 @@ class Ask:
     repetition_penalty: Any = 1.0
     logit_bias: dict[int, Any] = field(default_factory=dict)
     min_tokens: int = 0
+    json_output: bool = False  # response_format json_object or json_schema: the output is JSON
+    json_schema: dict[str, Any] | None = None  # json_schema's schema (None: any JSON object)
 
     @property
     def prompt_param(self) -> str:
@@ -137,7 +139,7 @@ class Ask:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs", "n", "min_p", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+           "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "response_format"}
 _SUPPORTED = {False: _COMMON | {"prompt", "echo", "best_of"},
               True: _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                                "top_logprobs"}}
@@ -146,13 +148,13 @@ _SUPPORTED = {False: _COMMON | {"prompt", "echo", "best_of"},
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "store": (False,), "metadata": ({},),
+    "store": (False,), "metadata": ({},),
     "user": None,  # an end-user id for abuse monitoring: any string, nothing to build
 }
 _WHY = {"suffix": "no insertion: the models served here complete left to right",
         "tools": "no tool calls", "tool_choice": "no tool calls", "functions": "no tool calls",
         "function_call": "no tool calls", "parallel_tool_calls": "no tool calls",
-        "response_format": "plain text only"}
+}
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -190,6 +192,28 @@ def _stops(value: Any) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise bad_request("stop: stop strings must not be empty", "stop")
     return tuple(dict.fromkeys(stops))
+
+
+def _response_format(value: Any) -> tuple[bool, dict[str, Any] | None]:
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema (its
+    `json_schema.schema`); whether the output is JSON, and its schema."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return False, None
+    if kind == "json_object" and set(value) == {"type"}:
+        return True, None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad_request("response_format: json_schema must be an object with a `schema` object", "response_format")
+        extra = set(spec) - {"name", "schema", "strict", "description"}
+        if extra:
+            raise bad_request(f"response_format.json_schema: unknown field(s) {', '.join(sorted(extra))}",
+                              "response_format")
+        return True, spec.get("schema", {})
+    raise bad_request(f"response_format must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                      f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {json.dumps(value)[:200]}",
+                      "response_format", "unsupported_parameter")
 
 
 MAX_LOGIT_BIAS = 1024  # tokens one logit_bias may name (installed on the sampling stage per sequence)
@@ -345,6 +369,8 @@ def read_ask(body: Any, *, chat: bool) -> Ask:
         if kw["best_of"] > kw.get("n", 1) and given.get("stream"):
             raise bad_request("best_of > n cannot be streamed (the choices are known only once all have ended)",
                               "best_of")
+    if "response_format" in given:
+        kw["json_output"], kw["json_schema"] = _response_format(given["response_format"])
     if "logit_bias" in given:
         kw["logit_bias"] = _logit_bias(given["logit_bias"])
     if "min_tokens" in given:

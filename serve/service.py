@@ -11,6 +11,7 @@ without a seed gets a fresh random one, as OpenAI's does.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
     from tvmpipe.serve.metrics import StageInfo
 
 SEED_RANGE = 2 ** 63  # the sampler's seeds: 0 .. 2^63 - 1
+
+
+@lru_cache(maxsize=256)
+def _json_grammar(schema: str | None) -> str:
+    """A schema's grammar, compiled once (clients send the same schema request after request)."""
+    from tvmpipe.executor.grammar import json_grammar
+
+    return json_grammar(json.loads(schema) if schema is not None else None)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,17 @@ class Service:
         except Exception:  # noqa: BLE001 - a token with no text of its own: its id
             return f"token_id:{token}"
 
+    def grammar(self, ask: Ask) -> str:
+        """The grammar of an Ask's response_format (llguidance's, executor.grammar); a 400 naming
+        response_format for a schema it cannot compile, or without a tokenizer."""
+        if self.codec is None:
+            raise bad_request("response_format needs a tokenizer: this server has none", "response_format")
+        try:
+            return _json_grammar(json.dumps(ask.json_schema, sort_keys=True) if ask.json_schema is not None else None)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"response_format: the schema cannot be compiled: {str(exc)[:300]}",
+                              "response_format") from None
+
     def prompt_text(self, ask: Ask, prompt: str | list[int], ids: list[int]) -> str:
         """The prompt as text, for echo: as given, or its ids decoded."""
         if isinstance(prompt, str) or ask.chat:
@@ -136,6 +156,7 @@ class Service:
         stops = list(ask.stop_token_ids)
         if self.codec is not None and not ask.ignore_eos:
             stops += [t for t in self.codec.stop_token_ids if t not in stops]
+        grammar = self.grammar(ask) if ask.json_output else None
         runs = ask.best_of or ask.n
         sampling = Sampling(ask.temperature, ask.top_k, seed, ask.top_p, ask.min_p, ask.presence_penalty,
                             ask.frequency_penalty, ask.repetition_penalty)
@@ -156,7 +177,7 @@ class Service:
                 requests += [Request.checked(ids, n, self.layout, what=what, stop_tokens=stops, key=j,
                                              sampling=sampling, stop=ask.stop, logprobs=logprobs,
                                              prompt_logprobs=prompt_logprobs, logit_bias=ask.logit_bias,
-                                             min_tokens=ask.min_tokens) for j in range(runs)]
+                                             min_tokens=ask.min_tokens, grammar=grammar) for j in range(runs)]
             except TvmpipeError as exc:
                 raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
             prompts.append(ids)
