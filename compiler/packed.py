@@ -57,10 +57,15 @@ class PackedFormat:
     block_bytes: int
     fields: tuple[Field, ...]
 
+    flat: bool = False  # fields stored [rows, blocks * count]: one index per value (int4, below)
+
     def field_shape(self, rows: int, cols: int, field: Field) -> tuple[int, ...]:
-        """A field's array shape for a [rows, cols] matrix: [rows, blocks, count] ([rows, cols] for F16/BF16)."""
+        """A field's array shape for a [rows, cols] matrix: [rows, blocks, count] ([rows, cols] for F16/BF16,
+        [rows, blocks * count] for a flat format)."""
         if self.block == 1:
             return (rows, cols)
+        if self.flat:
+            return (rows, cols // self.block * field.count)
         return (rows, cols // self.block, field.count)
 
 
@@ -87,11 +92,15 @@ FORMATS: dict[str, PackedFormat] = {f.name: f for f in (
 
 
 def group_format(scheme: str, group: int) -> PackedFormat:
-    """--quantize's layouts: Q4_0 (int4) and Q8_0 (int8) with `group` values a block instead of 32
-    (a block's float16 scale d, then its values; int4's value i is the low nibble of byte i and
-    value group/2 + i the high one)."""
+    """--quantize's layouts: a float16 scale d per `group` values of a row, and the codes.
+    int8: Q8_0's with the group free (qs [rows, groups, group] int8). int4: MLC's q4f16_1, flat:
+    qs [rows, cols / 2], value k of a row in byte k // 2, the low nibble for even k; d
+    [rows, cols / group]. The flat layout reads the codes at one index per value (k // 2), which
+    dlight's GEMV rule can schedule (Q4_0's order, value i and value 16 + i in one byte, reads
+    them at two: k // 32 and k % 16)."""
     if scheme == "int4":
-        return PackedFormat("int4", group, 2 + group // 2, (_f("d", 0, 2, "float16"), _f("qs", 2, group // 2)))
+        return PackedFormat("int4", group, 2 + group // 2, (_f("d", 0, 2, "float16"), _f("qs", 2, group // 2)),
+                            flat=True)
     return PackedFormat("int8", group, 2 + group, (_f("d", 0, 2, "float16"), _f("qs", 2, group, "int8")))
 
 
@@ -150,14 +159,22 @@ def dequantize(fmt: PackedFormat, f: dict[str, Any]) -> Any:
     f32 = torch.float32
     if fmt.block == 1:
         return f["w"].to(f32)
+    if fmt.flat:  # int4: codes [R, cols/2], scales [R, groups]; every value read at one index
+        qs, d = f["qs"], f["d"]
+        r, nb = d.shape
+        cols = nb * fmt.block
+        # value k: byte k // 2, low nibble for even k. Both nibbles of a value's byte are taken from
+        # the same read (a stack, not a shift by a constant tensor), so the kernel reads the codes
+        # and the scales and nothing else per value: dlight's GEMV rule takes it (a shift-amount
+        # buffer is a second "vector" input, which that rule refuses).
+        q = torch.stack([qs & 15, qs >> 4], dim=-1).reshape(r, cols)
+        scale = d.to(f32).reshape(r, nb, 1).expand(r, nb, fmt.block).reshape(r, cols)  # d[k // group]
+        return scale * (q.to(f32) - 8.0)
     first = f[fmt.fields[0].name]
     r, nb = first.shape[0], first.shape[1]
     name = fmt.name
     if name in ("Q8_0", "int8"):
         w = f["qs"].to(f32) * f["d"].to(f32)
-    elif name == "int4":
-        q = _nibbles(f["qs"], (r, nb)).reshape(r, nb, fmt.block)
-        w = f["d"].to(f32) * (q.to(f32) - 8.0)
     elif name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         q = _nibbles(f["qs"], (r, nb)).reshape(r, nb, 32)
         if name in ("Q5_0", "Q5_1"):

@@ -1,9 +1,10 @@
 """`--quantize int4|int8 [--group-size G]`: group quantization of a float checkpoint's linear layers.
 
 MLC's q4f16_1 is the anchor: symmetric int4 with one float16 scale per group of G = 32 values of a
-row, two values a byte; int8 the same with one int8 a value. The layouts are GGUF's Q4_0 and
-Q8_0 with the group size free (compiler/packed.py `group_format`), so the same unpack ops and the
-same fused matmul kernels run them. Each weight is quantized when the bundle's weights file is
+row, two values a byte (value k in byte k // 2); int8 the same with one int8 a value. The values
+are GGUF's Q4_0 and Q8_0 with the group size free; the layouts are compiler/packed.py
+`group_format`'s (int4's flat, so that dlight's GEMV rule schedules its matmuls), unpacked by the
+same ops and fused into the matmul kernels as a GGUF file's. Each weight is quantized when the bundle's weights file is
 written, one tensor at a time, from the checkpoint tensor read by byte range (streamed like any
 checkpoint compile): `QuantizedTensor.numpy()` computes one field. Every linear layer is
 quantized except a head tied to the embedding (the embedding, a lookup, stays in float). The
@@ -42,9 +43,8 @@ def quantize_blocks(w: np.ndarray, scheme: str, group: int) -> dict[str, np.ndar
         d = np.take_along_axis(x, imax, axis=-1) / -8
         with np.errstate(divide="ignore"):
             inv = np.where(d == 0, 0, 1 / d)
-        q = np.trunc(x * inv + np.float32(8.5), dtype=np.float32).astype(np.uint8).clip(0, 15)
-        q = q.reshape(-1, 2, group // 2)
-        qs = q[:, 0, :] | (q[:, 1, :] << np.uint8(4))
+        q = np.trunc(x * inv + np.float32(8.5), dtype=np.float32).astype(np.uint8).clip(0, 15).reshape(rows, cols)
+        qs = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # group_format: value k in byte k // 2, even k low
     else:
         blocks = quants.quantize(x, GGMLQuantizationType.Q8_0) if group == 32 else None
         d = np.abs(x).max(axis=-1, keepdims=True) / 127
@@ -54,6 +54,8 @@ def quantize_blocks(w: np.ndarray, scheme: str, group: int) -> dict[str, np.ndar
         if blocks is not None:  # the same bytes as llama.cpp's Q8_0 (checked, group 32)
             assert blocks[:, 2:].view(np.int8).tobytes() == qs.tobytes()
     nb = cols // group
+    if scheme == "int4":  # flat: [rows, groups] scales, [rows, cols / 2] codes
+        return {"d": d.astype(np.float16).reshape(rows, nb), "qs": np.ascontiguousarray(qs)}
     return {"d": d.astype(np.float16).reshape(rows, nb, 1), "qs": qs.reshape(rows, nb, -1)}
 
 

@@ -107,6 +107,45 @@ def test_a_bf16_checkpoint_quantizes_and_computes_in_bf16(checkpoint, tmp_path):
     assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
 
 
+def test_group_32_values_are_ggufs_q4_0_and_q8_0_round_trips():
+    from gguf import GGMLQuantizationType as T, quants
+
+    from tvmpipe.compiler.quantize import fake_quantize
+
+    w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    for scheme, qt in (("int4", T.Q4_0), ("int8", T.Q8_0)):
+        assert np.array_equal(fake_quantize(w, scheme, 32), quants.dequantize(quants.quantize(w, qt), qt))
+
+
+def test_int4_matmuls_are_scheduled_by_dlights_gemv_rule(checkpoint):
+    """int4's flat layout reads each value's codes and scale at one index each, with nothing else per
+    value, so at batch 1 dlight's GEMV rule (as export's schedule step tries the rules) takes every
+    fused unpack + matmul."""
+    import tvm
+    import tvm.s_tir.dlight as dl
+
+    from tvmpipe.compiler import launches
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    ex = export(str(checkpoint("qwen2")), decode=24, quantize="int4", progress=Progress(stream=None))
+    taken = {}
+    for gv, func in ex.unscheduled.functions.items():
+        name = gv.name_hint
+        if "matmul" not in name or "right_shift" not in name:
+            continue
+        for rule in (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction()):
+            try:
+                with launches.cuda_target("sm_90"):
+                    got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
+            except Exception:  # noqa: BLE001 - export goes on to the next rule too
+                continue
+            if got.attrs is not None and "tirx.is_scheduled" in got.attrs:
+                taken[name] = type(rule).__name__
+                break
+    assert taken and set(taken.values()) == {"GEMV"}, taken
+
+
 def test_quantize_applies_to_a_checkpoint_decode_step_only(tmp_path, capsys):
     from tvmpipe.cli import main
 
