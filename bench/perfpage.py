@@ -34,10 +34,10 @@ GIB, MIB = 1 << 30, 1 << 20
 
 # The sections of the page, in order; every row names one of them.
 AREAS = ("Data plane", "Compiler", "Big models", "Your own checkpoint", "Executor", "Generation", "Serving", "KV caches",
-         "Partition and prediction", "Recovery", "Model zoo", "GPU (H100)")
+         "Partition and prediction", "Recovery", "Model zoo", "GPU")
 
 # Result files named <bench>.<machine>[.<label>].json: the machine a suffix stands for.
-SUFFIX_MACHINES = {"h100-580": "NVIDIA H100 80GB HBM3"}
+SUFFIX_MACHINES = {"h100-580": "NVIDIA H100 80GB HBM3", "h200-580": "NVIDIA H200"}
 
 
 class PerfPageError(Exception):
@@ -394,7 +394,7 @@ def quant(d: dict) -> list[Row]:
 def generate_gpu_host(d: dict) -> list[Row]:
     """bench/generate.py run on the GPU host's CPUs (simulated stages, no GPU): a core per process."""
     cpus = d.get("machine", {}).get("cpus")
-    return generate(d, "GPU (H100)", f" on the GPU host's {cpus} cores" if cpus else " on the GPU host")
+    return generate(d, "GPU", f" on the GPU host's {cpus} cores" if cpus else " on the GPU host")
 
 
 def kv_memory(d: dict) -> list[Row]:
@@ -510,10 +510,10 @@ def gpu_check(d: dict) -> list[Row]:
     p = d["pytest_gpu"]
     steps = d["steps"]
     ok = sum(s["exit"] == 0 for s in steps)
-    return [Row("GPU (H100)", "`pytest -m gpu`: cuda backend against the reference",
+    return [Row("GPU", "`pytest -m gpu`: cuda backend against the reference",
                 f"{p['passed']} of {p['tests']} passed, {p['skipped']} skipped", "all pass",
                 p["passed"] == p["tests"] and not p["skipped"]),
-            Row("GPU (H100)", "GPU kit steps (bench/gpu_check.sh)", f"{ok} of {len(steps)} passed", "all pass",
+            Row("GPU", "GPU kit steps (bench/gpu_check.sh)", f"{ok} of {len(steps)} passed", "all pass",
                 ok == len(steps))]
 
 
@@ -525,13 +525,13 @@ def executor_gpu(d: dict) -> list[Row]:
     rows = []
     for m in d["models"]:
         device = "graph_ratio_device" in m  # files before one replay's device time was measured lack it
-        rows.append(Row("GPU (H100)", f"run() with CUDA-graph replay over the device work, {m['model']}",
+        rows.append(Row("GPU", f"run() with CUDA-graph replay over the device work, {m['model']}",
                         f"{m['graph_ratio']:.2f}x kernels + copies"
                         + (f", {m['graph_ratio_device']:.3f}x one replay" if device else ""),
                         f"<= {d['target_graph_ratio']:g}x", target_met(m) if device else None))
     torch = [m for m in d["models"] if m.get("vs_torch")]
     if torch:
-        rows.append(Row("GPU (H100)", "a whole request (set_input, run, get_output) over PyTorch eager's",
+        rows.append(Row("GPU", "a whole request (set_input, run, get_output) over PyTorch eager's",
                         ", ".join(f"{m['model']} {m['vs_torch']:.2f}x" for m in torch)))
     return rows
 
@@ -541,7 +541,7 @@ def gpu_pipeline(d: dict) -> list[Row]:
     throughput against one stage (one GPU is time-sliced, so this prices the hop)."""
     runs = [(m["model"], r) for m in d["models"] for r in m["runs"]]
     n = sum(len(r["pipelines"]) for _, r in runs)
-    rows = [Row("GPU (H100)", f"1-{max(d['stages'])} stage pipelines on one GPU: outputs against one process",
+    rows = [Row("GPU", f"1-{max(d['stages'])} stage pipelines on one GPU: outputs against one process",
                 f"{n} runs, " + ("all byte-identical" if d["all_exact"] else "NOT all identical"), "byte-identical",
                 bool(d["all_exact"]))]
     for m in d["models"]:
@@ -550,13 +550,13 @@ def gpu_pipeline(d: dict) -> list[Row]:
             ps = [p for p in r["pipelines"] if p["stages"] > 1]
             parts.append(("CUDA graphs " if r["graphs"] else "plain launches ") + slash(p["speedup_vs_1_stage"] for p in ps))
         ks = " / ".join(str(p["stages"]) for p in m["runs"][0]["pipelines"] if p["stages"] > 1)
-        rows.append(Row("GPU (H100)", f"{m['model']}: throughput over one stage, K = {ks}", "; ".join(parts)))
+        rows.append(Row("GPU", f"{m['model']}: throughput over one stage, K = {ks}", "; ".join(parts)))
     return rows
 
 
 def ipc_gpu(d: dict) -> list[Row]:
     """bench/ipc_gpu.py: one same-node hop, CUDA IPC against the host path."""
-    return [Row("GPU (H100)", f"{r['mb']:g} MB hop between two GPU stage processes: CUDA IPC against the host path",
+    return [Row("GPU", f"{r['mb']:g} MB hop between two GPU stage processes: CUDA IPC against the host path",
                 f"{r['cuda-ipc_gbps']:.1f} vs {r['host_gbps']:.1f} GB/s ({r['speedup']:.1f}x)") for r in d["rows"]]
 
 
@@ -567,12 +567,12 @@ def upload_gpu(d: dict) -> list[Row]:
     ks = " / ".join(str(r["stages"]) for r in runs)
     size = f"{d['weight_bytes'] / GIB:.0f} GiB model"
     return [
-        Row("GPU (H100)", f"{size}'s stages on the device, K = {ks}: device memory over the weights",
+        Row("GPU", f"{size}'s stages on the device, K = {ks}: device memory over the weights",
             slash((max(s["device_over_weights"] for s in r["per_stage"]) for r in runs), ".3f") + "x"),
-        Row("GPU (H100)", f"{size}'s stages, K = {ks}: upload speed a stage",
+        Row("GPU", f"{size}'s stages, K = {ks}: upload speed a stage",
             " / ".join(span([s["upload_gbps"] for s in r["per_stage"]], ".1f") for r in runs)
             + f" GB/s (page-locked copy: {d['limit']['pinned_htod_gbps']:.0f} GB/s)"),
-        Row("GPU (H100)", f"{size}'s stages: host memory growth a stage (the staging buffer: "
+        Row("GPU", f"{size}'s stages: host memory growth a stage (the staging buffer: "
             f"{d['staging_bytes'] / MIB:.0f} MiB)",
             f"{max(s['host_rss_growth_bytes'] for r in runs for s in r['per_stage']) / MIB:.0f} MiB at most"),
     ]
@@ -584,7 +584,7 @@ def decode_gpu(d: dict) -> list[Row]:
     for k in sorted({r["stages"] for r in d["rows"] if "in_flight" in r and "batch" not in r}):
         rs = sorted((r for r in d["rows"] if r["stages"] == k and "batch" not in r and "in_flight" in r),
                     key=lambda r: r["in_flight"])
-        rows.append(Row("GPU (H100)", f"{d['model']} on the device, K = {k}: tokens/s with "
+        rows.append(Row("GPU", f"{d['model']} on the device, K = {k}: tokens/s with "
                         + " / ".join(str(r["in_flight"]) for r in rs) + " sequences in flight",
                         slash((r["tokens_per_s"] for r in rs), ".0f"), "the reference's tokens",
                         all(r["same_tokens_as_reference"] for r in rs)))
@@ -598,7 +598,7 @@ def decode_real(d: dict) -> list[Row]:
     v = d["verdicts"]
     floor, over, ctx = v["floor"], v["over_transformers"], v["context_cost"]
     if floor is None:  # a run cut short before the largest model's batch-1 step
-        return [Row("GPU (H100)", "Real-size Llama decode (bench/decode_real.py)", "the batch-1 step was not measured "
+        return [Row("GPU", "Real-size Llama decode (bench/decode_real.py)", "the batch-1 step was not measured "
                     f"(not run: {', '.join(d.get('not_run') or []) or 'see its errors'})", "", None)]
     model = floor["model"]
     rec = min((r for r in d["models"][model]["bundles"].values() if r["batch"] == 1), key=lambda r: r["max_context"])
@@ -612,17 +612,43 @@ def decode_real(d: dict) -> list[Row]:
     if cost:
         parts.append(f"T {cost[0]['contexts'][1]} {cost[0]['ratio']:.2f}x T {cost[0]['contexts'][0]}")
     verdicts = [x["met"] for x in (floor, over, ctx) if x is not None]
-    q = d.get("int4_over_fp16")
-    quant = [] if not q else [Row(
-        "GPU (H100)", f"int4 (--quantize int4, packed) over fp16 decode tokens/s, K = 1 ({q['judged_on'].upper()} at "
-        "batch 1 judged)", "; ".join(f"{r['model']} b{r['batch']} T{r['max_context']}: {r['ratio']:.2f}x "
-                                     f"({r['int4_tokens_per_s']:.0f} vs {r['fp16_tokens_per_s']:.0f})" for r in q["rows"]),
-        f">= {q['target']:g}x", q["met"])]
-    return [Row("GPU (H100)", f"{model.upper()} Llama decode, fp16, batch 1, K = 1, CUDA graphs (T {rec['max_context']}): "
+    return [Row("GPU", f"{model.upper()} Llama decode, fp16, batch 1, K = 1, CUDA graphs (T {rec['max_context']}): "
                 "tokens/s, share of the bandwidth floor, over transformers' generate; static context's cost",
                 "; ".join(parts), f">= {100 * floor['target']:.0f} % of the floor, >= {d['targets']['over_transformers']:g}x "
                 f"transformers, <= {d['targets']['largest_over_smallest_context']:g}x",
-                all(verdicts) if len(verdicts) == 3 else None)] + quant
+                all(verdicts) if len(verdicts) == 3 else None)] + int4_rows(d)
+
+
+def int4_rows(d: dict) -> list[Row]:
+    """decode_real's `int4_over_fp16` (issue 52: --quantize int4 steps beside fp16 ones), where it ran."""
+    q = d.get("int4_over_fp16")
+    return [] if not q else [Row(
+        "GPU", f"int4 (--quantize int4, packed) over fp16 decode tokens/s, K = 1 ({q['judged_on'].upper()} at "
+        "batch 1 judged)", "; ".join(f"{r['model']} b{r['batch']} T{r['max_context']}: {r['ratio']:.2f}x "
+                                     f"({r['int4_tokens_per_s']:.0f} vs {r['fp16_tokens_per_s']:.0f})" for r in q["rows"]),
+        f">= {q['target']:g}x", q["met"])]
+
+
+def decode_schedules(d: dict) -> list[Row]:
+    """bench/decode_schedules.py (issue 54): decode_real's run over the same steps compiled under other
+    dlight rules, each variant's tokens/s and matmul device time against the default rules' (base)."""
+    models = d["models"]
+    rows = []
+    for name in sorted(m for m in models if not m.endswith("_base")):
+        model, var = name.rsplit("_", 1)
+        base = models.get(f"{model}_base", {}).get("bundles", {})
+        for combo, rec in sorted(models[name]["bundles"].items()):
+            ref = base.get(combo)
+            if ref is None or rec is ref or combo.endswith("_b1") and var != "norm":
+                continue  # a variant folder's copy of the base batch-1 step
+            run, was = rec["runs"][0], ref["runs"][0]
+            mm, mm0 = rec["profile"]["us"]["matmul"], ref["profile"]["us"]["matmul"]
+            same = rec.get("tokens_vs_batch_1", {}).get("differ") == ref.get("tokens_vs_batch_1", {}).get("differ")
+            rows.append(Row("GPU", f"{model} {combo}: dlight rules '{var}' over the default (bench/decode_schedules.py)",
+                            f"{run['tokens_per_s'] / was['tokens_per_s']:.2f}x tokens/s ({run['tokens_per_s']:.0f} vs "
+                            f"{was['tokens_per_s']:.0f}), matmuls {mm / 1e3:.1f} vs {mm0 / 1e3:.1f} ms a step"
+                            + ("" if same else "; tokens against batch 1 differ from the default's")))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -657,7 +683,9 @@ EXTRACTORS = (
     Extractor("upload_gpu.h100-580*.json", upload_gpu),
     Extractor("decode_gpu.h100-580*.json", decode_gpu),
     Extractor("generate_gpu_host.h100-580*.json", generate_gpu_host),
-    Extractor("decode_real.*.json", decode_real, awaiting="issue 47's GPU call (docs/gpu-validation.md, decode_real)"),
+    Extractor("decode_real.*.json", decode_real),
+    Extractor("decode_schedules.*.json", decode_schedules),
+    Extractor("decode_int4.*.json", int4_rows),  # a decode_real run of int4 and fp16 steps alone
 )
 
 

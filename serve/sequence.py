@@ -1,8 +1,10 @@
 """One request's outputs, read from the server's event loop.
 
-The engine (generation.engine.EngineThread) runs the request on its own thread, where the output
-processor turns tokens into text (stop strings held back and never sent, a stop string ending the
-sequence at once) and calls the stream's callback with each RequestOutput. `ServedSequence` hands
+The engine (`tvmpipe serve`: generation.engine_process.EngineProcess, an Engine in its own
+process whose outputs a reader thread here receives; a library or test: EngineThread) runs the
+request, its output processor turning tokens into text (stop strings held back and never sent, a
+stop string ending the sequence at once), and calls the stream's callback with each RequestOutput
+on that thread. `ServedSequence` hands
 them to the event loop through the loop's `Bridge` (into the sequence's asyncio.Queue). A reader
 that goes away (a client that disconnected) closes the sequence, which cancels it in the engine.
 """
@@ -19,6 +21,7 @@ from tvmpipe.generation.requests import FinishReason, Request
 
 if TYPE_CHECKING:
     from tvmpipe.generation.engine import EngineThread, Stream
+    from tvmpipe.generation.engine_process import EngineProcess
 
 
 class Bridge:
@@ -49,6 +52,9 @@ class Bridge:
             queue.put_nowait(output)
 
 
+_NOTHING = object()  # ServedSequence.outputs: no output held back
+
+
 class SequenceFailed(Exception):
     """The request ended without finishing: it failed alone (`status` 500: its logits were not
     finite, its step failed twice), the pipeline failed, or the server shut down (`shutdown`, 503)
@@ -64,7 +70,7 @@ class ServedSequence:
     out in seq.outputs()`). QueueFull / EngineClosed from the engine propagate from the
     constructor."""
 
-    def __init__(self, engine: "EngineThread", bridge: Bridge, request: Request):
+    def __init__(self, engine: "EngineThread | EngineProcess", bridge: Bridge, request: Request):
         self.engine = engine
         self.bridge = bridge
         self.queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
@@ -80,11 +86,14 @@ class ServedSequence:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Each step's output as it comes, the last one with its finish reason (STOP or LENGTH;
-        CONTEXT reads as LENGTH). Leaving the loop early (a client gone) cancels the sequence;
+        CONTEXT reads as LENGTH); the outputs that arrived while the reader was busy come as one
+        (RequestOutput.merged), so a reader behind its sequence writes one event, not one a token. Leaving the loop early (a client gone) cancels the sequence;
         SequenceFailed if it ends unfinished."""
+        held: RequestOutput | None | object = _NOTHING
         try:
             while self.finish is None:
-                out = await self.queue.get()
+                out = await self.queue.get() if held is _NOTHING else held
+                held = _NOTHING
                 if out is None:
                     self.finish = FinishReason.ERROR
                     raise SequenceFailed(f"generation failed: {self.stream.error or 'the request ended early'}")
@@ -93,6 +102,12 @@ class ServedSequence:
                     if out.finish == FinishReason.CANCELLED:  # not by us: the server's drain gave it up
                         raise SequenceFailed("the server shut down before this request finished", shutdown=True)
                     raise SequenceFailed(f"generation failed: {out.error}")
+                while out.finish is None and not self.queue.empty():  # fell behind: one piece for all
+                    later = self.queue.get_nowait()
+                    if later is None or later.finish in (FinishReason.CANCELLED, FinishReason.ERROR):
+                        held = later  # what came before a failure is still sent first
+                        break
+                    out = out.merged(later)
                 self.finish = out.finish
                 yield out
         finally:

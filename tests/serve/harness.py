@@ -34,6 +34,16 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+SLOWED = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "support" / "slowstage"),
+                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def slowed(seconds: float) -> dict[str, str]:
+    """The environment of a server whose stages each sleep `seconds` a step (tests/support/slowstage):
+    work that outlasts a bound on any machine, however fast."""
+    return {**SLOWED, "TVMPIPE_TEST_STAGE_DELAY_S": str(seconds)}
+
+
 def build_tokenizer(directory: Path, *, chat_template: bool = True, vocab: int = 120) -> Path:
     """A Metaspace BPE of `vocab` ids (the model's vocabulary is 128), ChatML special tokens, the
     eos in generation_config.json, and (optionally) a ChatML chat template."""

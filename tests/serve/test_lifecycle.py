@@ -11,12 +11,11 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serve.harness import MODEL, ServerProcess, metric, stage_pids
+from tests.serve.harness import MODEL, ServerProcess, metric, slowed, stage_pids
 from tvmpipe.cli import main
 from tvmpipe.executor.sampler import Sampling
 
@@ -108,16 +107,6 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
-
-
-SLOWED = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "support" / "slowstage"),
-                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-
-
-def slowed(seconds: float) -> dict[str, str]:
-    """The environment of a server whose stages each sleep `seconds` a step (tests/support/slowstage):
-    work that outlasts a bound on any machine, however fast."""
-    return {**SLOWED, "TVMPIPE_TEST_STAGE_DELAY_S": str(seconds)}
 
 
 def test_sigterm_drains_then_exits(serve_bundle, tmp_path):
