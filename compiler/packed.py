@@ -259,8 +259,9 @@ def _define_modules() -> tuple[type, type]:
     class PackedEmbedding(_Packed):
         """nn.Embedding over a packed table [vocab, dim]: the ids' rows of each field, then dequantized."""
 
-        def __init__(self, fmt: PackedFormat, rows: int, cols: int, fields: dict[str, Any]) -> None:
-            super().__init__(fmt, rows, cols, fields)
+        def __init__(self, fmt: PackedFormat, rows: int, cols: int, fields: dict[str, Any],
+                     dtype: Any = torch.float32) -> None:
+            super().__init__(fmt, rows, cols, fields, dtype)
             self.num_embeddings, self.embedding_dim = rows, cols
 
         def forward(self, ids: Any) -> Any:

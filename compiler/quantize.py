@@ -6,8 +6,9 @@ are GGUF's Q4_0 and Q8_0 with the group size free; the layouts are compiler/pack
 `group_format`'s (int4's flat, so that dlight's GEMV rule schedules its matmuls), unpacked by the
 same ops and fused into the matmul kernels as a GGUF file's. Each weight is quantized when the bundle's weights file is
 written, one tensor at a time, from the checkpoint tensor read by byte range (streamed like any
-checkpoint compile): `QuantizedTensor.numpy()` computes one field. Every linear layer is
-quantized except a head tied to the embedding (the embedding, a lookup, stays in float). The
+checkpoint compile): `QuantizedTensor.numpy()` computes one field. Every linear layer and the
+input embedding (a gather of its packed rows, then unpacked) are quantized; a tied head reads the
+embedding's fields. (GPT-2's Conv1D layers are not nn.Linear: they stay float.) The
 model computes in the checkpoint's dtype (or --dtype's): a bf16/fp16 one unpacks in float32 and
 rounds the weight once to its dtype (q4f16: the float16 scale, float16 compute).
 
@@ -110,34 +111,56 @@ def check(scheme: str, group: int) -> None:
 
 
 def quantize_linears(built: Any, scheme: str, group: int) -> list[str]:
-    """Replace every nn.Linear of `built.model` (a hfmodel.CheckpointModel) whose input size is a
-    multiple of `group` by a PackedLinear of quantized fields, except a head tied to the
-    embedding; returns the layers quantized."""
+    """Replace every nn.Linear of `built.model` (a hfmodel.CheckpointModel) by a PackedLinear of
+    quantized fields, and the input embedding by a PackedEmbedding (the token's rows of the fields
+    gathered, then unpacked; MLC quantizes its embedding too); a head tied to the embedding reads
+    the embedding's fields (stored once). Returns the matrices quantized (a tied pair once)."""
     import torch
 
     from tvmpipe.compiler.errors import SourceError
     from tvmpipe.compiler.packed import packed_modules
 
-    linear_cls, _ = packed_modules()
+    linear_cls, embedding_cls = packed_modules()
     fmt = group_format(scheme, group)
     model = built.model
-    emb = model.get_input_embeddings().weight
-    done = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear) or module.weight is emb:
-            continue
-        rows, cols = module.weight.shape
+    emb_module = model.get_input_embeddings()
+    emb = emb_module.weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb
+
+    def fields_of(name: str, weight: Any) -> dict[str, Any]:
+        rows, cols = weight.shape
         if cols % group:
-            raise SourceError(f"--group-size {group} does not divide the {cols} inputs of layer '{name}'")
-        src = built.sources[id(module.weight)]
-        fields = {}
+            raise SourceError(f"--group-size {group} does not divide the {cols} columns of '{name}'")
+        src = built.sources[id(weight)]
+        out = {}
         for f in fmt.fields:
             t = QuantizedTensor(src, fmt, f.name, scheme, group)
             p = torch.nn.Parameter(torch.empty(t.shape, dtype=getattr(torch, f.dtype)), requires_grad=False)
             built.sources[id(p)] = t
-            fields[f.name] = p
-        new = linear_cls(fmt, rows, cols, fields, module.bias, dtype=module.weight.dtype)
+            out[f.name] = p
+        return out
+
+    def replace(name: str, new: Any) -> None:
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, leaf, new)
+
+    done = []
+    modules = dict(model.named_modules())
+    for name, module in list(modules.items()):
+        if not isinstance(module, torch.nn.Linear) or module.weight is emb:
+            continue
+        rows, cols = module.weight.shape
+        replace(name, linear_cls(fmt, rows, cols, fields_of(name, module.weight), module.bias,
+                                 dtype=module.weight.dtype))
         done.append(name)
+    if isinstance(emb_module, torch.nn.Embedding) and type(emb_module) is torch.nn.Embedding:
+        emb_name = next(n for n, m in modules.items() if m is emb_module)
+        rows, cols = emb.shape
+        fields = fields_of(emb_name, emb)
+        replace(emb_name, embedding_cls(fmt, rows, cols, fields, dtype=emb.dtype))
+        done.append(emb_name)
+        if tied:  # the head reads the same fields: one copy of the matrix in the bundle
+            head_name = next(n for n, m in modules.items() if m is head)
+            replace(head_name, linear_cls(fmt, rows, cols, fields, head.bias, dtype=emb.dtype))
     return done

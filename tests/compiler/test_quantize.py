@@ -37,12 +37,13 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
     ckpt = checkpoint("qwen2")
     export(str(ckpt), decode=24, quantize=scheme, group_size=group, progress=Progress(stream=None)).write(tmp_path / "b")
     b = load_bundle(tmp_path / "b")
-    assert b.manifest.source["quantize"] == {"scheme": scheme, "group_size": group, "layers": 2 * 7 + 1}
+    # every linear layer, the head and the embedding
+    assert b.manifest.source["quantize"] == {"scheme": scheme, "group_size": group, "layers": 2 * 7 + 2}
     _assert_unpacked_in_matmuls(tmp_path / "b")
     model = load_transformers(ckpt, "float32")
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
                 w = m.weight.numpy()
                 q = fake_quantize(w, scheme, group)
                 assert 0 < np.abs(q - w).max() < 0.1 * np.abs(w).max()  # changed, and not beyond recognition
@@ -60,7 +61,8 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
 
 
 def _assert_unpacked_in_matmuls(bundle) -> None:
-    """Every function reading a packed field (bundle.json source.packed) is a matmul's, one launch."""
+    """Every function reading a packed field (bundle.json source.packed) is a matmul's, one launch,
+    or the embedding's gather of a token's rows."""
     import json
 
     from tvmpipe.bundle import load_bundle
@@ -73,15 +75,18 @@ def _assert_unpacked_in_matmuls(bundle) -> None:
     for node in b.graph.nodes:
         if node.op == "tvm_op" and {b.graph.nodes[i.node].name for i in node.inputs} & packed:
             fn = node.attrs["func_name"]
-            assert "matmul" in [o["op"] for o in ops[fn]["ops"]] and len(kernels[fn]["launches"]) == 1, fn
+            kinds = [o["op"] for o in ops[fn]["ops"]]
+            if "take" in kinds and "matmul" not in kinds:  # the embedding's gather: a token's rows
+                continue
+            assert "matmul" in kinds and len(kernels[fn]["launches"]) == 1, fn
             readers += 1
     assert readers >= 2 * 4  # a layer's projections may share a function (gate and up)
 
 
 def test_a_bf16_checkpoint_quantizes_and_computes_in_bf16(checkpoint, tmp_path):
-    """llama (bf16, tied: the head stays the embedding, in bf16) with int4: the bundle computes in
-    bf16 (each weight unpacked in float32 and rounded once to bf16), and gives the tokens of
-    transformers' bf16 model holding those bf16 weights."""
+    """llama (bf16, tied) with int4: the embedding quantized and read packed by the lookup and the
+    tied head alike; the bundle computes in bf16 (each weight unpacked in float32 and rounded once
+    to bf16), and gives the tokens of transformers' bf16 model holding those bf16 weights."""
     import torch
 
     from tvmpipe.bundle import load_bundle
@@ -94,13 +99,13 @@ def test_a_bf16_checkpoint_quantizes_and_computes_in_bf16(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
     export(str(ckpt), decode=24, quantize="int4", progress=Progress(stream=None)).write(tmp_path / "b")
     b = load_bundle(tmp_path / "b")
-    assert b.manifest.dtype == "bfloat16" and b.manifest.source["quantize"]["layers"] == 2 * 7
+    assert b.manifest.dtype == "bfloat16" and b.manifest.source["quantize"]["layers"] == 2 * 7 + 1  # + embedding
     _assert_unpacked_in_matmuls(tmp_path / "b")
     model = load_transformers(ckpt, "bfloat16")
-    head = model.get_output_embeddings().weight
-    with torch.no_grad():
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():  # the tied head is the embedding: quantized once, read by both
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and m.weight is not head:
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and m is not model.get_output_embeddings():
                 m.weight.copy_(torch.from_numpy(fake_quantize(m.weight.float().numpy(), "int4", 32)).to(torch.bfloat16))
     want = transformers_generate(model, PROMPT, NEW)
     assert len(set(want)) > 1, want
