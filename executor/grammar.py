@@ -51,6 +51,17 @@ def json_grammar(schema: dict | None) -> str:
     return grammar
 
 
+def lark_grammar(lark: str) -> str:
+    """The llguidance grammar of a Lark grammar (llguidance's dialect: `%json {schema}` inlines a
+    JSON schema); ValueError if it does not compile."""
+    ll = _llguidance()
+    grammar = ll.LLMatcher.grammar_from_lark(lark)
+    error = ll.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(error)
+    return grammar
+
+
 def make_tokenizer(tokenizer_json: str, vocab: int, eos: Sequence[int]) -> Any:
     """llguidance's tokenizer of a tokenizer.json (the `tokenizers` library's), over the model's
     `vocab` ids, ending a sequence with any of `eos`."""

@@ -209,10 +209,12 @@ class SequenceStates:
         installing nothing, when they hold a grammar and this stage has no tokenizer for it yet."""
         if extras.grammar is not None and self.tokenizer is None:
             return False
-        self.extras[sequence] = extras
+        self.extras[sequence] = extras  # from the control thread: no iteration the compute thread could break
         self.constrained.pop(sequence, None)
         while len(self.extras) > self.kept:
-            self.retire(next(iter(self.extras)))
+            oldest, _ = self.extras.popitem(last=False)
+            self.tokens.pop(oldest, None)
+            self.constrained.pop(oldest, None)
         return True
 
     def set_tokenizer(self, tokenizer_json: str, vocab: int, eos: Sequence[int]) -> None:

@@ -460,15 +460,16 @@ class TextCodec:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     system: str | None = None, template: str | None = None,
-                    variables: Mapping[str, Any] | None = None) -> str:
+                    variables: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The chat as the checkpoint's template writes it: transformers' sandboxed Jinja with the
-        named special tokens (`bos_token`, ...) and `variables` (e.g. enable_thinking) in scope."""
+        named special tokens (`bos_token`, ...), `variables` (e.g. enable_thinking) and `tools`
+        (OpenAI's tool objects, as transformers' apply_chat_template passes them) in scope."""
         chat = check_messages(messages, system)
         chosen = self.chat_template(template)
         extra = {k: _plain(v, f"chat variable {k}") for k, v in (variables or {}).items()}
         compiled = _compile_template(chosen.source, str(chosen.origin))
         try:
-            return compiled.render(messages=chat, tools=None, documents=None,
+            return compiled.render(messages=chat, tools=_plain(list(tools), "tools") if tools else None, documents=None,
                                    add_generation_prompt=bool(add_generation_prompt),
                                    **{**self.config.special_tokens, **extra})
         except jinja2.TemplateError as exc:
@@ -476,11 +477,12 @@ class TextCodec:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             system: str | None = None, template: str | None = None,
-                            variables: Mapping[str, Any] | None = None) -> list[int]:
+                            variables: Mapping[str, Any] | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The prompt ids of a chat: the rendered template tokenized without adding special tokens
         again (the template writes them), as transformers' apply_chat_template(tokenize=True)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, system=system,
-                                template=template, variables=variables)
+                                template=template, variables=variables, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     # --- streaming ---
@@ -519,8 +521,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 def check_messages(messages: Sequence[Mapping[str, Any]], system: str | None = None) -> list[dict[str, Any]]:
     """The chat as plain dicts: each message an object with string `role` and `content` (one-line
-    errors naming `messages[i].field`); keys whose value is None dropped and reasoning copied under
-    the names templates read, as transformers does; `system` first when given."""
+    errors naming `messages[i].field`; an assistant message with `tool_calls` may have no content);
+    keys whose value is None dropped and reasoning copied under the names templates read, as
+    transformers does; `system` first when given."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TextError(f"messages: expected a list of {{role, content}} objects, got {type(messages).__name__}")
     chat: list[dict[str, Any]] = []
@@ -536,7 +539,12 @@ def check_messages(messages: Sequence[Mapping[str, Any]], system: str | None = N
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise TextError(f"{where}: expected an object with role and content, got {type(message).__name__}")
+        calls = message.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not calls):
+            raise TextError(f"{where}.tool_calls: expected a non-empty list of tool calls")
         for key in ("role", "content"):
+            if key == "content" and calls is not None and message.get(key) is None:
+                continue  # an assistant turn that only called tools
             if key not in message:
                 raise TextError(f"{where}.{key}: missing")
             if not isinstance(message[key], str):

@@ -213,7 +213,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         counters.prompt_tokens += prepared.prompt_tokens
         prompts = ask.prompts or (ask.prompt,)
         reply = Reply(ask, service.model, prepared.prompt_ids, token_text=service.token_text,
-                      prompts=prepared.prompts,
+                      prompts=prepared.prompts, tool_format=prepared.tool_format,
                       prompt_texts=[service.prompt_text(ask, p, ids) for p, ids in zip(prompts, prepared.prompts)]
                       if ask.echo else [])
         if len(seqs) > 1:
@@ -240,9 +240,15 @@ async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
         first = False
     count = 0
     scored = ask.logprobs is not None or (ask.echo and not ask.chat)
+    held: list[str] = []  # a chat with tools: the answer, sent once whole (its calls are known at its end)
     try:
         async for out in seq.outputs():
             count += len(out.token_ids)
+            if reply.tool_format is not None:
+                held.append(out.text)
+                if out.finish is not None:
+                    yield sse(reply.tool_chunk("".join(held), finish_reason(out.finish)))
+                continue
             if scored:  # each chunk carries its tokens' log probabilities (the first: an echo's prompt)
                 finish = finish_reason(out.finish) if out.finish is not None else None
                 yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=first, logprobs=out.logprobs,
@@ -345,10 +351,16 @@ async def events_of_choices(seqs: list[ServedSequence], reply: Reply) -> AsyncIt
         for i in range(len(seqs)):
             yield sse(reply.chunk("", [], None, first=True, index=i))
             started.add(i)
+    held: dict[int, list[str]] = {}  # a chat with tools: each answer, sent once whole
     try:
         async for i, out in _choices(seqs):
             count += len(out.token_ids)
             finish = finish_reason(out.finish) if out.finish is not None else None
+            if reply.tool_format is not None:
+                held.setdefault(i, []).append(out.text)
+                if finish is not None:
+                    yield sse(reply.tool_chunk("".join(held[i]), finish, i))
+                continue
             yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=i not in started, index=i,
                                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             started.add(i)

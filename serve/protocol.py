@@ -4,7 +4,8 @@ error JSON, and the response and chunk objects of /v1/completions and /v1/chat/c
 Every parameter a body may carry is named here, once: the ones tvmpipe builds (`max_tokens`,
 `temperature`, `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `logprobs`
 (chat: with `top_logprobs`), `echo`, `n`, `best_of`, `presence_penalty`, `frequency_penalty`, a
-list of prompts, `logit_bias`, `response_format` (JSON), and vLLM's `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
+list of prompts, `logit_bias`, `response_format` (JSON), chat `tools` / `tool_choice` /
+`parallel_tool_calls`, and vLLM's `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids`, `chat_template_kwargs`), and the ones it does
 not, which are accepted only at the value that asks for nothing (`tools` [], `suffix` "", ...). Any other
 value, and any name not listed, is refused with a 400 naming the parameter: a client never gets a
@@ -131,6 +132,9 @@ class Ask:
     min_tokens: int = 0
     json_output: bool = False  # response_format json_object or json_schema: the output is JSON
     json_schema: dict[str, Any] | None = None  # json_schema's schema (None: any JSON object)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # chat: OpenAI's tool objects, as given
+    tool_choice: str | dict[str, Any] = "auto"  # "none", "auto", "required", or a function's name as {"name": ...}
+    parallel_tool_calls: bool = True
 
     @property
     def prompt_param(self) -> str:
@@ -142,19 +146,18 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "response_format"}
 _SUPPORTED = {False: _COMMON | {"prompt", "echo", "best_of"},
               True: _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
-                               "top_logprobs"}}
+                               "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}}
 
 # Parameters tvmpipe does not build: accepted only at the value that asks for nothing
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),
     "store": (False,), "metadata": ({},),
     "user": None,  # an end-user id for abuse monitoring: any string, nothing to build
 }
 _WHY = {"suffix": "no insertion: the models served here complete left to right",
-        "tools": "no tool calls", "tool_choice": "no tool calls", "functions": "no tool calls",
-        "function_call": "no tool calls", "parallel_tool_calls": "no tool calls",
-}
+        "functions": "the deprecated functions API: send tools", "function_call": "the deprecated functions API: "
+        "send tool_choice"}
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -297,8 +300,64 @@ def _messages(value: Any) -> list[Any]:
     for i, m in enumerate(value):
         if isinstance(m, dict) and "content" in m:
             m = {**m, "content": _content_text(m["content"], i)}
+        if isinstance(m, dict) and m.get("tool_calls") is not None:
+            m = {**m, "tool_calls": _history_calls(m["tool_calls"], i)}
         out.append(m)
     return out
+
+
+def _history_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls as templates read them: each function's arguments an object
+    (OpenAI sends them as JSON text; templates write them with `tojson`, as vLLM passes them)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list of tool calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}[{j}]: expected {{\"type\": \"function\", \"function\": {{\"name\", "
+                              "\"arguments\"}}}}", where)
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"{where}[{j}].function.arguments is not JSON", where) from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    """OpenAI's tools: function objects, each with a name and (optionally) a parameters schema."""
+    if not isinstance(value, list):
+        raise bad_request("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    names = set()
+    for i, t in enumerate(value):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
+                              "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if fn["name"] in names:
+            raise bad_request(f"tools[{i}]: a second function named {fn['name']!r}", "tools")
+        names.add(fn["name"])
+    return list(value)
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise bad_request("tool_choice required: no tools given", "tool_choice")
+        return value
+    fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}", "tool_choice")
+    if fn["name"] not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {fn['name']!r}, which is not one of the tools", "tool_choice")
+    return {"name": fn["name"]}
 
 
 def read_ask(body: Any, *, chat: bool) -> Ask:
@@ -371,6 +430,15 @@ def read_ask(body: Any, *, chat: bool) -> Ask:
                               "best_of")
     if "response_format" in given:
         kw["json_output"], kw["json_schema"] = _response_format(given["response_format"])
+    if chat and "tools" in given:
+        kw["tools"] = _tools(given["tools"])
+    if chat and "tool_choice" in given:
+        kw["tool_choice"] = _tool_choice(given["tool_choice"], kw.get("tools", []))
+    if chat and "parallel_tool_calls" in given:
+        kw["parallel_tool_calls"] = _boolean(given["parallel_tool_calls"], "parallel_tool_calls")
+    if kw.get("tools") and kw.get("tool_choice", "auto") != "none" and kw.get("json_output"):
+        raise bad_request("response_format and tools: give one (a tool call is JSON of its own format)",
+                          "response_format")
     if "logit_bias" in given:
         kw["logit_bias"] = _logit_bias(given["logit_bias"])
     if "min_tokens" in given:
@@ -459,6 +527,7 @@ class Reply:
     token_text: Callable[[int], str] = field(default=lambda t: f"token_id:{t}", repr=False)
     prompts: list[list[int]] = field(default_factory=list)
     prompt_texts: list[str] = field(default_factory=list)
+    tool_format: str | None = None  # chat with tools: answers are read for tool calls (generation.tools)
     _template: tuple[str, list[str]] | None = field(default=None, repr=False)
     _offsets: dict[int, int] = field(default_factory=dict, repr=False)  # choice -> text offset so far (streams)
 
@@ -533,14 +602,45 @@ class Reply:
             text, ids, entries = head + text, pids + ids, pentries + entries
         lp = self.logprobs(ids, entries, index) if self.ask.logprobs is not None else None
         if self.ask.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish}
+            message, finish = self.message(text, finish)
+            choice = {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         if self.ask.return_token_ids:
             choice["prompt_token_ids"] = list(self.prompts[index // max(1, self.ask.n)])
             choice["token_ids"] = list(token_ids)
         return choice
+
+    def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
+        """A chat answer's message and finish_reason: with tools, the calls its text holds
+        (OpenAI's tool_calls, finish_reason "tool_calls"; the text before them the content)."""
+        if self.tool_format is None:
+            return {"role": "assistant", "content": text}, finish
+        from tvmpipe.generation.tools import parse_tool_calls
+
+        content, calls = parse_tool_calls(text, self.tool_format)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        if not self.ask.parallel_tool_calls:
+            calls = calls[:1]
+        return {"role": "assistant", "content": content, "tool_calls": [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}, "tool_calls"
+
+    def tool_chunk(self, text: str, finish: str, index: int = 0) -> dict[str, Any]:
+        """The streamed answer of a chat with tools, once whole (a call is known only at its end):
+        its content and its tool calls in one delta, with the finish_reason."""
+        message, finish = self.message(text, finish)
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        out = {**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                "finish_reason": finish}]}
+        if self.ask.include_usage:
+            out["usage"] = None
+        return out
 
     def body(self, text: str, token_ids: list[int], finish: str, **choice: Any) -> dict[str, Any]:
         """The non-streaming response of one choice."""

@@ -52,6 +52,7 @@ class Prepared:
     requests: list[Request]
     n: int = 1
     runs: int = 1
+    tool_format: str | None = None  # chat with tools: the format its answers' tool calls are read in
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -117,6 +118,31 @@ class Service:
             raise bad_request(f"response_format: the schema cannot be compiled: {str(exc)[:300]}",
                               "response_format") from None
 
+    def tool_grammar(self, ask: Ask) -> tuple[str, str | None]:
+        """The tool call format of the chat template (generation.tools), and the grammar that forces
+        a call for tool_choice required or a named function (None for auto); a 400 naming tools
+        when the template writes no tool calls."""
+        from tvmpipe.generation.tools import ToolError, call_grammar, tool_format
+
+        if self.codec is None or not self.codec.has_chat_template:
+            raise bad_request("tools need a chat template: this server has none", "tools")
+        try:
+            fmt = tool_format(self.codec.chat_template().source)
+        except TextError as exc:
+            raise bad_request(str(exc), "tools") from None
+        if fmt is None:
+            raise bad_request(f"the chat template of {self.model!r} writes no tool calls that tvmpipe serve reads "
+                              "(Qwen2/Hermes <tool_call> or Llama 3.x JSON): tools cannot be served", "tools")
+        if ask.tool_choice == "auto":
+            return fmt, None
+        functions = [t["function"] for t in ask.tools]
+        if isinstance(ask.tool_choice, dict):
+            functions = [f for f in functions if f["name"] == ask.tool_choice["name"]]
+        try:
+            return fmt, call_grammar(fmt, functions)
+        except ToolError as exc:
+            raise bad_request(str(exc), "tools") from None
+
     def prompt_text(self, ask: Ask, prompt: str | list[int], ids: list[int]) -> str:
         """The prompt as text, for echo: as given, or its ids decoded."""
         if isinstance(prompt, str) or ask.chat:
@@ -142,7 +168,7 @@ class Service:
                                   "has no chat_template.jinja nor chat_template in tokenizer_config.json): use "
                                   "/v1/completions with a plain prompt", "messages", "no_chat_template")
             return codec.apply_chat_template(ask.messages, add_generation_prompt=ask.add_generation_prompt,
-                                             variables=ask.chat_template_kwargs)
+                                             variables=ask.chat_template_kwargs, tools=ask.tools or None)
         except TextError as exc:
             raise bad_request(str(exc), ask.prompt_param) from None
 
@@ -157,6 +183,10 @@ class Service:
         if self.codec is not None and not ask.ignore_eos:
             stops += [t for t in self.codec.stop_token_ids if t not in stops]
         grammar = self.grammar(ask) if ask.json_output else None
+        fmt = None
+        if ask.tools and ask.tool_choice != "none":
+            fmt, forced = self.tool_grammar(ask)
+            grammar = forced or grammar
         runs = ask.best_of or ask.n
         sampling = Sampling(ask.temperature, ask.top_k, seed, ask.top_p, ask.min_p, ask.presence_penalty,
                             ask.frequency_penalty, ask.repetition_penalty)
@@ -181,4 +211,4 @@ class Service:
             except TvmpipeError as exc:
                 raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
             prompts.append(ids)
-        return Prepared(prompts, requests, ask.n, runs)
+        return Prepared(prompts, requests, ask.n, runs, fmt)

@@ -14,7 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from tests.serve.harness import CHATML, ROOT, ServerProcess
+from tests.serve.harness import ROOT, ServerProcess
+from tests.support.json_tokenizer import JSON_EOS, build_json_tokenizer
 from tests.support.checkpoints import COVER, load_transformers, write_checkpoint
 
 MODEL = "gpt2-step"  # harness.MODEL, the served name
@@ -377,41 +378,6 @@ def test_lm_eval_scores_as_transformers(scoring_server, checkpoint, hf, monkeypa
 
 # ---- response_format: JSON through llguidance's token masks ---------------------------------------
 
-JSON_EOS = 2  # <|im_end|>
-
-
-def build_json_tokenizer(directory: Path) -> Path:
-    """A byte-level BPE over printable ASCII that fits the checkpoint's 128 ids (so the model can
-    spell JSON), ChatML specials, <|im_end|> the eos."""
-    import json
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = visible[:], 0
-    for b in range(256):
-        if b not in visible:
-            visible.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    byte_char = {b: chr(c) for b, c in zip(visible, chars)}  # GPT-2's bytes_to_unicode
-    alphabet = [byte_char[ord(c)] for c in string.printable if c not in "\t\n\r\x0b\x0c"]
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
-    tok.train_from_iterator(['{"city": "Paris", "ok": true, "n": 12}', "Answer in JSON."] * 20, trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHATML}))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": JSON_EOS}))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def json_tokenizer(tmp_path_factory) -> Path:
     return build_json_tokenizer(tmp_path_factory.mktemp("tok") / "json")
@@ -426,9 +392,9 @@ def json_client(bundle, json_tokenizer, tmp_path_factory):
 
 
 def constrained_reference(hf, tokenizer_dir: Path, prompt: list[int], n: int, schema: dict | None,
-                          sampling=None) -> list[int]:
-    """transformers' continuation with llguidance's mask over its logits (a matcher of its own),
-    greedy or the keyed draw, until the eos or n tokens."""
+                          sampling=None, grammar: str | None = None) -> list[int]:
+    """transformers' continuation with llguidance's mask over its logits (a matcher of its own, of
+    `schema` or `grammar`), greedy or the keyed draw, until the eos or n tokens."""
     import json
 
     import llguidance
@@ -437,7 +403,7 @@ def constrained_reference(hf, tokenizer_dir: Path, prompt: list[int], n: int, sc
     lt = llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text(), n_vocab=128, eos_token=[JSON_EOS])
     from tvmpipe.executor.grammar import JSON_OPTIONS  # ", " and ": ", no other whitespace
 
-    m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(
+    m = llguidance.LLMatcher(lt, grammar or llguidance.LLMatcher.grammar_from_json_schema(
         json.dumps(schema if schema is not None else {"type": "object"}), defaults=JSON_OPTIONS))
     ids, out = list(prompt), []
     for i in range(n):
@@ -478,7 +444,7 @@ def test_json_schema_output_parses_validates_and_equals_the_masked_reference(jso
                                             stream=True, extra_body={"response_format": fmt})
     assert "".join(ch.choices[0].text for ch in chunks) == c.text
     chat = json_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}],
-                                               max_tokens=40, temperature=0, response_format=fmt)
+                                               max_tokens=36, temperature=0, response_format=fmt)
     assert json.loads(chat.choices[0].message.content)["city"] in ("Paris", "Rome", "Oslo")
     with pytest.raises(openai.BadRequestError) as info:
         json_client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"response_format": {
@@ -503,3 +469,95 @@ def test_json_object_output_with_seeded_sampling_equals_the_masked_reference(jso
         assert c.text.startswith("{")
         if c.finish_reason == "stop":
             assert isinstance(json.loads(c.text), dict)
+
+
+# ---- tools ------------------------------------------------------------------------------------------
+
+# one short tool: the tokenizer spends about a token a character, and the context is 256
+TOOLS = [{"type": "function", "function": {"name": "city", "parameters": {
+    "properties": {"c": {"enum": ["Paris", "Rome"]}}, "required": ["c"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def tools_client(checkpoint, json_tokenizer, tmp_path_factory):
+    """A server on the checkpoint at context 256 (a prompt with tools is long), the JSON tokenizer
+    and its Qwen2.5-style template."""
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    out = tmp_path_factory.mktemp("bundle") / "gpt2_256"
+    export(str(checkpoint), progress=Progress(stream=None), decode=256, chunk=8).write(out)
+    srv = ServerProcess(out, "--stages", "2", "--processes", "--tokenizer", str(json_tokenizer),
+                        log_path=tmp_path_factory.mktemp("server") / "stderr.txt")
+    yield openai.OpenAI(base_url=srv.base, api_key="unused", max_retries=0, timeout=120)
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_a_named_or_required_tool_choice_calls_a_tool(tools_client, json_tokenizer, hf):
+    """tool_choice naming a function: the answer is a call of it, its arguments valid for its
+    schema, finish_reason tool_calls, token for token transformers' greedy continuation under the
+    mask of that call's grammar; streamed, one delta with the same call; `required` (sampled)
+    calls the tool too."""
+    import json
+
+    from tvmpipe.generation.tools import call_grammar
+
+    msgs = [{"role": "user", "content": "Weather?"}]
+    named = {"type": "function", "function": {"name": "city"}}
+    r = tools_client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=named,
+                                             max_tokens=70, temperature=0, extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "city" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["c"] in ("Paris", "Rome")
+    grammar = call_grammar("hermes", [TOOLS[0]["function"]])
+    assert c.token_ids == constrained_reference(hf, json_tokenizer, c.prompt_token_ids, 70, None, grammar=grammar)
+    chunks = list(tools_client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=named,
+                                                       max_tokens=70, temperature=0, stream=True))
+    calls = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in calls] == [("city", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    r = tools_client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required",
+                                             max_tokens=70, temperature=0.9, seed=4)
+    call = r.choices[0].message.tool_calls[0].function
+    assert call.name == "city" and json.loads(call.arguments)["c"] in ("Paris", "Rome")
+
+
+def test_tool_history_renders_as_transformers_and_auto_reads_plain_text(tools_client, json_tokenizer):
+    """An assistant turn with tool_calls and no content, and the tool's result, are rendered by the
+    template exactly as transformers' apply_chat_template renders them (arguments as an object; the
+    tools themselves left out, for the context's sake: tests/generation/test_text.py renders them);
+    with tool_choice auto an answer without a call is plain content."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "city", "arguments": json.dumps({"c": "Rome"})}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = tools_client.chat.completions.create(model=MODEL, messages=history, max_tokens=3, temperature=0,
+                                             extra_body={"return_token_ids": True})
+    tok = AutoTokenizer.from_pretrained(str(json_tokenizer))
+    as_objects = [history[0], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+        "name": "city", "arguments": {"c": "Rome"}}}]}, history[2]]
+    want = tok.apply_chat_template(as_objects, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert r.choices[0].prompt_token_ids == list(want)
+    assert "<tool_response>\nsunny" in tok.decode(want)
+    auto = tools_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                tools=TOOLS, tool_choice="auto", max_tokens=4, temperature=0)
+    c = auto.choices[0]
+    assert c.message.tool_calls is None and c.finish_reason == "length" and isinstance(c.message.content, str)
+
+
+def test_tools_need_a_template_that_writes_calls(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], tools=TOOLS,
+                                       max_tokens=2)
+    assert info.value.param == "tools" and "writes no tool calls" in info.value.message
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], tools=TOOLS,
+                                       tool_choice="none", max_tokens=2)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"

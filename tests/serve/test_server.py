@@ -129,7 +129,7 @@ def test_stop_strings_end_the_sequence_unsent(client, oracle):
 
 
 def test_unsupported_parameters_are_refused_with_openai_errors(client):
-    for kw, param in [({"suffix": "end"}, "suffix"), ({"extra_body": {"tools": [{"type": "function"}]}}, "tools")]:
+    for kw, param in [({"suffix": "end"}, "suffix"), ({"extra_body": {"functions": [{"name": "f"}]}}, "functions")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
         assert info.value.param == param and info.value.code == "unsupported_parameter", kw
