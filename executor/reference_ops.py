@@ -42,9 +42,28 @@ def const_array(c: dict[str, Any]) -> np.ndarray:
     return np.asarray(c["data"], dtype=np_dtype(c["dtype"])).reshape(c["shape"])
 
 
+def _last_reads(fn: FusedFunction) -> dict[int, list[int]]:
+    """op index i -> the ops whose results are read for the last time by op i (never those of the
+    function's outputs): what run_function drops after op i."""
+    last: dict[int, int] = {}
+    for i, rec in enumerate(fn.ops):
+        for r in rec.inputs:
+            if r.kind == "op":
+                last[r.index] = i
+    keep = {r.index for r in fn.outputs if r.kind == "op"}
+    out: dict[int, list[int]] = {}
+    for j, i in last.items():
+        if j not in keep:
+            out.setdefault(i, []).append(j)
+    return out
+
+
 def run_function(fn: FusedFunction, args: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Execute a fused function's op program on concrete arguments (its inputs, not its outputs)."""
+    """Execute a fused function's op program on concrete arguments (its inputs, not its outputs).
+    An op's result is dropped after its last reader: a packed weight's unpack chain (a dozen
+    weight-sized arrays) then holds two or three of them at a time, not all."""
     values: list[Any] = []
+    drop = _last_reads(fn)
 
     def get(r: Ref) -> np.ndarray:
         if r.kind == "arg":
@@ -63,7 +82,11 @@ def run_function(fn: FusedFunction, args: Sequence[np.ndarray]) -> list[np.ndarr
         except Exception as exc:  # report which op of which function broke, with shapes
             shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ins)
             raise OpFailure(f"op {i} '{rec.op}' on ({shapes}) with attrs {rec.attrs}: {type(exc).__name__}: {exc}") from exc
+        del ins
         values.append(_conform(out, rec, i))
+        del out
+        for j in drop.get(i, ()):
+            values[j] = None
     return [np.asarray(get(r)) for r in fn.outputs]
 
 
