@@ -25,7 +25,8 @@ Variants (compiler/export.py default_rules is replaced while compiling):
 
 What the H200 showed (bench/results/decode_schedules.h200-580.json; docs/gpu-validation.md): rows8
 takes 24 % off the batch-8 matmuls (1.1B: 23.3 -> 17.7 ms a step; +17 % tokens/s, the same tokens);
-rows8w and norm gain nothing. The batch-8 matmuls stay ~7x the batch-1 GEMVs' time for 8x the rows,
+rows8w and norm gain nothing. rows8 became compiler/smallrows.py, what decode steps now
+compile with; `base` here stays the rules before it. The batch-8 matmuls stay ~7x the batch-1 GEMVs' time for 8x the rows,
 where a GEMV-like schedule (threads across the reduction, all rows a block) would cost about one
 GEMV: the next schedule to write.
 """
@@ -90,14 +91,14 @@ def variants() -> dict:
                                     micro_size_x=4, micro_size_y=cols_each, micro_size_k=16, vector_size=2, unroll=256,
                                     use_shared=True, storage_align=True, inner_x=False)
 
-    def base():
+    def base(*_):  # export.default_rules(few_rows) is replaced: the variants take the argument and ignore it
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 
     return {
         "base": base,
-        "rows8": lambda: [SmallRows(tile(32, 1)), *base()],
-        "rows8w": lambda: [SmallRows(tile(64, 2)), *base()],
-        "norm": lambda: [SmallRows(tile(32, 1)), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.RMSNorm(), dl.gpu.Reduction(),
+        "rows8": lambda *_: [SmallRows(tile(32, 1)), *base()],
+        "rows8w": lambda *_: [SmallRows(tile(64, 2)), *base()],
+        "norm": lambda *_: [SmallRows(tile(32, 1)), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.RMSNorm(), dl.gpu.Reduction(),
                          dl.gpu.GeneralReduction(), dl.gpu.Fallback()],
     }
 

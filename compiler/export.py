@@ -19,6 +19,7 @@ from tvmpipe.bundle.dtypes import is_float
 from tvmpipe.bundle.manifests import FusedFunction, KernelFunction
 from tvmpipe.compiler.errors import CompileError, TvmMissingError, UnsupportedOpError, one_line
 from tvmpipe.compiler.lazyweights import GraphParams, materialize_folded
+from tvmpipe.compiler import smallrows
 from tvmpipe.compiler.progress import Progress
 
 DEFAULT_ARCH = "sm_90"
@@ -107,10 +108,13 @@ def _step(progress: Progress, name: str, detail: str = "") -> Iterator[None]:
                                "uses a construct tvmpipe cannot compile yet: please report it with the model") from None
 
 
-def default_rules() -> list[Any]:
+def default_rules(few_rows: bool = False) -> list[Any]:
+    """dlight's GPU rules in the order that picks each function's schedule; `few_rows` (decode steps)
+    puts compiler/smallrows.py's tile for matmuls of 2-16 rows first."""
     import tvm.s_tir.dlight as dl
 
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    first = [smallrows.small_rows_rule()] if few_rows else []
+    return first + [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
@@ -157,7 +161,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         # dlight's fp16 matmul rule crashes for sm_70+; see FP16_SCHEDULE_ARCH
         fp16 = any(d in LOW for n in fused.graph.nodes for _, d in n.outputs)
         with launches.cuda_target(FP16_SCHEDULE_ARCH) if fp16 else target:
-            scheduled = _schedule(fused, prims)
+            scheduled = _schedule(fused, prims, few_rows=decode is not None)
     with _step(progress, "codegen", f"CUDA {arch}"):
         kernels, ops, src = _codegen(fused, scheduled, prims, target)
     return Exported(
@@ -270,7 +274,7 @@ def _fuse(mod: Any, names: Any, packed: dict[str, Any] | None = None) -> _Fused:
     return _Fused(mod, built, fusion, prog, _calls_by_function(built, group_of))
 
 
-def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
+def _schedule(fused: _Fused, prims: dict[str, Any], few_rows: bool = False) -> Any:
     """dlight schedules for every function; where a rule crashes on a function, the rules after it.
 
     dlight's reduction rules raise on some fused shapes (a layer_norm fused with the padding of
@@ -284,23 +288,23 @@ def _schedule(fused: _Fused, prims: dict[str, Any]) -> Any:
     import tvm.s_tir.dlight as dl
 
     try:
-        return dl.ApplyDefaultSchedule(*default_rules())(tvm.IRModule(prims))
+        return dl.ApplyDefaultSchedule(*default_rules(few_rows))(tvm.IRModule(prims))
     except Exception:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; retried per function below
         pass
-    return tvm.IRModule({name: _schedule_one(fused, name, func) for name, func in prims.items()})
+    return tvm.IRModule({name: _schedule_one(fused, name, func, few_rows) for name, func in prims.items()})
 
 
-def _schedule_one(fused: _Fused, name: str, func: Any) -> Any:
+def _schedule_one(fused: _Fused, name: str, func: Any, few_rows: bool = False) -> Any:
     """The first default rule that applies to `func` without raising, as ApplyDefaultSchedule picks."""
     import tvm
     import tvm.s_tir.dlight as dl
 
     try:
-        return dl.ApplyDefaultSchedule(*default_rules())(tvm.IRModule({name: func}))[name]
+        return dl.ApplyDefaultSchedule(*default_rules(few_rows))(tvm.IRModule({name: func}))[name]
     except Exception:  # noqa: BLE001 - which rule raised is found below, one rule at a time
         pass
     crashes = []
-    rules = default_rules()
+    rules = default_rules(few_rows)
     for rule in rules:
         try:
             got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
