@@ -7,7 +7,7 @@ Every parameter a body may carry is named here, once: the ones tvmpipe builds (`
 list of prompts, `logit_bias`, `response_format` (JSON), chat `tools` / `tool_choice` /
 `parallel_tool_calls`, and vLLM's `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids`, `chat_template_kwargs`), and the ones it does
-not, which are accepted only at the value that asks for nothing (`tools` [], `suffix` "", ...). Any other
+not, which are accepted only at the value that asks for nothing (`suffix` "", `functions` [], ...). Any other
 value, and any name not listed, is refused with a 400 naming the parameter: a client never gets a
 silent default in place of what it asked for.
 
