@@ -67,6 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "requests may take to finish before they are cancelled (default 30)")
     h.add_argument("--header-timeout", type=POSITIVE, default=10.0, help="seconds a connection may take to send a "
                    "request's line and headers before it is closed (default 10)")
+    h.add_argument("--body-timeout", type=POSITIVE, default=30.0, help="seconds a request's body may take to "
+                   "arrive after its headers before it is answered 408 (default 30)")
     h.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0, help="seconds an idle connection is kept "
                    "open between requests (default 5)")
     add_cluster_args(s)
@@ -92,7 +94,8 @@ def serve_command(args: argparse.Namespace) -> int:
     settings = ServeSettings(model=model, host=args.host, port=args.port, api_key=api_key,
                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                              drain_timeout=args.drain_timeout, in_flight=args.in_flight,
-                             header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout)
+                             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                             keep_alive_timeout=args.keep_alive_timeout)
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
     if api_key is None and not _loopback(args.host):
         print(f"tvmpipe serve: warning: listening on {args.host} without an API key: anyone who reaches this port "

@@ -56,11 +56,13 @@ class Gate:
     and the last word on an unexpected exception: its traceback goes to the log, the client gets
     OpenAI's error JSON with status 500 (create_app's handler writes it; here if nothing did)."""
 
-    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, counters: metrics.Counters):
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, counters: metrics.Counters,
+                 body_timeout: float = 30.0):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body_bytes
         self.counters = counters
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -82,15 +84,23 @@ class Gate:
         if refused is not None:
             await error_response(refused)(scope, receive, counted)
             return
-        seen = 0
+        seen, body_done = 0, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
 
         async def bounded() -> dict:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # the body is in: what a route waits for now (a disconnect) may take any time
+                return await receive()
+            try:  # a body trickled or stalled would hold the connection and its task for ever
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s (--body-timeout)",
+                               code="request_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
                     raise _too_large(self.max_body)
+                body_done = not message.get("more_body", False)
             return message
 
         try:
@@ -129,7 +139,7 @@ def _too_large(bound: int) -> ApiError:
 
 
 def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-               counters: metrics.Counters | None = None) -> Any:
+               body_timeout: float = 30.0, counters: metrics.Counters | None = None) -> Any:
     """The ASGI app: the routes behind the Gate."""
     counters = counters if counters is not None else metrics.Counters()
     engine = service.engine
@@ -227,7 +237,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await whole(request, seq, reply)
 
-    return Gate(app, api_key=api_key, max_body_bytes=max_body_bytes, counters=counters)
+    return Gate(app, api_key=api_key, max_body_bytes=max_body_bytes, counters=counters, body_timeout=body_timeout)
 
 
 async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:

@@ -61,6 +61,7 @@ class ServeSettings:
     drain_timeout: float = 30.0
     in_flight: int | None = None
     header_timeout: float = 10.0  # a request's line and headers must arrive within it, or the connection is closed
+    body_timeout: float = 30.0  # a request's body must arrive within it of the headers, or it is answered 408
     keep_alive_timeout: float = 5.0  # an idle connection is closed after it (uvicorn's timeout_keep_alive)
 
 
@@ -180,7 +181,7 @@ class Runner:
         self.service = Service(self.engine, codec, settings.model)
         self.counters = metrics.Counters()
         app = create_app(self.service, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                         counters=self.counters)
+                         body_timeout=settings.body_timeout, counters=self.counters)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=CLOSE_GRACE_S,
                                 http=HeaderTimeoutProtocol.with_header_timeout(settings.header_timeout),

@@ -3,7 +3,7 @@ bodies json.loads cannot take (nested 1,000+ deep, lone surrogates), chat_templa
 what the server passes the template itself, an unexpected exception in a route (a 500 in OpenAI's
 error shape, the traceback in the log only), and connections that never finish a request's
 headers, or idle after one (closed after --header-timeout / --keep-alive-timeout while the server
-answers others). Also the command's one-line errors: an empty API key, and a prompts file line
+answers others), or whose body stalls (408 after --body-timeout). Also the command's one-line errors: an empty API key, and a prompts file line
 nested 2,000 deep (tests/app/test_generate_jobs.py holds the other bad lines).
 
 One server for the module, as conftest.py's `server` but with short timeouts, and a fault planted
@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.tvm, pytest.mark.slow]
 
 HEADER_TIMEOUT = 3.0  # --header-timeout of the module's server
 KEEP_ALIVE_TIMEOUT = 2.0  # --keep-alive-timeout
+BODY_TIMEOUT = 3.0  # --body-timeout
 FAULT_PROMPT = "plant a fault"
 SECRET = "secret-detail-4f1c"  # in the planted exception's message: in the log, never in a response
 
@@ -73,7 +74,7 @@ def server(serve_bundle, chat_tokenizer, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
     srv = ServerProcess(serve_bundle, "--stages", "2", "--processes", "--tokenizer", str(chat_tokenizer),
                         "--max-waiting", "12", "--max-body-bytes", "65536", "--header-timeout", str(HEADER_TIMEOUT),
-                        "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT), log_path=log,
+                        "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT), log_path=log,
                         env={"TVMPIPE_API_KEY": API_KEY, "PYTHONPATH": path}, api_key=API_KEY)
     yield srv
     status = srv.stop()
@@ -220,6 +221,33 @@ def test_connections_that_never_finish_their_headers_are_closed(server):
         assert http.get("/v1/models").status_code == 200
 
 
+def test_a_stalled_body_is_a_408_after_the_body_timeout(server):
+    """A request whose body stops short of its Content-Length (a client trickling or gone quiet) is
+    answered 408 in OpenAI's error JSON once --body-timeout has passed, not held for ever, and the
+    connection is closed; the server answers others meanwhile and after."""
+    host, port = address(server)
+    with socket.create_connection((host, port), timeout=60) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ".encode())
+        sent = time.monotonic()
+        with server.client() as http:
+            assert http.get("/v1/models").status_code == 200
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        waited = time.monotonic() - sent
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data[:200]
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_timeout" and "--body-timeout" in err["message"], err
+    assert BODY_TIMEOUT - 0.25 <= waited < BODY_TIMEOUT + 20, waited
+    with server.client() as http:
+        assert http.get("/v1/models").status_code == 200
+
+
 def request(sock: socket.socket, path: str = "/v1/models") -> bytes:
     sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode())
     data = b""
@@ -287,6 +315,6 @@ def test_a_prompts_file_line_nested_2000_deep_is_one_line(serve_bundle, tmp_path
 
 
 def test_header_timeouts_must_be_positive(serve_bundle, capsys):
-    for option in ("--header-timeout", "--keep-alive-timeout"):
+    for option in ("--header-timeout", "--keep-alive-timeout", "--body-timeout"):
         assert main(["serve", str(serve_bundle), "--processes", option, "0"]) == 2
         assert option in capsys.readouterr().err
