@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -58,12 +59,122 @@ def _last_reads(fn: FusedFunction) -> dict[int, list[int]]:
     return out
 
 
+# A matmul whose weight is unpacked from packed fields (compiler/packed.py) is computed this many
+# weight values at a time: the float weight is never whole in memory, as it is not in the kernel.
+CHUNK_VALUES = 1 << 22
+
+
+@dataclass(frozen=True)
+class _Unpacked:
+    """A matmul (op `matmul`) whose second operand is `permute_dims` (op `transpose`) of a [rows,
+    cols] weight computed by ops `ops` (in order) from the function's arguments and constants
+    alone, read by nothing else: computed `rows` slice by slice (arguments `row_args` sliced)."""
+
+    matmul: int
+    transpose: int
+    ops: tuple[int, ...]
+    rows: int
+    cols: int
+    row_args: frozenset[int]
+
+
+_PLANS: dict[int, tuple[FusedFunction, dict[int, _Unpacked]]] = {}
+
+
+def _unpacked_matmuls(fn: FusedFunction) -> dict[int, _Unpacked]:
+    """The function's matmuls whose weight is unpacked in it (see _Unpacked), by op index; cached."""
+    hit = _PLANS.get(id(fn))
+    if hit is not None and hit[0] is fn:
+        return hit[1]
+    readers: dict[int, set[int]] = {}
+    for i, rec in enumerate(fn.ops):
+        for r in rec.inputs:
+            if r.kind == "op":
+                readers.setdefault(r.index, set()).add(i)
+    outputs = {r.index for r in fn.outputs if r.kind == "op"}
+    plans: dict[int, _Unpacked] = {}
+    for m, rec in enumerate(fn.ops):
+        if rec.op != "matmul" or len(rec.inputs) != 2 or rec.inputs[1].kind != "op":
+            continue
+        t = rec.inputs[1].index
+        trec = fn.ops[t]
+        if trec.op != "permute_dims" or len(trec.output_shapes[0]) != 2 or trec.inputs[0].kind != "op":
+            continue
+        cols, rows = trec.output_shapes[0]
+        sub, todo, args = set(), [t], set()
+        while todo:  # every op the weight depends on: args and constants only at the leaves
+            j = todo.pop()
+            if j in sub:
+                continue
+            sub.add(j)
+            for r in fn.ops[j].inputs:
+                if r.kind == "op":
+                    todo.append(r.index)
+                elif r.kind == "arg":
+                    args.add(r.index)
+        if any(readers.get(j, set()) - sub - {m} for j in sub) or sub & outputs or rows < 2:
+            continue  # a weight op read elsewhere, or the weight's values leave the function: as it is
+        row_args = frozenset(a for a in args if any(
+            r.kind == "arg" and r.index == a and fn.ops[j].input_shapes[k][:1] == [rows]
+            for j in sub for k, r in enumerate(fn.ops[j].inputs)))
+        if not row_args:
+            continue
+        plans[m] = _Unpacked(m, t, tuple(sorted(sub)), rows, cols, row_args)
+    _PLANS[id(fn)] = (fn, plans)
+    return plans
+
+
+def _chunk_record(rec: OpRecord, rows: int, n: int, last: bool) -> OpRecord:
+    """`rec` with its output's row axis (the first, or the last for the transpose) `n` long."""
+    shapes = []
+    for k, shape in enumerate(rec.output_shapes):
+        shape = list(shape)
+        if k == 0 and last and shape and shape[-1] == rows:
+            shape[-1] = n
+        elif k == 0 and not last and shape and shape[0] == rows:
+            shape[0] = n
+        shapes.append(shape)
+    return OpRecord(rec.op, rec.attrs, rec.inputs, rec.input_shapes, rec.input_dtypes, shapes, rec.output_dtypes)
+
+
+def _run_unpacked(fn: FusedFunction, plan: _Unpacked, args: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """`x @ weight^T` with the weight unpacked CHUNK_VALUES values at a time, rows sliced."""
+    step = max(1, CHUNK_VALUES // max(1, plan.cols))
+    mrec = fn.ops[plan.matmul]
+    out = None
+    for r0 in range(0, plan.rows, step):
+        r1 = min(plan.rows, r0 + step)
+        vals: dict[int, Any] = {}
+        for j in plan.ops:
+            rec = fn.ops[j]
+            ins = []
+            for r in rec.inputs:
+                if r.kind == "arg":
+                    a = args[r.index]
+                    ins.append(a[r0:r1] if r.index in plan.row_args and a.shape[:1] == (plan.rows,) else a)
+                elif r.kind == "const":
+                    ins.append(const_array(r.const or {}))
+                else:
+                    v = vals[r.index]
+                    ins.append(v[r.output] if isinstance(v, tuple) else v)
+            crec = _chunk_record(rec, plan.rows, r1 - r0, j == plan.transpose)
+            vals[j] = _conform(OPS[rec.op]([_widen(a) for a in ins], rec.attrs, crec), crec, j)
+        part = OPS["matmul"]([_widen(x), _widen(vals[plan.transpose])], mrec.attrs, mrec)
+        if out is None:
+            out = np.empty(tuple(mrec.output_shapes[0]), np.asarray(part).dtype)
+        out[..., r0:r1] = part
+    return out
+
+
 def run_function(fn: FusedFunction, args: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Execute a fused function's op program on concrete arguments (its inputs, not its outputs).
-    An op's result is dropped after its last reader: a packed weight's unpack chain (a dozen
-    weight-sized arrays) then holds two or three of them at a time, not all."""
+    An op's result is dropped after its last reader, and a matmul whose weight the function
+    unpacks from packed fields computes it a slice of rows at a time (_Unpacked): a quantized
+    bundle's stage holds its packed weights and one slice of float weight, as its kernels do."""
     values: list[Any] = []
     drop = _last_reads(fn)
+    unpacked = _unpacked_matmuls(fn)
+    skip = {j for p in unpacked.values() for j in p.ops}
 
     def get(r: Ref) -> np.ndarray:
         if r.kind == "arg":
@@ -74,6 +185,14 @@ def run_function(fn: FusedFunction, args: Sequence[np.ndarray]) -> list[np.ndarr
         return v[r.output] if isinstance(v, tuple) else v
 
     for i, rec in enumerate(fn.ops):
+        if i in skip:  # computed slice by slice by its matmul
+            values.append(None)
+            continue
+        if i in unpacked:
+            values.append(_conform(_run_unpacked(fn, unpacked[i], args, get(rec.inputs[0])), rec, i))
+            for j in drop.get(i, ()):
+                values[j] = None
+            continue
         ins = [_widen(get(r)) for r in rec.inputs]
         try:
             out = OPS[rec.op](ins, rec.attrs, rec)
