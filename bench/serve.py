@@ -3,6 +3,7 @@ concurrent clients, and the server's tokens/s against offline generation of the 
 
     python bench/serve.py [--quick] [--bundle DIR] [--out bench/results/serve.json]
     python bench/serve.py --logprobs 5 [--quick]   # the cost of logprobs: bench/results/serve_logprobs.json
+    python bench/serve.py --json-schema [--quick]  # the cost of a response_format: serve_json_schema.json
 
 The decode step is the zoo's GPT-2 (`tvmpipe compile gpt2 --decode`: tiny config, seed 1, max context
 64), compiled once into --bundle, run as K = 2 stage processes on the reference backend (4 sequence
@@ -32,7 +33,10 @@ server is `tvmpipe serve` as users run it: the HTTP process, and the engine in a
 alternating rounds of plain requests and the same requests with `logprobs` K (every token's log
 probability and the K most likely, computed on the sampling stage, sent to the driver as the step's
 scores, written into every chunk), tokens/s each and their ratio (median of the rounds), into
-bench/results/serve_logprobs.json; the judged rows of serve.json are not touched.
+bench/results/serve_logprobs.json; the judged rows of serve.json are not touched. `--json-schema`
+the same for a response_format json_schema (an object holding one string of up to 200 characters,
+so that answers run to their max_tokens as plain ones do), the server given a tokenizer that can
+spell JSON in GPT-2's 128 ids (tests/support/json_tokenizer.py): bench/results/serve_json_schema.json.
 """
 
 from __future__ import annotations
@@ -120,15 +124,13 @@ async def one_request(client, prompt: list[int], new: int) -> dict:
     return {"sent": t0, "times": times, "tokens": tokens}
 
 
-async def socket_request(url: str, prompt: list[int], new: int, logprobs: int | None = None) -> dict:
+async def socket_request(url: str, prompt: list[int], new: int, extra: dict | None = None) -> dict:
     """one_request over a bare asyncio connection: HTTP/1.1 written and its chunked SSE body read
-    here, at a fraction of httpx's CPU a token (the side by side's second client); `logprobs`: ask
-    for them too (the chunks carry them; only the token ids are read)."""
+    here, at a fraction of httpx's CPU a token (the side by side's second client); `extra`: more
+    of the body (logprobs, a response_format; only the token ids are read back)."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     ask = {"model": MODEL, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-           "ignore_eos": True, "return_token_ids": True}
-    if logprobs is not None:
-        ask["logprobs"] = logprobs
+           "ignore_eos": True, "return_token_ids": True, **(extra or {})}
     body = json.dumps(ask).encode()
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -157,9 +159,9 @@ async def socket_request(url: str, prompt: list[int], new: int, logprobs: int | 
 
 
 async def level(url: str, clients: int, prompts: list[list[int]], new: int, bare: bool = False,
-                logprobs: int | None = None) -> dict:
-    """`clients` closed-loop clients over the prompts (httpx, or with `bare` socket_request, asking
-    for `logprobs` if given); the level's figures and each prompt's tokens."""
+                extra: dict | None = None) -> dict:
+    """`clients` closed-loop clients over the prompts (httpx, or with `bare` socket_request, its
+    body with `extra` if given); the level's figures and each prompt's tokens."""
     import httpx
 
     todo = list(enumerate(prompts))
@@ -168,7 +170,7 @@ async def level(url: str, clients: int, prompts: list[list[int]], new: int, bare
     async def worker(client) -> None:
         while todo:
             i, p = todo.pop(0)
-            done[i] = await (socket_request(url, p, new, logprobs) if bare else one_request(client, p, new))
+            done[i] = await (socket_request(url, p, new, extra) if bare else one_request(client, p, new))
 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=clients)) as c:
         t0 = time.perf_counter()
@@ -193,9 +195,20 @@ def main() -> int:
                     "(with --logprobs: serve_logprobs.json)")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
                     help="measure the cost of logprobs=K against plain requests instead")
+    ap.add_argument("--json-schema", action="store_true",
+                    help="measure the cost of a response_format json_schema against plain requests instead")
     args = ap.parse_args()
     if args.logprobs is not None:
-        return logprobs_cost(args)
+        return cost(args, "logprobs", {"logprobs": args.logprobs}, ())
+    if args.json_schema:
+        from tests.support.json_tokenizer import build_json_tokenizer
+
+        tok = build_json_tokenizer(Path(os.environ.get("TMPDIR", "/tmp")) / "tvmpipe-bench-json-tokenizer")
+        schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 200}},
+                  "required": ["text"], "additionalProperties": False}
+        return cost(args, "json_schema", {"ignore_eos": False, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}, ("--tokenizer", str(tok)),
+            plain_extra={"ignore_eos": False})
     args.out = args.out or ROOT / "bench" / "results" / "serve.json"
     from tests.serve.harness import ServerProcess
     from tvmpipe.cluster.driver import Pipeline
@@ -262,40 +275,41 @@ def main() -> int:
     return 0
 
 
-def logprobs_cost(args) -> int:
-    """Plain requests against the same with logprobs=K, alternating rounds at 16 bare clients."""
+def cost(args, what: str, extra: dict, server_args: tuple[str, ...], plain_extra: dict | None = None) -> int:
+    """Plain requests against the same asking for `what` (`extra` in their bodies), alternating
+    rounds at 16 bare clients; tokens/s each, and their ratio."""
     from tests.serve.harness import ServerProcess
 
     bundle = ensure_bundle(args.bundle)
-    new, k = args.new_tokens, args.logprobs
+    new = args.new_tokens
     rounds = 2 if args.quick else 7
     prompts = prompts_for(2 * LEVELS[-1])
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / "tvmpipe-bench-serve-logprobs.log"
-    srv = ServerProcess(bundle, "--stages", "2", "--processes", "--max-waiting", "64", log_path=log)
-    plain, scored = [], []
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"tvmpipe-bench-serve-{what}.log"
+    srv = ServerProcess(bundle, "--stages", "2", "--processes", "--max-waiting", "64", *server_args, log_path=log)
+    plain, asked = [], []
     try:
-        run(level(srv.url, 4, prompts_for(4), 4, bare=True, logprobs=k))  # warm-up
+        run(level(srv.url, 4, prompts_for(4), 4, bare=True, extra=extra))  # warm-up
         for _ in range(rounds):
-            a = run(level(srv.url, LEVELS[-1], prompts, new, bare=True))
-            b = run(level(srv.url, LEVELS[-1], prompts, new, bare=True, logprobs=k))
-            if a.pop("tokens") != b.pop("tokens"):
+            a = run(level(srv.url, LEVELS[-1], prompts, new, bare=True, extra=plain_extra))
+            b = run(level(srv.url, LEVELS[-1], prompts, new, bare=True, extra=extra))
+            if what == "logprobs" and a.pop("tokens") != b.pop("tokens"):
                 raise RuntimeError("logprobs changed the tokens")
             plain.append(a["tokens_per_s"])
-            scored.append(b["tokens_per_s"])
-            print(f"16 clients: plain {plain[-1]:.0f} tokens/s, logprobs={k} {scored[-1]:.0f} tokens/s", flush=True)
+            asked.append(b["tokens_per_s"])
+            print(f"16 clients: plain {plain[-1]:.0f} tokens/s, {what} {asked[-1]:.0f} tokens/s", flush=True)
     finally:
         status = srv.stop()
     if status != 0:
         print(f"the server exited with status {status}:\n{srv.log()[-2000:]}", file=sys.stderr)
         return 1
-    ratio = statistics.median(s / p for s, p in zip(scored, plain))
+    ratio = statistics.median(s / p for s, p in zip(asked, plain))
     results = {"decoder": "gpt2", "bundle": str(bundle), "stages": 2, "backend": "reference", "new_tokens": new,
-               "clients": LEVELS[-1], "requests": len(prompts), "logprobs": k, "plain_tokens_per_s_runs": plain,
-               "logprobs_tokens_per_s_runs": scored, "ratio": ratio, "machine": {"loadavg": list(os.getloadavg())}}
-    print(f"logprobs={k} / plain tokens/s at 16 clients (median of {rounds} rounds): {ratio:.2f}x")
+               "clients": LEVELS[-1], "requests": len(prompts), "asked": extra, "plain_tokens_per_s_runs": plain,
+               f"{what}_tokens_per_s_runs": asked, "ratio": ratio, "machine": {"loadavg": list(os.getloadavg())}}
+    print(f"{what} / plain tokens/s at 16 clients (median of {rounds} rounds): {ratio:.2f}x")
     from tvmpipe.core.files import write_json
 
-    out = args.out or ROOT / "bench" / "results" / "serve_logprobs.json"
+    out = args.out or ROOT / "bench" / "results" / f"serve_{what}.json"
     write_json(out, stamp(results))
     print(f"wrote {out}")
     return 0
