@@ -170,6 +170,26 @@ def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(g
     assert seen >= 10
 
 
+def test_the_reference_backend_unpacks_a_weight_a_slice_of_rows_at_a_time(gguf_case, monkeypatch):
+    """Every matmul whose weight its function unpacks is computed in row slices on the reference
+    backend (the stage never holds a whole float weight); slices of 40 rows give the logits of one
+    slice (to BLAS's summation order)."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.executor import reference_ops
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    f, bundle = gguf_case("llama_mixed")
+    b = load_bundle(bundle)
+    planned = sum(len(reference_ops._unpacked_matmuls(fn)) for fn in b.ops.values())
+    assert planned >= 2 * 7 - 1 + 1  # every packed linear (one F32 matrix is not packed) and the head
+    whole = greedy_decode(bundle, PROMPT, 4)
+    monkeypatch.setattr(reference_ops, "CHUNK_VALUES", 40 * HIDDEN)
+    sliced = greedy_decode(bundle, PROMPT, 4)
+    assert sliced.tokens == whole.tokens
+    # other BLAS calls (a [K, 40] operand instead of [K, R]) may sum in another order: not bitwise
+    assert all(np.abs(a - c).max() <= 1e-6 * np.abs(a).max() for a, c in zip(whole.logits, sliced.logits))
+
+
 def test_nvcc_builds_the_fused_unpack_matmul_kernels(gguf_case, tmp_path):
     """kernels.cu of the every-type bundle compiles for sm_90 (the shifts, masks and f16 loads of
     every format), and each launch passes as many arguments as its kernel takes."""
