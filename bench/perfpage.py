@@ -320,6 +320,25 @@ def serve(d: dict) -> list[Row]:
     return rows
 
 
+def serve_cost(d: dict) -> list[Row]:
+    """bench/serve.py --logprobs K / --json-schema: tokens/s of requests asking for log
+    probabilities or a response_format against plain ones, alternating rounds (issue 51)."""
+    runs = next(k for k in d if k.endswith("_tokens_per_s_runs") and not k.startswith("plain"))
+    what = runs[:-len("_tokens_per_s_runs")]
+    what = f"logprobs={d['logprobs']}" if what == "logprobs" and "logprobs" in d else what.replace("_", " ")
+    return [Row("Serving", f"{what} against plain requests, {d['clients']} clients ({d['decoder']} step, "
+                           f"K = {d['stages']}, {d['backend']}, {d['new_tokens']} new tokens a request)",
+                f"{span(d[runs])} vs {span(d['plain_tokens_per_s_runs'])} tokens/s ({d['ratio']:.2f}x)")]
+
+
+def grammar(d: dict) -> list[Row]:
+    """bench/grammar.py: llguidance's token mask of a JSON schema, a token, at a published
+    vocabulary's size (issue 51)."""
+    return [Row("Serving", f"response_format mask (llguidance) a token, {d['vocab']} ids, a nested JSON schema",
+                f"p50 {d['mask_us_p50']:.0f} us, p99 {d['mask_us_p99']:.0f} us; a constrained draw "
+                f"{d['constrained_draw_us_p50']:.0f} us against {d['plain_draw_us_p50']:.0f} us")]
+
+
 def soak(d: dict) -> list[Row]:
     """bench/soak.py: a seeded random workload against a real server for minutes (concurrent streams,
     stop strings, cancels and disconnects, extreme and invalid bodies, bursts past the queue, a stage
@@ -666,6 +685,9 @@ EXTRACTORS = (
     Extractor("reference_cpu.json", reference_cpu),
     Extractor("generate.json", generate),
     Extractor("serve.json", serve),
+    Extractor("serve_logprobs.json", serve_cost),
+    Extractor("serve_json_schema.json", serve_cost),
+    Extractor("grammar.json", grammar),
     Extractor("soak.json", soak),
     Extractor("checkpoint.json", checkpoint),
     Extractor("quant.json", quant),
