@@ -1,33 +1,38 @@
-"""TVM's paged-KV kernels (decode attention over a page table, and the append by position map) in
-tvmpipe's launch form: static shapes, a flat list of CUDA launches, one CUDA translation unit.
+"""TVM's paged-KV kernels (decode and chunk attention over a page table, and the append by position
+map) in tvmpipe's launch form: static shapes, a flat list of CUDA launches, one CUDA translation unit.
 
 The kernels are TVM 0.27's own TIR generators in `tvm.relax.frontend.nn.llm` (plain TIR, no
-FlashInfer): `_attention_decode` (`batch_decode_paged_kv`) and `_kv_cache_transpose_append`
-(`tir_kv_cache_transpose_append`); `_attention_decode_cpu` is the llvm variant that the tests run
-on a machine without a GPU (tests/compiler/test_pagedkv.py, against executor/paged_attention.py).
+FlashInfer): `_attention_decode` (`batch_decode_paged_kv`: one query a row), `_attention_prefill`
+(`batch_prefill_paged_kv`: a chunk of queries a row, causal, packed by `q_indptr`) and
+`_kv_cache_transpose_append` (`tir_kv_cache_transpose_append`). `_attention_decode_cpu` and
+`_attention_prefill_cpu` are the llvm variants that the tests run on a machine without a GPU
+(tests/compiler/test_pagedkv.py, against executor/paged_attention.py). Each of the three is one
+kernel launch with no workspace (the prefill kernel's grid is a fixed number of blocks per KV
+head that walk the rows' query tiles).
 
 What had to change for a flat launch list (compiler/launches.py):
-- **Symbolic shapes.** Both generators take every size that a runtime cache varies as a symbolic
+- **Symbolic shapes.** The generators take every size that a runtime cache varies as a symbolic
   variable: the rows `B`, the page pool `max_num_pages`, the page table's length `nnz_pages`, the
   append's token count `ntoken`, and each buffer's `elem_offset`. A launch list's grid must be a
   number, and a symbolic `elem_offset` becomes a kernel argument computed from the DLTensor at run
   time, which a flat list cannot pass. tvmpipe's steps are static anyway (rows = batch x slots, the
-  pool sized once per stage), so `specialize_static` replaces each buffer parameter, in parameter
-  order, by a buffer of the step's static shape with offset 0 (`PrimFunc.specialize`). The order
-  matters: `page_table_indptr` is `(B + 1,)`, which specialize cannot bind by itself; once `Q` has
-  bound `B` it is a constant and matches. The page table's length is a capacity
-  (`PagedShape.table_capacity`): entries past `indptr[B]` are never read.
-- **Scalar parameters.** `rotary_mode`, `rope_scale`, `rope_theta` and `sm_scale` are kernel
-  arguments taken from the host call; a flat launch list has no host values to pass, so they are
-  specialized to constants. `rotary_mode` is 0: tvmpipe's decode step applies rotary itself before
+  pool sized once per stage), so `specialize_static` replaces each buffer parameter by a buffer of
+  the step's static shape with offset 0 (`PrimFunc.specialize`). The order matters:
+  `page_table_indptr` is `(B + 1,)`, which specialize cannot bind by itself; once a buffer of shape
+  `(B, ...)` has bound `B` it is a constant and matches. The page table's length is a capacity
+  (`PagedShape.table_capacity`): entries past `indptr[B]` are never read; so is the chunk's query
+  count (`tokens`): query slots past `q_indptr[B]` are not computed.
+- **Scalar parameters.** `rotary_mode`, `rope_scale`, `rope_theta`, `sm_scale` (and the chunk's
+  `causal`, 1) are kernel arguments taken from the host call; a flat launch list has no host values
+  to pass, so they are specialized to constants. `rotary_mode` is 0: tvmpipe's decode step applies rotary itself before
   the attention (compiler/decoders.py), and K is stored in the pages already rotated, so the kernel
   must not rotate again. With it 0 the kernel no longer reads `k_rope_pos_offset` and
   `q_rope_position`; the launch does not pass them (the host code read by launches.py says which
   function arguments each kernel takes).
-- **Schedules.** The decode kernel comes scheduled (thread bindings, `tirx.is_scheduled`); the
+- **Schedules.** The attention kernels come scheduled (thread bindings, `tirx.is_scheduled`); the
   append is a plain loop nest and gets dlight's `gpu.Fallback`, as TVM's own test does.
 
-`lse` (an output of the decode kernel, [B, H_qo] float32) is in log2 units (the kernel works with
+`lse` (an output of the attention kernels, [rows or queries, H_qo] float32) is in log2 units (the kernel works with
 `exp2`): log2 of the softmax denominator of the scaled scores. It is what `merge_state_inplace`
 combines; the decode step itself only reads `output`.
 """
@@ -42,6 +47,7 @@ from tvmpipe.bundle.manifests import KernelFunction
 from tvmpipe.compiler.errors import CompileError
 
 DECODE = "paged_decode"
+PREFILL = "paged_prefill"
 APPEND = "paged_append"
 
 
@@ -85,6 +91,15 @@ class PagedShape:
                 ("last_page_len", (b,), "int32"), ("k_rope_pos_offset", (b,), "int32"),
                 ("q_rope_position", (b,), "int32"), ("output", (b, hq, d), self.dtype), ("lse", (b, hq), "float32")]
 
+    def prefill_args(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """The chunk (prefill) function's buffer arguments in order: `tokens` queries packed by
+        `q_indptr` (row b's are q[q_indptr[b]:q_indptr[b + 1]], the last tokens of its length)."""
+        b, t, hq, d = self.rows, self.tokens, self.num_qo_heads, self.head_dim
+        return [("q", (t, hq, d), self.dtype), ("q_indptr", (b + 1,), "int32"), ("pages", self.pool_shape, self.dtype),
+                ("page_table_indptr", (b + 1,), "int32"), ("page_table_values", (self.table_capacity,), "int32"),
+                ("last_page_len", (b,), "int32"), ("k_rope_pos_offset", (b,), "int32"),
+                ("q_rope_position", (t,), "int32"), ("output", (t, hq, d), self.dtype), ("lse", (t, hq), "float32")]
+
     def append_args(self) -> list[tuple[str, tuple[int, ...], str]]:
         """The append function's buffer arguments in order (pages is written in place)."""
         t, hkv, d = self.tokens, self.num_kv_heads, self.head_dim
@@ -101,35 +116,45 @@ def specialize_static(func: Any, shapes: list[tuple[str, tuple[int, ...], str]],
     """`func` with every buffer parameter of static shape and offset 0, and its scalar parameters
     constants: the i-th buffer parameter takes `shapes[i]`, a scalar parameter `scalars[name]`.
 
-    One parameter at a time, in order, so that a shape derived from an earlier one's variable
-    (`(B + 1,)`) is a constant by the time it is bound. Each given shape is checked against the
-    parameter's own (after the earlier bindings) by specialize itself."""
+    `PrimFunc.specialize` binds a buffer only where each dimension is a constant or a bare
+    variable; a derived one (`(batch_size + 1,)`) must already be a constant, through an earlier
+    binding of its variable. So the buffers are bound in passes, each taking those whose shapes
+    are bindable now, until none is left. specialize itself checks each given shape against the
+    parameter's (a mismatch raises)."""
     from tvm import tirx
 
     scalars = dict(scalars or {})
-    names = [p.name for p in func.params]
-    buffers = iter(shapes)
-    for name in names:
-        param = next(p for p in func.params if p.name == name)
-        shape = getattr(param, "shape", None)
-        if shape is not None and len(shape):
-            _, dims, dtype = next(buffers)
-            if len(dims) != len(shape):
-                raise CompileError(f"internal: {name} has {len(shape)} dimensions, given {dims}")
+    buffer_names = [p.name for p in func.params if getattr(p, "shape", None) is not None and len(p.shape)]
+    if len(buffer_names) != len(shapes):
+        raise CompileError(f"internal: {len(buffer_names)} buffer parameters, {len(shapes)} shapes given")
+    pending = dict(zip(buffer_names, shapes))
+
+    def param(name: str) -> Any:
+        return next(p for p in func.params if p.name == name)
+
+    def bindable(dim: Any) -> bool:
+        return isinstance(dim, (tirx.IntImm, tirx.Var))
+
+    while pending:
+        ready = [n for n in pending if all(bindable(d) for d in param(n).shape)]
+        if not ready:
+            raise CompileError(f"internal: the shapes of {sorted(pending)} derive from variables no buffer binds")
+        for name in ready:
+            p = param(name)
+            _, dims, dtype = pending.pop(name)
+            if len(dims) != len(p.shape) or str(p.dtype) != dtype:
+                raise CompileError(f"internal: {name} is {p.dtype}{list(p.shape)}, given {dtype}{list(dims)}")
             static = [d if isinstance(d, tirx.IntImm) and int(d) == n else tirx.IntImm(str(d.ty), n)
-                      for d, n in zip(shape, dims)]
-            if str(param.dtype) != dtype:
-                raise CompileError(f"internal: {name} is {param.dtype}, given {dtype}")
-            func = func.specialize({param: tirx.decl_buffer(static, dtype, name)})
-        else:
-            if name not in scalars:
-                raise CompileError(f"internal: no value for scalar parameter {name}")
-            value = scalars.pop(name)
-            dt = str(param.ty.dtype) if hasattr(param.ty, "dtype") else str(param.dtype)
-            const = tirx.FloatImm(dt, float(value)) if "float" in dt else tirx.IntImm(dt, int(value))
-            func = func.specialize({param: const})
+                      for d, n in zip(p.shape, dims)]
+            func = func.specialize({p: tirx.decl_buffer(static, dtype, name)})
+    for p in [p for p in func.params if p.name not in buffer_names]:
+        if p.name not in scalars:
+            raise CompileError(f"internal: no value for scalar parameter {p.name}")
+        value = scalars.pop(p.name)
+        dt = str(p.ty.dtype)
+        func = func.specialize({p: tirx.FloatImm(dt, float(value)) if "float" in dt else tirx.IntImm(dt, int(value))})
     if scalars:
-        raise CompileError(f"internal: {sorted(scalars)} are not parameters of {func}")
+        raise CompileError(f"internal: {sorted(scalars)} are not parameters of the function")
     return func
 
 
@@ -154,6 +179,31 @@ def decode_func_cpu(shape: PagedShape) -> Any:
     f = _attention_decode_cpu(shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, shape.dtype, False, {},
                               shape.page_size)
     return specialize_static(f, shape.decode_args(), decode_scalars(shape))
+
+
+def prefill_scalars(shape: PagedShape) -> dict[str, float | int]:
+    """The chunk kernel's scalars: causal (query j of a row's n sees its first length - n + j + 1
+    tokens), no rotary."""
+    return {"causal": 1, **decode_scalars(shape)}
+
+
+def prefill_func(shape: PagedShape, target: Any) -> Any:
+    """`batch_prefill_paged_kv` for `target` (scheduled by its generator), static: a chunked step's
+    attention (several new tokens a row) over the pages."""
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill
+
+    f = _attention_prefill(shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, shape.dtype, False, {}, target,
+                           shape.page_size)
+    return specialize_static(f, shape.prefill_args(), prefill_scalars(shape))
+
+
+def prefill_func_cpu(shape: PagedShape) -> Any:
+    """The llvm variant (`_attention_prefill_cpu`), static the same way."""
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu
+
+    f = _attention_prefill_cpu(shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, shape.dtype, False, {},
+                               shape.page_size)
+    return specialize_static(f, shape.prefill_args(), prefill_scalars(shape))
 
 
 def append_func(shape: PagedShape) -> Any:
@@ -190,9 +240,9 @@ def build_paged_kernels(shape: PagedShape, arch: str = "sm_90") -> PagedKernels:
     target = launches.cuda_target(arch)
     with target:
         append = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({APPEND: append_func(shape)}))[APPEND]
-    funcs = {DECODE: decode_func(shape, target), APPEND: append}
+    funcs = {DECODE: decode_func(shape, target), PREFILL: prefill_func(shape, target), APPEND: append}
     lowered = {name: launches.lower_function(name, f, target) for name, f in funcs.items()}
     device = {sym: f for low in lowered.values() for sym, f in low.device_funcs.items()}
     return PagedKernels(shape=shape, functions={n: low.kernels for n, low in lowered.items()},
-                        args={DECODE: shape.decode_args(), APPEND: shape.append_args()},
+                        args={DECODE: shape.decode_args(), PREFILL: shape.prefill_args(), APPEND: shape.append_args()},
                         cuda_source=launches.cuda_source(device, target))

@@ -105,6 +105,33 @@ def decode(q: np.ndarray, pages: np.ndarray, page_table_indptr: np.ndarray, page
     return out.astype(q.dtype), lse
 
 
+def prefill(q: np.ndarray, q_indptr: np.ndarray, pages: np.ndarray, page_table_indptr: np.ndarray,
+            page_table_values: np.ndarray, last_page_len: np.ndarray, causal: bool = True,
+            sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A chunked step's attention: row b's queries q[q_indptr[b]:q_indptr[b + 1]] ([T, Hq, D],
+    packed) are its last n tokens (already appended), so with `causal` its query j sees the first
+    `length - n + j + 1` tokens; without, all `length`. Returns (output [T, Hq, D] in q's dtype,
+    lse [T, Hq] float32, log2 units); query slots past q_indptr[B] are zeros."""
+    total, hq, d = q.shape
+    b_rows = len(q_indptr) - 1
+    page_size = pages.shape[3]
+    if len(page_table_indptr) != b_rows + 1 or not 0 <= q_indptr[0] <= q_indptr[-1] <= total:
+        raise PageTableError(f"{b_rows} rows of queries against page_table_indptr of {len(page_table_indptr)}, "
+                             f"q_indptr ending at {q_indptr[-1]} of {total} queries")
+    out = np.zeros((total, hq, d), np.float32)
+    lse = np.zeros((total, hq), np.float32)
+    for b in range(b_rows):
+        lo, hi = int(q_indptr[b]), int(q_indptr[b + 1])
+        length = row_length(page_table_indptr, last_page_len, page_size, b)
+        if hi - lo > length:
+            raise PageTableError(f"row {b}: {hi - lo} queries but {length} tokens in its pages")
+        k, v = gather_kv(pages, row_pages(page_table_indptr, page_table_values, b), length)
+        for j in range(hi - lo):
+            seen = length - (hi - lo) + j + 1 if causal else length
+            out[lo + j], lse[lo + j] = dense_attention(q[lo + j], k[:seen], v[:seen], sm_scale)
+    return out.astype(q.dtype), lse
+
+
 def append(pages: np.ndarray, k: np.ndarray, v: np.ndarray, position_map: np.ndarray) -> None:
     """Write token t's K and V ([T, Hkv, D] each) at `position_map[t]` (page * page_size + offset)
     in place; -1 skips the token. Two tokens at one position is an error (the kernel's result

@@ -44,15 +44,20 @@ def shape_for(hkv: int, hq: int, dtype: str, tokens: int = 8):
 # ---- the oracle against plain attention (no TVM) ---------------------------------------------------
 
 
-def torch_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """q [Hq, D] over k/v [L, Hkv, D] with torch's scaled_dot_product_attention, KV heads repeated."""
+def torch_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool = False) -> np.ndarray:
+    """q [n, Hq, D], the last n of L tokens, over k/v [L, Hkv, D] with torch's
+    scaled_dot_product_attention, KV heads repeated; causal: query j sees the first L - n + j + 1."""
     import torch
 
-    group = q.shape[0] // k.shape[1]
-    qt = torch.from_numpy(q.astype(np.float32))[:, None, :]  # [Hq, 1, D]
+    group = q.shape[1] // k.shape[1]
+    n, length = q.shape[0], k.shape[0]
+    qt = torch.from_numpy(q.astype(np.float32)).transpose(0, 1)  # [Hq, n, D]
     kt = torch.from_numpy(k.astype(np.float32)).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
     vt = torch.from_numpy(v.astype(np.float32)).transpose(0, 1).repeat_interleave(group, 0)
-    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)[:, 0, :].numpy()
+    mask = torch.ones(n, length, dtype=torch.bool)
+    if causal:
+        mask = torch.arange(length)[None, :] < (length - n + torch.arange(n) + 1)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(0, 1).numpy()
 
 
 @pytest.mark.parametrize("hkv, hq", [(2, 8), (4, 4)])
@@ -77,9 +82,25 @@ def test_the_oracle_is_ordinary_attention_over_each_rows_tokens_in_order(hkv, hq
         if n == 0:
             assert not out[b].any() and (lse[b] == pa.EMPTY_LSE).all()
             continue
-        np.testing.assert_allclose(out[b], torch_attention(q[b], tokens_k[b], tokens_v[b]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[b], torch_attention(q[b][None], tokens_k[b], tokens_v[b])[0], rtol=1e-5, atol=1e-5)
         s = np.einsum("hd,lhd->hl", q[b], np.repeat(tokens_k[b], hq // hkv, axis=1)) / np.sqrt(d)
         np.testing.assert_allclose(lse[b], np.log2(np.exp(s).sum(axis=1)), rtol=1e-5)
+
+    # a chunk: each row's last min(length, 3) tokens as queries, causal among themselves
+    counts = [min(n, 3) for n in LENGTHS]
+    q_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    qc = rng.standard_normal((int(q_indptr[-1]) + 2, hq, d)).astype(np.float32)  # 2 spare slots
+    outc, _ = pa.prefill(qc, q_indptr, pages, indptr, values, last)
+    assert not outc[q_indptr[-1]:].any()
+    for b, n in enumerate(LENGTHS):
+        lo, hi = q_indptr[b], q_indptr[b + 1]
+        if hi > lo:
+            np.testing.assert_allclose(outc[lo:hi], torch_attention(qc[lo:hi], tokens_k[b], tokens_v[b], causal=True),
+                                       rtol=1e-5, atol=1e-5)
+    # the chunk's last query sees the whole row: what a decode of that query gives
+    lastq = np.stack([qc[q_indptr[b + 1] - 1] if counts[b] else np.zeros((hq, d), np.float32) for b in range(len(LENGTHS))])
+    np.testing.assert_allclose(pa.decode(lastq, pages, indptr, values, last)[0][[b for b, c in enumerate(counts) if c]],
+                               outc[q_indptr[1:][np.array(counts) > 0] - 1], rtol=1e-6, atol=1e-6)
 
 
 def test_the_oracle_refuses_contradictory_tables():
@@ -98,10 +119,10 @@ def test_the_oracle_refuses_contradictory_tables():
 def build_cpu(shape):
     import tvm
 
-    from tvmpipe.compiler.pagedkv import append_func, decode_func_cpu
+    from tvmpipe.compiler.pagedkv import append_func, decode_func_cpu, prefill_func_cpu
 
-    return (tvm.compile(tvm.IRModule({"main": decode_func_cpu(shape)}), target="llvm")["main"],
-            tvm.compile(tvm.IRModule({"main": append_func(shape)}), target="llvm")["main"])
+    return [tvm.compile(tvm.IRModule({"main": f}), target="llvm")["main"]
+            for f in (decode_func_cpu(shape), append_func(shape), prefill_func_cpu(shape))]
 
 
 @pytest.mark.tvm
@@ -110,7 +131,7 @@ def build_cpu(shape):
 def test_tvm_paged_kernels_agree_with_the_oracle(hkv, hq, dtype):
     tvm = pytest.importorskip("tvm")
     shape = shape_for(hkv, hq, dtype)
-    decode, append = build_cpu(shape)
+    decode, append, prefill = build_cpu(shape)
     rng = np.random.default_rng(11)
     indptr, values, last = random_table(rng, LENGTHS, shape.page_size, shape.num_pages, shape.table_capacity)
     garbage = rng.standard_normal(shape.pool_shape).astype(dtype)
@@ -143,11 +164,28 @@ def test_tvm_paged_kernels_agree_with_the_oracle(hkv, hq, dtype):
     np.testing.assert_allclose(out.numpy().astype(np.float32), want_out.astype(np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=tol, atol=tol)
 
+    # a chunked step: each row's last 0-2 tokens as queries (8 slots, the spare ones past q_indptr[B])
+    counts = [0, 1, 2, 1, 2, 2]
+    q_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    qc = rng.standard_normal((shape.tokens, hq, 32)).astype(dtype)
+    outc = tvm.runtime.tensor(np.zeros((shape.tokens, hq, 32), dtype))
+    lsec = tvm.runtime.tensor(np.zeros((shape.tokens, hq), np.float32))
+    prefill(tvm.runtime.tensor(qc), tvm.runtime.tensor(q_indptr), tvm_pages, tvm.runtime.tensor(indptr),
+            tvm.runtime.tensor(values), tvm.runtime.tensor(last), unused, tvm.runtime.tensor(np.zeros(shape.tokens, np.int32)),
+            outc, lsec)
+    want_out, want_lse = pa.prefill(qc, q_indptr, ref_pages, indptr, values, last)
+    n = q_indptr[-1]
+    np.testing.assert_allclose(outc.numpy()[:n].astype(np.float32), want_out[:n].astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(lsec.numpy()[:n], want_lse[:n], rtol=tol, atol=tol)
+
 
 # ---- the CUDA kernels as launch lists ---------------------------------------------------------------
 
 # the CUDA kernels' parameter names (TVM's buffer names + "_ptr") for tvmpipe's argument names
-TVM_NAMES = {"q": "Q", "last_page_len": "length_info", "k": "k_data", "v": "v_data"}
+TVM_NAMES = {"paged_decode": {"q": "Q", "last_page_len": "length_info"},
+             "paged_prefill": {"last_page_len": "length_info", "page_table_indptr": "page_indptr",
+                               "page_table_values": "page_values"},
+             "paged_append": {"k": "k_data", "v": "v_data"}}
 
 
 @pytest.fixture(scope="module")
@@ -163,22 +201,25 @@ def cuda_kernels():
 def test_cuda_kernels_are_one_static_launch_each(cuda_kernels):
     for kernels in cuda_kernels.values():
         s = kernels.shape
-        assert kernels.launch_count() == {"paged_decode": 1, "paged_append": 1}
+        assert kernels.launch_count() == {"paged_decode": 1, "paged_prefill": 1, "paged_append": 1}
         (dec,), (app,) = kernels.functions["paged_decode"].launches, kernels.functions["paged_append"].launches
         assert dec.grid[0] == s.rows and dec.grid[1] % s.num_kv_heads == 0  # a block per row and KV head (group)
-        assert not kernels.functions["paged_decode"].workspaces and not kernels.functions["paged_append"].workspaces
+        assert not any(f.workspaces for f in kernels.functions.values())
         assert app.grid[0] * app.block[0] >= s.tokens * s.num_kv_heads * s.head_dim
-        for fn, launch in (("paged_decode", dec), ("paged_append", app)):
+        (pre,) = kernels.functions["paged_prefill"].launches
+        for fn, launch in (("paged_decode", dec), ("paged_prefill", pre), ("paged_append", app)):
             args = kernels.args[fn]
             assert all(a.kind == "arg" and 0 <= a.index < len(args) for a in launch.args)
             # in the kernel's own parameter order, each operand is the buffer of that name
             m = re.search(rf"void __launch_bounds__\(\d+\) {launch.kernel}\(([^)]*)\)", kernels.cuda_source)
             params = [p.split()[-1].removesuffix("_ptr") for p in m.group(1).split(",")]
-            named = [TVM_NAMES.get(args[a.index][0], args[a.index][0]) for a in launch.args]
+            named = [TVM_NAMES[fn].get(args[a.index][0], args[a.index][0]) for a in launch.args]
             assert params == named, (fn, params, named)
         # no rotary in the kernel: its rope offsets are not passed
         assert {kernels.args["paged_decode"][a.index][0] for a in dec.args} == {
             "q", "pages", "page_table_indptr", "page_table_values", "last_page_len", "output", "lse"}
+        assert {kernels.args["paged_prefill"][a.index][0] for a in pre.args} == {
+            "q", "q_indptr", "pages", "page_table_indptr", "page_table_values", "last_page_len", "output", "lse"}
 
 
 @pytest.mark.tvm
