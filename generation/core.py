@@ -13,7 +13,7 @@ restarts: PipelineError) raises from `step`.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.generation.requests import FinishReason, Request, SequenceResult, TokenEvent
@@ -35,9 +35,9 @@ class EngineCore:
         self.scheduler = Scheduler(pipe, **scheduler_kw)
         self.layout = self.scheduler.layout
         self.stalls = 0  # times the scheduler had nothing to submit while busy (a bug, survived)
-        # (tokenizer.json's text, eos ids): what the sampling stage builds a grammar's tokenizer from
-        # (generation.engine.Engine sets it from its codec)
-        self.grammar_tokenizer: tuple[str, tuple[int, ...]] | None = None
+        # -> (tokenizer.json's text, eos ids): what the sampling stage builds a grammar's tokenizer from,
+        # made when a grammar first needs it (generation.engine.Engine sets it from its codec)
+        self.grammar_tokenizer: Callable[[], tuple[str, tuple[int, ...]]] | None = None
 
     @property
     def busy(self) -> bool:
@@ -75,7 +75,7 @@ class EngineCore:
                     if self.grammar_tokenizer is None:
                         s.cancel(index, FinishReason.ERROR, "a grammar needs a tokenizer: this engine has none")
                         continue
-                    pipe.install_sampling(index, extras, self.grammar_tokenizer)
+                    pipe.install_sampling(index, extras, self.grammar_tokenizer())
             except TvmpipeError as exc:  # the stage is restarting: its rows draw STATE_LOST, installed again then
                 print(f"tvmpipe engine: sequence {index}: sampling extras not installed ({exc}); "
                       "installed again when its step asks", file=sys.stderr)

@@ -21,6 +21,7 @@ open request and closes the engine.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -47,7 +48,7 @@ class Engine:
     def __init__(self, pipe: "Pipeline", codec: "TextCodec | None" = None, **scheduler_kw):
         self.core = EngineCore(pipe, **scheduler_kw)
         if codec is not None:  # what the sampling stage builds a grammar's tokenizer from (response_format)
-            self.core.grammar_tokenizer = (codec.tokenizer.to_str(), tuple(codec.stop_token_ids))
+            self.core.grammar_tokenizer = functools.cache(lambda: (codec.tokenizer.to_str(), tuple(codec.stop_token_ids)))
         self.pipe = pipe
         self.layout = self.core.layout
         self.codec = codec
