@@ -20,6 +20,8 @@ Life of a sequence (the scheduler calls these; docs/paged-kv.md):
 - `free(seq)` on finish, cancel or failure: its pages lose a reference; a full confirmed page
   nobody holds stays cached (least recently freed evicted first when a fresh page is needed),
   any other goes back to the free list.
+- `grow_all(pool, needs, admitted)` before a step when the pool may be full: the preemption policy
+  (preempt by recompute, newest admitted first), below.
 - `forget_cached()` after a stage lost its state: the cached pages' K/V are gone, so they leave
   the table; pages held by live sequences are rewritten by the scheduler's replay, at the same ids.
 
@@ -271,3 +273,43 @@ class PagePool:
             del self._page_of[self._key_of.pop(page)]
         self._refs[page] = 1
         return page
+
+
+@dataclass(frozen=True)
+class Growth:
+    """What `grow_all` did besides growing: `preempted` sequences were freed to make room (newest
+    admitted first; the scheduler queues each again, at the head, with its prompt and the tokens
+    generated so far as its new prompt: preempt by recompute), `unfit` ones were freed because
+    they need more pages than the whole pool (the scheduler ends them with `context`). Neither
+    takes part in the step."""
+
+    preempted: tuple[Hashable, ...] = ()
+    unfit: tuple[Hashable, ...] = ()
+
+
+def grow_all(pool: PagePool, needs: Sequence[tuple[Hashable, int]], admitted: Sequence[Hashable]) -> Growth:
+    """Grow each (sequence, tokens) of a step, in order; when the pool has no page left, free the
+    most recently admitted sequence that still holds pages (`admitted` is the admission order,
+    oldest first) and try again, the growing sequence itself included when it is the newest. So
+    the oldest requests keep running, each preemption frees at least one page's holder, and the
+    loop ends: no step waits on pages that cannot come and nothing is allocated past the pool."""
+    preempted: list[Hashable] = []
+    unfit: list[Hashable] = []
+    order = [s for s in admitted if s in pool]
+    if len(order) != len(pool._seqs):
+        raise PagePoolError("grow_all: `admitted` must list every sequence that holds pages")
+    for seq, tokens in needs:
+        if seq not in pool:
+            continue  # preempted earlier in this step
+        if pool.pages_for(tokens) > pool.num_pages:
+            pool.free(seq)
+            unfit.append(seq)
+            order.remove(seq)
+            continue
+        while not pool.grow(seq, tokens):
+            victim = order.pop()  # the newest still holding pages: never empty while seq holds some
+            pool.free(victim)
+            preempted.append(victim)
+            if victim == seq:
+                break
+    return Growth(tuple(preempted), tuple(unfit))

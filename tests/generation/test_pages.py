@@ -7,11 +7,11 @@ sequence while another reads it, shows as a wrong token."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tvmpipe.generation.pages import PagePool, PagePoolError, page_key, ROOT
+from tvmpipe.generation.pages import ROOT, PagePool, PagePoolError, grow_all, page_key
 
 P = 4  # tokens a page: small, so sequences span many pages
 N = 24  # pages in the pool
@@ -203,3 +203,35 @@ def test_misuse_is_refused_and_changes_nothing():
     assert pool.grow("a", 8) and pool.pages("a") == (0, 1)
     with pytest.raises(PagePoolError):
         pool.free("b")
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8), shared=st.booleans(), data=st.data())
+def test_grow_all_preempts_the_newest_until_the_oldest_fit(lengths, shared, data):
+    pool = PagePool(10, 4)
+    admitted = []
+    for i, n in enumerate(lengths):  # admit while they fit, sharing a prompt's first page when asked
+        prompt = ([9, 9, 9, 9] if shared else [i] * 4) + [i]
+        got = pool.reserve(i, prompt, max(n, len(prompt)))
+        if got is not None:
+            pool.confirm(i, prompt[got.hit_tokens:])
+            admitted.append(i)
+    needs = [(s, data.draw(st.integers(1, 48))) for s in admitted]
+    got = grow_all(pool, needs, admitted)
+    gone = set(got.preempted) | set(got.unfit)
+    event(f"preempted {min(len(got.preempted), 2)}+, unfit {bool(got.unfit)}")
+    assert not set(got.preempted) & set(got.unfit)
+    too_big = {s for s, t in needs if -(-t // 4) > 10}
+    assert set(got.unfit) <= too_big <= gone  # unfit: more than the pool alone (unless preempted before)
+    for s, t in needs:
+        assert (s not in pool) == (s in gone)
+        if s in pool:
+            assert len(pool.pages(s)) >= -(-t // 4)
+    running = [s for s in admitted if s in pool]
+    assert not got.preempted or max(running, default=-1) < min(got.preempted)  # the newest went first
+    assert list(got.preempted) == sorted(got.preempted, reverse=True)
+    st_ = pool.stats()
+    assert st_.kv_tokens_held + st_.kv_tokens_cached + 4 * len(pool._free) == 40
+    for s in running:
+        pool.free(s)
+    assert pool.stats().kv_tokens_held == 0
