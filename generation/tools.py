@@ -95,6 +95,47 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
     raise ToolError(f"unknown tool call format {fmt!r}")
 
 
+class ToolStream:
+    """An answer read for tool calls as it streams: `push` returns the text that can be sent as
+    content now (never the start of a call: hermes holds back from `<tool_call>` on, and any tail
+    that could begin it; llama3 holds an answer that begins with `{`, as a call does); `finish`
+    reads the calls of the whole answer and returns the content not sent yet. `forced` (a call
+    is sure: tool_choice required or named) sends no content."""
+
+    MARK = "<tool_call>"
+
+    def __init__(self, fmt: str, forced: bool = False):
+        if fmt not in FORMATS:
+            raise ToolError(f"unknown tool call format {fmt!r}")
+        self.fmt, self.forced = fmt, forced
+        self.text = ""
+        self.sent = 0
+
+    def push(self, piece: str) -> str:
+        self.text += piece
+        if self.forced:
+            return ""
+        if self.fmt == "hermes":
+            at = self.text.find(self.MARK, max(0, self.sent - len(self.MARK)))
+            if at < 0:  # the longest tail that could begin the mark is held
+                at = len(self.text) - next((k for k in range(min(len(self.MARK) - 1, len(self.text)), 0, -1)
+                                            if self.MARK.startswith(self.text[-k:])), 0)
+        else:
+            head = self.text.lstrip()
+            at = self.sent if not head or head.startswith("{") else len(self.text)
+        out = self.text[self.sent:max(self.sent, at)]
+        self.sent = max(self.sent, at)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content not sent yet, and the calls (none: the rest of the answer is content)."""
+        content, calls = parse_tool_calls(self.text, self.fmt)
+        if not calls:
+            return self.text[self.sent:], []
+        end = self.text.index(self.MARK) if self.fmt == "hermes" else 0
+        return self.text[self.sent:end].rstrip() if end > self.sent else "", calls
+
+
 def _call_schema(functions: Sequence[dict[str, Any]], args_key: str) -> dict[str, Any]:
     """The JSON schema of one call of any of `functions` (OpenAI function objects; their arguments
     an object, as OpenAI's parameters always are, also where the schema leaves the type out)."""

@@ -223,7 +223,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         counters.prompt_tokens += prepared.prompt_tokens
         prompts = ask.prompts or (ask.prompt,)
         reply = Reply(ask, service.model, prepared.prompt_ids, token_text=service.token_text,
-                      prompts=prepared.prompts, tool_format=prepared.tool_format,
+                      prompts=prepared.prompts, tool_format=prepared.tool_format, tool_forced=prepared.tool_forced,
                       prompt_texts=[service.prompt_text(ask, p, ids) for p, ids in zip(prompts, prepared.prompts)]
                       if ask.echo else [])
         if len(seqs) > 1:
@@ -250,14 +250,18 @@ async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
         first = False
     count = 0
     scored = ask.logprobs is not None or (ask.echo and not ask.chat)
-    held: list[str] = []  # a chat with tools: the answer, sent once whole (its calls are known at its end)
+    tools = reply.tool_stream() if reply.tool_format is not None else None  # content now, calls at the end
     try:
         async for out in seq.outputs():
             count += len(out.token_ids)
-            if reply.tool_format is not None:
-                held.append(out.text)
+            if tools is not None:
+                text = tools.push(out.text)
                 if out.finish is not None:
-                    yield sse(reply.tool_chunk("".join(held), finish_reason(out.finish)))
+                    if text:
+                        yield sse(reply.chunk(text, None, None))
+                    yield sse(reply.tool_chunk(tools, finish_reason(out.finish)))
+                elif text:
+                    yield sse(reply.chunk(text, None, None))
                 continue
             if scored:  # each chunk carries its tokens' log probabilities (the first: an echo's prompt)
                 finish = finish_reason(out.finish) if out.finish is not None else None
@@ -361,15 +365,18 @@ async def events_of_choices(seqs: list[ServedSequence], reply: Reply) -> AsyncIt
         for i in range(len(seqs)):
             yield sse(reply.chunk("", [], None, first=True, index=i))
             started.add(i)
-    held: dict[int, list[str]] = {}  # a chat with tools: each answer, sent once whole
+    tools: dict[int, Any] = {}  # a chat with tools: each answer's content now, its calls at its end
     try:
         async for i, out in _choices(seqs):
             count += len(out.token_ids)
             finish = finish_reason(out.finish) if out.finish is not None else None
             if reply.tool_format is not None:
-                held.setdefault(i, []).append(out.text)
+                stream = tools.get(i) or tools.setdefault(i, reply.tool_stream())
+                text = stream.push(out.text)
+                if text:
+                    yield sse(reply.chunk(text, None, None, index=i))
                 if finish is not None:
-                    yield sse(reply.tool_chunk("".join(held[i]), finish, i))
+                    yield sse(reply.tool_chunk(stream, finish, i))
                 continue
             yield sse(reply.chunk(out.text, list(out.token_ids), finish, first=i not in started, index=i,
                                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))

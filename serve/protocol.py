@@ -528,6 +528,7 @@ class Reply:
     prompts: list[list[int]] = field(default_factory=list)
     prompt_texts: list[str] = field(default_factory=list)
     tool_format: str | None = None  # chat with tools: answers are read for tool calls (generation.tools)
+    tool_forced: bool = False  # tool_choice required or named: every answer is a call
     _template: tuple[str, list[str]] | None = field(default=None, repr=False)
     _offsets: dict[int, int] = field(default_factory=dict, repr=False)  # choice -> text offset so far (streams)
 
@@ -627,15 +628,26 @@ class Reply:
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}, "tool_calls"
 
-    def tool_chunk(self, text: str, finish: str, index: int = 0) -> dict[str, Any]:
-        """The streamed answer of a chat with tools, once whole (a call is known only at its end):
-        its content and its tool calls in one delta, with the finish_reason."""
-        message, finish = self.message(text, finish)
+    def tool_stream(self) -> Any:
+        """What a streamed chat with tools sends of each answer as it comes (generation.tools.ToolStream)."""
+        from tvmpipe.generation.tools import ToolStream
+
+        return ToolStream(self.tool_format, self.tool_forced)
+
+    def tool_chunk(self, stream: Any, finish: str, index: int = 0) -> dict[str, Any]:
+        """The last chunk of a streamed answer of a chat with tools (a call is known only at its
+        end): the content not sent yet, the calls in one delta, and the finish_reason."""
+        content, calls = stream.finish()
+        if not self.ask.parallel_tool_calls:
+            calls = calls[:1]
         delta: dict[str, Any] = {}
-        if message.get("content"):
-            delta["content"] = message["content"]
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": k, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}}
+                                   for k, c in enumerate(calls)]
+            finish = "tool_calls"
         out = {**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": None,
                                                 "finish_reason": finish}]}
         if self.ask.include_usage:

@@ -53,6 +53,7 @@ class Prepared:
     n: int = 1
     runs: int = 1
     tool_format: str | None = None  # chat with tools: the format its answers' tool calls are read in
+    tool_forced: bool = False  # tool_choice required or named: every answer is a call
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -183,7 +184,7 @@ class Service:
         if self.codec is not None and not ask.ignore_eos:
             stops += [t for t in self.codec.stop_token_ids if t not in stops]
         grammar = self.grammar(ask) if ask.json_output else None
-        fmt = None
+        fmt, forced = None, None
         if ask.tools and ask.tool_choice != "none":
             fmt, forced = self.tool_grammar(ask)
             grammar = forced or grammar
@@ -211,4 +212,4 @@ class Service:
             except TvmpipeError as exc:
                 raise from_generation_error(exc, ask.prompt_param, ask.tokens_param) from None
             prompts.append(ids)
-        return Prepared(prompts, requests, ask.n, runs, fmt)
+        return Prepared(prompts, requests, ask.n, runs, fmt, forced is not None)

@@ -85,3 +85,26 @@ def test_a_chat_with_tools_renders_as_transformers(tmp_path):
                                                                        tokenize=False)
     assert codec.render_chat(history, tools=tools) == want
     assert "<tools>" in want and '"arguments": {"c": "Rome"}' in want and "<tool_response>" in want
+
+
+def test_a_streamed_answer_sends_content_never_a_call():
+    """ToolStream: content goes out as it comes, the start of a call (or what could begin it) is
+    held, the calls and the rest come at the end; a llama3 answer that starts as JSON is held."""
+    from tvmpipe.generation.tools import ToolStream
+
+    text = 'Let me check.\n<tool_call>\n{"name": "city", "arguments": {"c": "Rome"}}\n</tool_call>'
+    s = ToolStream("hermes")
+    sent = "".join(s.push(text[i:i + 3]) for i in range(0, len(text), 3))
+    assert sent == "Let me check.\n" and "<" not in sent
+    rest, calls = s.finish()
+    assert rest == "" and calls == [ToolCall("city", '{"c": "Rome"}')]
+    s = ToolStream("hermes")
+    assert s.push("a <tool") == "a " and s.push("box>") == "<toolbox>"  # held while it could begin a call
+    assert s.finish() == ("", [])
+    s = ToolStream("llama3")
+    assert s.push(' {"name": "add", ') == "" and s.push('"parameters": {"a": 1}}') == ""
+    assert s.finish() == ("", [ToolCall("add", '{"a": 1}')])
+    s = ToolStream("llama3")
+    assert s.push("It is ") == "It is " and s.push("4.") == "4." and s.finish() == ("", [])
+    forced = ToolStream("hermes", forced=True)
+    assert forced.push("<tool_call>") == "" and forced.finish() == ("<tool_call>", [])

@@ -528,7 +528,7 @@ def test_tool_history_renders_as_transformers_and_auto_reads_plain_text(tools_cl
     """An assistant turn with tool_calls and no content, and the tool's result, are rendered by the
     template exactly as transformers' apply_chat_template renders them (arguments as an object; the
     tools themselves left out, for the context's sake: tests/generation/test_text.py renders them);
-    with tool_choice auto an answer without a call is plain content."""
+    with tool_choice auto an answer without a call is plain content, streamed as it comes."""
     import json
 
     from transformers import AutoTokenizer
@@ -551,6 +551,11 @@ def test_tool_history_renders_as_transformers_and_auto_reads_plain_text(tools_cl
                                                 tools=TOOLS, tool_choice="auto", max_tokens=4, temperature=0)
     c = auto.choices[0]
     assert c.message.tool_calls is None and c.finish_reason == "length" and isinstance(c.message.content, str)
+    chunks = list(tools_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                       tools=TOOLS, tool_choice="auto", max_tokens=4, temperature=0,
+                                                       stream=True))
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices[0].delta.content]
+    assert "".join(pieces) == c.message.content and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_tools_need_a_template_that_writes_calls(client):
