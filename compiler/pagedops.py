@@ -10,6 +10,9 @@ compiler/pagedkv.py's PrimFuncs: the way a decode step's graph will reach them (
   one query a row over its pages; the importer emits `R.call_tir(batch_decode_paged_kv, ...)`
   with zero rope offsets (the kernel reads them only with rotary on, and rotary is off) and keeps
   the attention output, dropping `lse`.
+- `tvmpipe::paged_prefill(q, q_indptr, pages, page_table_indptr, page_table_values, last_page_len)
+  -> out`: a chunked step's queries (packed by `q_indptr`: row b's are its last tokens, already
+  appended), causal; `R.call_tir(batch_prefill_paged_kv, ...)` likewise.
 
 The torch implementations are plain gathers and softmax attention (the compiler layer does not
 import the executor's NumPy oracle; the tests compare the two). `converters(target)` gives the
@@ -68,6 +71,32 @@ def register_torch_ops() -> None:
     def _(q, pages, page_table_indptr, page_table_values, last_page_len):  # noqa: ANN001, ANN202
         return torch.empty_like(q)
 
+    @torch.library.custom_op(f"{NAMESPACE}::paged_prefill", mutates_args=(),
+                             schema="(Tensor q, Tensor q_indptr, Tensor pages, Tensor page_table_indptr, "
+                                    "Tensor page_table_values, Tensor last_page_len) -> Tensor")
+    def paged_prefill(q: torch.Tensor, q_indptr: torch.Tensor, pages: torch.Tensor, page_table_indptr: torch.Tensor,
+                      page_table_values: torch.Tensor, last_page_len: torch.Tensor) -> torch.Tensor:
+        total, hq, d = q.shape
+        hkv, page_size = pages.shape[2], pages.shape[3]
+        out = torch.zeros(total, hq, d, dtype=torch.float32)
+        for b in range(len(q_indptr) - 1):
+            lo, hi = int(q_indptr[b]), int(q_indptr[b + 1])
+            ids = page_table_values[int(page_table_indptr[b]):int(page_table_indptr[b + 1])].long()
+            if hi == lo or ids.numel() == 0:
+                continue
+            length = (ids.numel() - 1) * page_size + int(last_page_len[b])
+            kv = pages[ids].permute(1, 2, 0, 3, 4).reshape(2, hkv, -1, d)[:, :, :length].float()
+            k, v = kv[0].repeat_interleave(hq // hkv, 0), kv[1].repeat_interleave(hq // hkv, 0)
+            n = hi - lo  # query j sees the first length - n + j + 1 tokens
+            mask = torch.arange(length)[None, :] < (length - n + torch.arange(n) + 1)[:, None]
+            out[lo:hi] = torch.nn.functional.scaled_dot_product_attention(
+                q[lo:hi].float().transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+        return out.to(q.dtype)
+
+    @paged_prefill.register_fake
+    def _(q, q_indptr, pages, page_table_indptr, page_table_values, last_page_len):  # noqa: ANN001, ANN202
+        return torch.empty_like(q)
+
     _REGISTERED.append(True)
 
 
@@ -118,4 +147,19 @@ def converters(target: Any | None) -> dict[str, Callable[[Any, Any], Any]]:
             [relax.TensorType(_dims(q), shape.dtype), relax.TensorType([rows, shape.num_qo_heads], "float32")]))
         return importer.block_builder.emit(relax.TupleGetItem(out, 0))
 
-    return {"paged_append.default": append, "paged_decode.default": decode}
+    def prefill(node: Any, importer: Any) -> Any:
+        import numpy as np
+        from tvm import relax
+
+        q, q_indptr, pages, indptr, values, last = _args(node, importer)
+        rows, tokens = _dims(q_indptr)[0] - 1, _dims(q)[0]
+        shape = shape_of(q, pages, values, rows=rows, tokens=tokens)
+        func = pagedkv.prefill_func(shape, target) if target is not None else pagedkv.prefill_func_cpu(shape)
+        gv = importer.block_builder.add_func(func, pagedkv.PREFILL)
+        out = importer.block_builder.emit(relax.call_tir(
+            gv, [q, q_indptr, pages, indptr, values, last, relax.const(np.zeros(rows, np.int32)),
+                 relax.const(np.zeros(tokens, np.int32))],
+            [relax.TensorType(_dims(q), shape.dtype), relax.TensorType([tokens, shape.num_qo_heads], "float32")]))
+        return importer.block_builder.emit(relax.TupleGetItem(out, 0))
+
+    return {"paged_append.default": append, "paged_decode.default": decode, "paged_prefill.default": prefill}

@@ -1,5 +1,6 @@
 """compiler/pagedops.py: the paged kernels as torch ops, traced by torch.export and imported by TVM's
-importer as calls of compiler/pagedkv.py's PrimFuncs (the pool appended in place, then attended);
+importer as calls of compiler/pagedkv.py's PrimFuncs (the pool appended in place, then attended by
+one query a row and by a causal chunk);
 the torch ops equal the NumPy oracle, and the imported program, built for llvm, equals torch."""
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ torch = pytest.importorskip("torch")
 B, HQ, HKV, D, P, N = 3, 8, 2, 32, 16, 6
 
 
+Q_INDPTR = [0, 2, 4, 5]  # the chunk: rows' last 2, 2 and 1 tokens (row 1's 2 cross a page boundary)
+
+
 def step_inputs(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, D, generator=g) for h in (HQ, HKV, HKV))
@@ -22,7 +26,8 @@ def step_inputs(seed: int = 0):
     last = torch.tensor([5, 1, 16], dtype=torch.int32)  # lengths 5, 17, 16
     # each row's new token is its last: row 0 at 4 of page 4, row 1 at 0 of page 2, row 2 at 15 of page 5
     pos = torch.tensor([4 * P + 4, 2 * P + 0, 5 * P + 15], dtype=torch.int32)
-    return q, k, v, pages, indptr, values, last, pos
+    qc = torch.randn(Q_INDPTR[-1] + 1, HQ, D, generator=g)  # one spare query slot
+    return q, k, v, pages, indptr, values, last, pos, qc
 
 
 def module():
@@ -31,22 +36,26 @@ def module():
     register_torch_ops()
 
     class Step(torch.nn.Module):
-        def forward(self, q, k, v, pages, indptr, values, last, pos):
+        def forward(self, q, k, v, pages, indptr, values, last, pos, qc):
             new = torch.ops.tvmpipe.paged_append(pages, k, v, pos)
-            return torch.ops.tvmpipe.paged_decode(q, new, indptr, values, last), new
+            chunk = torch.ops.tvmpipe.paged_prefill(qc, torch.tensor(Q_INDPTR, dtype=torch.int32), new, indptr,
+                                                     values, last)
+            return torch.ops.tvmpipe.paged_decode(q, new, indptr, values, last), new, chunk
 
     return Step()
 
 
 def test_the_torch_ops_equal_the_oracle():
     args = step_inputs()
-    out, new = module()(*args)
-    q, k, v, pages, indptr, values, last, pos = (a.numpy() for a in args)
+    out, new, chunk = module()(*args)
+    q, k, v, pages, indptr, values, last, pos, qc = (a.numpy() for a in args)
     ref = pages.copy()
     pa.append(ref, k, v, pos)
     np.testing.assert_array_equal(new.numpy(), ref)
     assert not np.array_equal(ref, pages)
     np.testing.assert_allclose(out.numpy(), pa.decode(q, ref, indptr, values, last)[0], rtol=1e-5, atol=1e-5)
+    want = pa.prefill(qc, np.array(Q_INDPTR), ref, indptr, values, last)[0]
+    np.testing.assert_allclose(chunk.numpy()[:Q_INDPTR[-1]], want[:Q_INDPTR[-1]], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.tvm
@@ -59,17 +68,20 @@ def test_imported_step_appends_in_place_then_attends_and_equals_torch():
 
     args = step_inputs(1)
     step = module()
-    want_out, want_pages = step(*args)
+    want_out, want_pages, want_chunk = step(*args)
     ep = torch.export.export(step, args)
     mod = from_exported_program(ep, keep_params_as_input=True, custom_convert_map=converters(None))
     calls = [b.value for blk in mod["main"].body.blocks for b in blk.bindings
              if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
-    assert [(c.op.name, c.args[0].name_hint) for c in calls] == [
-        ("relax.call_tir_inplace", "paged_append"), ("relax.call_tir", "paged_decode")]
+    tir = [(c.op.name, c.args[0].name_hint) for c in calls if c.op.name.startswith("relax.call_tir")]
+    assert tir == [("relax.call_tir_inplace", "paged_append"), ("relax.call_tir", "paged_prefill"),
+                   ("relax.call_tir", "paged_decode")]
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
-    out, pages = vm["main"](*[tvm.runtime.tensor(a.numpy().copy()) for a in args])
+    out, pages, chunk = vm["main"](*[tvm.runtime.tensor(a.numpy().copy()) for a in args])
     np.testing.assert_array_equal(pages.numpy(), want_pages.numpy())
     np.testing.assert_allclose(out.numpy(), want_out.numpy(), rtol=1e-5, atol=1e-5)
+    n = Q_INDPTR[-1]  # the spare slot is not computed by the kernel
+    np.testing.assert_allclose(chunk.numpy()[:n], want_chunk.numpy()[:n], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.tvm
@@ -83,6 +95,6 @@ def test_imported_for_cuda_each_op_is_one_launch():
     target = cuda_target("sm_90")
     mod = from_exported_program(torch.export.export(module(), step_inputs()), keep_params_as_input=True,
                                 custom_convert_map=converters(target))
-    for name in ("paged_append", "paged_decode"):
+    for name in ("paged_append", "paged_decode", "paged_prefill"):
         lowered = lower_function(name, mod[name], target)
         assert len(lowered.kernels.launches) == 1 and not lowered.kernels.workspaces
