@@ -14,9 +14,11 @@ import numpy as np
 import openai
 import pytest
 
-from tests.serve.harness import ROOT, ServerProcess
-from tests.support.json_tokenizer import JSON_EOS, build_json_tokenizer
-from tests.support.checkpoints import COVER, load_transformers, write_checkpoint
+pytest.importorskip("tvm")  # the checkpoints are compiled here (the compile extra: torch, transformers, tvm)
+
+from tests.serve.harness import ROOT, ServerProcess  # noqa: E402
+from tests.support.checkpoints import COVER, load_transformers, write_checkpoint  # noqa: E402
+from tests.support.json_tokenizer import JSON_EOS, build_json_tokenizer  # noqa: E402
 
 MODEL = "gpt2-step"  # harness.MODEL, the served name
 CONTEXT = 64
