@@ -98,3 +98,33 @@ def test_imported_for_cuda_each_op_is_one_launch():
     for name in ("paged_append", "paged_decode", "paged_prefill"):
         lowered = lower_function(name, mod[name], target)
         assert len(lowered.kernels.launches) == 1 and not lowered.kernels.workspaces
+
+
+@pytest.mark.tvm
+def test_fusion_leaves_each_paged_kernel_its_own_function():
+    """Legalize + AnnotateTIROpPattern find the paged PrimFuncs opaque, so FuseOps/FuseTIR fuse the
+    elementwise ops around them but never into them: one call (one launch) each in the step."""
+    tvm = pytest.importorskip("tvm")
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from tvmpipe.compiler.launches import cuda_target
+    from tvmpipe.compiler.pagedops import converters
+
+    inner = module()
+
+    class Around(torch.nn.Module):  # elementwise producers and consumers FuseOps would like to fuse
+        def forward(self, q, k, v, pages, indptr, values, last, pos, qc):
+            out, new, chunk = inner(q * 2, k + 1, v, pages, indptr, values, last, pos, qc)
+            return out * 3, new, chunk + 1
+
+    mod = from_exported_program(torch.export.export(Around(), step_inputs()), keep_params_as_input=True,
+                                custom_convert_map=converters(cuda_target("sm_90")))
+    mod = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                                    relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
+    called = [b.value.args[0].name_hint for blk in mod["main"].body.blocks for b in blk.bindings
+              if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)
+              and b.value.op.name.startswith("relax.call_tir")]
+    assert sorted(n for n in called if n.startswith("paged_")) == ["paged_append", "paged_decode", "paged_prefill"]
+    assert all(int(mod[n].attrs["op_pattern"]) == 8 for n in ("paged_append", "paged_decode", "paged_prefill"))
+    assert len(called) == 7  # q * 2, k + 1, the three paged calls, out * 3, chunk + 1: nothing fused into them
