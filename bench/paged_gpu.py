@@ -3,9 +3,10 @@ exactly as their launch lists say (grid, block, shared memory, arguments packed 
 against the NumPy oracle (executor/paged_attention.py), and the decode kernel's time against the
 tokens held at a fixed pool.
 
-Run on a GPU machine: python bench/paged_gpu.py [--out FILE.json]
-Without pycuda or a GPU it prints why and exits 0 after the checks that need none (`--dry-run`
-forces that): kernels built, argument buffers packed and read back, oracle results computed.
+Run on a GPU machine: python bench/paged_gpu.py [--out FILE.json] (default, when a GPU ran:
+bench/results/paged_gpu.json, stamped). Without pycuda or a GPU it prints why and exits 0 after
+the checks that need none (`--dry-run` forces that): kernels built, argument buffers packed and
+read back, oracle results computed; it writes a file then only when --out is given.
 
 Checks (per configuration: GQA 4:1 fp16, 1:1 fp32): the append writes the pool the oracle writes
 (exactly), decode and the causal chunk agree with the oracle (fp32 1e-5, fp16 1e-3; rows of
@@ -28,6 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from tvmpipe.compiler.pagedkv import APPEND, DECODE, PREFILL, PagedKernels, PagedShape  # noqa: E402
 from tvmpipe.executor import paged_attention as pa  # noqa: E402
@@ -212,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         result["decode_us"] = t
         dev.close()
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    out = args.out or (ROOT / "bench" / "results" / "paged_gpu.json" if dev is not None else None)
+    if out:
+        from stamp import stamp
+
+        out.write_text(json.dumps(stamp(result), indent=1) + "\n")
     return 0 if dev is None or all(c["ok"] for c in result["checks"].values()) else 1
 
 
