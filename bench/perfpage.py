@@ -389,6 +389,15 @@ def quant(d: dict) -> list[Row]:
     area = "Your own checkpoint"
     rows = []
     for r in d["runs"]:
+        q = r.get("quantize")
+        if q and "error" not in q:
+            rows.append(Row(area, f"--quantize {q['scheme']} of a {r['model']} float32 checkpoint: bundle weights against "
+                            "the checkpoint's; compile peak RSS", f"{q['bundle_over_checkpoint']:.3f}x; "
+                            f"{q['compile_peak_gib']:.2f} GiB for {q['checkpoint_gib']:.2f} GiB, {q['compile_s']:.0f} s; "
+                            f"reference {q['reference_tokens_per_s']:.2f} tokens/s", "<= 0.3x; 1.5x + 1 GiB",
+                            q["within_0_3"] and q["compile_within_target"]))
+        if "types" not in r:
+            continue
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r["types"].items()))
         rows.append(Row(area, f"GGUF {r['model']} ({kinds}): compile peak RSS (target 1.5x the file + 1 GiB)",
                         f"{r['compile_peak_gib']:.2f} GiB for a {r['file_gib']:.2f} GiB file; compile "

@@ -14,7 +14,10 @@ head Q6_K where they are whole blocks, the embedding Q8_0. Per file:
   * the reference backend's tokens/s (greedy_decode, NumPy, one process) over 8 new tokens;
   * stages: `tvmpipe generate B --stages K --local` at K = 2 and 4, each stage actor's peak RSS
     against the packed weights / K + 0.45 GiB and against the heaviest stage's own weights +
-    0.45 GiB (bench/checkpoint.py's measure: cuts fall between layers, so shares differ).
+    0.45 GiB (bench/checkpoint.py's measure: cuts fall between layers, so shares differ);
+  * `--quantize int4` (part `quantize`): a float32 checkpoint of the configuration
+    (save_pretrained, random init) compiled with `--decode --quantize int4` in a child: its weights
+    against the checkpoint's (target <= 0.3x), compile time and peak, reference tokens/s.
 
 Results go to bench/results/quant.json (with `when`, `commit`, `machine`); `make perf-page` puts
 them in docs/performance.md. The GPU comparison (int4 against fp16 tokens/s) is not measured
@@ -34,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from bench.checkpoint import GIB, MODELS, gib, measure  # noqa: E402
+from bench.checkpoint import GIB, MAKE, MODELS, checkpoint_bytes, gib, measure, status_kib  # noqa: E402
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 28705, 13]
 NEW = 8
@@ -155,21 +158,75 @@ def run(model: str, work: Path) -> dict:
             "stages": {str(k): stages(out, k, weights) for k in (2, 4)}}
 
 
+def quantize_child(source: str, out: str, scheme: str) -> None:
+    """In a fresh interpreter: the libraries imported (the baseline), then `tvmpipe compile SOURCE
+    --decode --quantize SCHEME`; prints baseline and peak RSS (KiB) and the wall time."""
+    from tvmpipe.compiler.export import compile_model, require_tvm
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.compiler.zoo import ensure_torchvision
+
+    require_tvm()
+    ensure_torchvision()
+    import transformers
+
+    transformers.LlamaForCausalLM  # noqa: B018
+    base = status_kib("VmRSS")
+    t = time.perf_counter()
+    compile_model(source, out, decode=16, quantize=scheme, overwrite=True, progress=Progress(stream=None))
+    print(json.dumps({"baseline_kib": base, "peak_kib": status_kib("VmHWM"), "compile_s": round(time.perf_counter() - t, 2)}))
+
+
+def run_quantize(model: str, work: Path, scheme: str = "int4") -> dict:
+    """`tvmpipe compile DIR --decode --quantize int4` of a float32 checkpoint of `model`'s
+    configuration (save_pretrained, random init): weights against the checkpoint's (target
+    <= 0.3x), compile time and peak RSS (target 1.5x the checkpoint + 1 GiB), reference tokens/s."""
+    import subprocess
+
+    from tvmpipe.bundle import load_bundle
+
+    ckpt, out = work / f"{model}-float32", work / f"{model}-{scheme}.bundle"
+    subprocess.run([sys.executable, "-c", MAKE, json.dumps(MODELS[model]), "float32", str(ckpt)], check=True,
+                   cwd=ROOT, capture_output=True)
+    ck = checkpoint_bytes(ckpt)
+    code = "import sys; sys.path[:0] = [sys.argv[1]]; from bench.quant import quantize_child; quantize_child(*sys.argv[2:5])"
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ckpt), str(out), scheme], capture_output=True,
+                          text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    b = load_bundle(out)
+    weights = sum(b.param_nbytes(n) for n in b.param_names)
+    peak = m["peak_kib"] * 1024
+    return {"scheme": scheme, "checkpoint_bytes": ck, "checkpoint_gib": gib(ck), "bundle_weight_bytes": weights,
+            "bundle_over_checkpoint": round(weights / ck, 4), "within_0_3": weights <= 0.3 * ck,
+            "compile_s": m["compile_s"], "compile_peak_gib": gib(peak), "compile_target_gib": gib(1.5 * ck + GIB),
+            "compile_within_target": peak <= 1.5 * ck + GIB, "reference_tokens_per_s": reference_tokens_per_s(out)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.stamp import stamp
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["135m"], choices=list(MODELS))
+    ap.add_argument("--parts", nargs="+", default=["gguf", "quantize"], choices=["gguf", "quantize"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant.json"))
     args = ap.parse_args(argv)
     runs = []
     for model in args.models:
         work = Path(tempfile.mkdtemp(prefix=f"tvmpipe-quant-{model}-"))
         try:
-            runs.append(run(model, work))
+            runs.append(run(model, work) if "gguf" in args.parts else {"model": model})
+            if "quantize" in args.parts:
+                runs[-1]["quantize"] = run_quantize(model, work)
             print(json.dumps(runs[-1]), flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    old = Path(args.out)
+    if set(args.parts) != {"gguf", "quantize"} and old.is_file():  # a part re-measured: the others kept
+        kept = {r["model"]: r for r in json.loads(old.read_text()).get("runs", [])}
+        for r in runs:
+            kept[r["model"]] = {**kept.get(r["model"], {}), **r}
+        runs = list(kept.values())
     Path(args.out).write_text(json.dumps(stamp({"runs": runs}), indent=1) + "\n")
     return 0
 
