@@ -313,3 +313,61 @@ def grow_all(pool: PagePool, needs: Sequence[tuple[Hashable, int]], admitted: Se
             if victim == seq:
                 break
     return Growth(tuple(preempted), tuple(unfit))
+
+
+@dataclass(frozen=True)
+class RowWrite:
+    """What one row of a step does: writes `seq`'s tokens [start, start + count) and attends over
+    its first start + count tokens (count <= the step's chunk)."""
+
+    seq: Hashable
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class StepPages:
+    """A step's paged inputs as the kernels take them (int32): the CSR page table (values padded to
+    the step's static `capacity`), the position map of its token slots, and `q_indptr`, where row
+    b's tokens sit in the step's token slots: packed in row order (row b's `count` tokens at
+    q_indptr[b] .. q_indptr[b + 1] - 1), the slots past q_indptr[B] spare (position -1). At chunk
+    1 every row has its own slot b whatever its count, so that the decode kernel's row b is slot b
+    and q_indptr is not needed (it is still given: 0..B)."""
+
+    page_table_indptr: tuple[int, ...]
+    page_table_values: tuple[int, ...]
+    last_page_len: tuple[int, ...]
+    position_map: tuple[int, ...]
+    q_indptr: tuple[int, ...]
+
+
+def step_pages(pool: PagePool, rows: Sequence[RowWrite | None], chunk: int, capacity: int,
+               written: set[int] | None = None) -> StepPages:
+    """The paged inputs of a step of len(rows) rows of up to `chunk` tokens (None: an idle row).
+    Every row's pages must already hold start + count tokens (`grow`). A position that another
+    row of this step writes too (two sequences replaying a page they share, after a state loss)
+    is written by the first row only: the others' slots get -1 (equal tokens at equal positions:
+    equal K/V). `written` collects the positions written, for the caller's checks."""
+    if chunk < 1:
+        raise PagePoolError(f"a step of chunk {chunk}")
+    table = pool.table([(r.seq, r.start + r.count) if r is not None else None for r in rows])
+    if len(table.values) > capacity:
+        raise PagePoolError(f"the step's rows hold {len(table.values)} pages, more than its table's {capacity}")
+    slots = [-1] * (len(rows) * chunk)
+    q_indptr = [0]
+    seen: set[int] = set()
+    for b, r in enumerate(rows):
+        count = 0 if r is None else r.count
+        if count > chunk:
+            raise PagePoolError(f"row {b}: {count} tokens in a step of chunk {chunk}")
+        first = b if chunk == 1 else q_indptr[-1]
+        if r is not None and count:
+            for j, p in enumerate(pool.positions(r.seq, r.start, count)):
+                if p not in seen:
+                    seen.add(p)
+                    slots[first + j] = p
+        q_indptr.append(b + 1 if chunk == 1 else q_indptr[-1] + count)
+    if written is not None:
+        written |= seen
+    values = table.values + (0,) * (capacity - len(table.values))
+    return StepPages(table.indptr, values, table.last_page_len, tuple(slots), tuple(q_indptr))
