@@ -14,7 +14,7 @@ the default rules (a copy of .gpu/bundles/real's bundle), each variant folder al
 batch-1 bundle, so decode_real's `tokens_vs_batch_1` compares the variant's batch-B tokens with it and
 its reference check compares the batch-1 tokens with NumPy's.
 
-Variants (compiler/export.py default_rules is replaced while compiling):
+Variants (compiler/export.py default_rules is replaced while compiling, and the small-rows tile taken out):
   base  Matmul, GEMV, Reduction, GeneralReduction, Fallback (what `tvmpipe compile` uses).
   rows8 a matmul reading a 2-D param (a weight) whose output has 2-16 rows first goes to dlight's
         Matmul with an 8-row x 32-column tile (block 2 x 32 threads, 4 rows a thread) instead of its
@@ -91,14 +91,14 @@ def variants() -> dict:
                                     micro_size_x=4, micro_size_y=cols_each, micro_size_k=16, vector_size=2, unroll=256,
                                     use_shared=True, storage_align=True, inner_x=False)
 
-    def base(*_):  # export.default_rules(few_rows) is replaced: the variants take the argument and ignore it
+    def base():
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 
     return {
         "base": base,
-        "rows8": lambda *_: [SmallRows(tile(32, 1)), *base()],
-        "rows8w": lambda *_: [SmallRows(tile(64, 2)), *base()],
-        "norm": lambda *_: [SmallRows(tile(32, 1)), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.RMSNorm(), dl.gpu.Reduction(),
+        "rows8": lambda: [SmallRows(tile(32, 1)), *base()],
+        "rows8w": lambda: [SmallRows(tile(64, 2)), *base()],
+        "norm": lambda: [SmallRows(tile(32, 1)), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.RMSNorm(), dl.gpu.Reduction(),
                          dl.gpu.GeneralReduction(), dl.gpu.Fallback()],
     }
 
@@ -119,7 +119,8 @@ def main(argv: list[str]) -> int:
     prep = json.loads((real / "prep.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(real / "prep.json", out / "prep.json")  # gpu_check.sh's sign that OUT holds bundles
-    rules, original, checkpoints = variants(), export_module.default_rules, {}
+    rules, checkpoints = variants(), {}
+    original, original_first = export_module.default_rules, export_module._rules
     for model in {m for m, *_ in jobs}:  # the base of every model, and its batch-1 bundle in each variant folder
         for var in ["base"] + sorted({v for m, v, *_ in jobs if m == model}):
             d = out / f"{model}_{var}"
@@ -134,13 +135,14 @@ def main(argv: list[str]) -> int:
             if model not in checkpoints:
                 checkpoints[model] = rb.make_checkpoint(prep["models"][model]["config"], out / f".checkpoint-{model}")
             export_module.default_rules = rules[var]
+            export_module._rules = lambda few_rows: export_module.default_rules()  # the variant alone
             t = time.perf_counter()
             rec = rb.export_bundle(checkpoints[model], out / f"{model}_{var}" / f"T{t_ctx}_b{batch}", int(t_ctx),
                                    int(batch))
             print(f"[decode_schedules] {model} {var} T{t_ctx}_b{batch}: {time.perf_counter() - t:.1f} s {rec}",
                   flush=True)
     finally:
-        export_module.default_rules = original
+        export_module.default_rules, export_module._rules = original, original_first
         for ck in checkpoints.values():
             shutil.rmtree(ck, ignore_errors=True)
     return 0

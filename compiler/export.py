@@ -108,13 +108,17 @@ def _step(progress: Progress, name: str, detail: str = "") -> Iterator[None]:
                                "uses a construct tvmpipe cannot compile yet: please report it with the model") from None
 
 
-def default_rules(few_rows: bool = False) -> list[Any]:
-    """dlight's GPU rules in the order that picks each function's schedule; `few_rows` (decode steps)
-    puts compiler/smallrows.py's tile for matmuls of 2-16 rows first."""
+def default_rules() -> list[Any]:
+    """dlight's GPU rules in the order that picks each function's schedule."""
     import tvm.s_tir.dlight as dl
 
-    first = [smallrows.small_rows_rule()] if few_rows else []
-    return first + [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+def _rules(few_rows: bool) -> list[Any]:
+    """default_rules, after compiler/smallrows.py's tile for matmuls of 2-16 rows where `few_rows`
+    (decode steps)."""
+    return ([smallrows.small_rows_rule()] if few_rows else []) + default_rules()
 
 
 def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, dtype: str | None = None,
@@ -288,7 +292,7 @@ def _schedule(fused: _Fused, prims: dict[str, Any], few_rows: bool = False) -> A
     import tvm.s_tir.dlight as dl
 
     try:
-        return dl.ApplyDefaultSchedule(*default_rules(few_rows))(tvm.IRModule(prims))
+        return dl.ApplyDefaultSchedule(*_rules(few_rows))(tvm.IRModule(prims))
     except Exception:  # noqa: BLE001 - TVM raises TVMError, TypeError, ...; retried per function below
         pass
     return tvm.IRModule({name: _schedule_one(fused, name, func, few_rows) for name, func in prims.items()})
@@ -300,11 +304,11 @@ def _schedule_one(fused: _Fused, name: str, func: Any, few_rows: bool = False) -
     import tvm.s_tir.dlight as dl
 
     try:
-        return dl.ApplyDefaultSchedule(*default_rules(few_rows))(tvm.IRModule({name: func}))[name]
+        return dl.ApplyDefaultSchedule(*_rules(few_rows))(tvm.IRModule({name: func}))[name]
     except Exception:  # noqa: BLE001 - which rule raised is found below, one rule at a time
         pass
     crashes = []
-    rules = default_rules(few_rows)
+    rules = _rules(few_rows)
     for rule in rules:
         try:
             got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
