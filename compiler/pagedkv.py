@@ -55,7 +55,7 @@ APPEND = "paged_append"
 class PagedShape:
     """The static sizes one decode step's paged kernels are built for.
 
-    `rows` is the step's rows (batch x slots), `tokens` the new tokens a step writes (rows x chunk),
+    `rows` is the step's rows (its batch), `tokens` the token slots a step writes (rows x chunk),
     `num_pages` the stage's pool, `table_capacity` the length of the CSR page-table values array
     (at most every row's pages: rows x ceil(max_context / page_size))."""
 
