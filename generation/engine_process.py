@@ -37,10 +37,10 @@ CALL_TIMEOUT_S = 30.0
 def _child(conn: Any, opener: Opener) -> None:
     """The engine process: open the engine, say ready, then step it and answer the parent until
     told to close or the parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_signals()
     try:
         with opener() as engine:
+            _ignore_signals()  # again: opening may have set its own (ray.init's SIGTERM handler exits)
             s = engine.core.scheduler
             conn.send(("ready", {"rows": s.groups * s.batch, "backend": getattr(engine, "backend", None),
                                  "restarts": tuple(engine.pipe.restarts)}))
@@ -53,6 +53,11 @@ def _child(conn: Any, opener: Opener) -> None:
             conn.send(("failed", message))
         except (OSError, ValueError):
             pass
+
+
+def _ignore_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _serve(conn: Any, engine: Any) -> None:

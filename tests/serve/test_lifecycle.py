@@ -225,6 +225,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_0(serve_bundle, tmp_path,
         assert took < drain + 15, took
         assert got[-1] == "[DONE]" and len(tokens_of(got)) >= 2
         assert "SIGTERM: draining" in srv.log()
+        assert "Traceback" not in srv.log(), srv.log()[-3000:]  # the engine process drained, not killed by it
     finally:
         srv.kill()
     srv = ServerProcess(serve_bundle, "--stages", "2", where, "--drain-timeout", "60",
