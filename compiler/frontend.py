@@ -197,7 +197,9 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
 def _from_gguf(path: Path, batch: int, decode: int | None, chunk: int, dtype: str | None,
                tokenizer: str | None) -> Imported:
     """A GGUF file's decode step (compiler/ggufsource.py): quantized matrices kept packed, their
-    fields read from the file when the bundle is written, dequantized in the matmul kernels."""
+    fields read from the file when the bundle is written, dequantized in the matmul kernels; in
+    float32, or `dtype` (float16/bfloat16: each weight unpacked in float32 and rounded once, the
+    rest computed as a checkpoint of that dtype is)."""
     import atexit
     import shutil
     import tempfile
@@ -206,12 +208,11 @@ def _from_gguf(path: Path, batch: int, decode: int | None, chunk: int, dtype: st
     from tvmpipe.compiler.decoders import decode_step_module, export_step
     from tvmpipe.compiler.ggufmodel import build_gguf_model
     from tvmpipe.compiler.ggufsource import open_gguf, write_tokenizer
+    from tvmpipe.compiler.precision import norms_in_float32
 
     if decode is None:
         raise SourceError(f"{path}: a GGUF file compiles as a decode step: pass --decode")
-    if dtype not in (None, "float32"):
-        raise SourceError(f"{path}: a GGUF bundle computes in float32 (its weights stay packed); --dtype {dtype} "
-                          "does not apply")
+    want = dtype or "float32"
     src = open_gguf(path)
     if tokenizer is not None:
         tok = tokenizer_files(Path(tokenizer))
@@ -224,15 +225,16 @@ def _from_gguf(path: Path, batch: int, decode: int | None, chunk: int, dtype: st
         tmp = Path(tempfile.mkdtemp(prefix="tvmpipe-gguf-tokenizer-"))
         atexit.register(shutil.rmtree, tmp, True)
         tok = write_tokenizer(src, tmp)
-    built = build_gguf_model(src)
+    built = build_gguf_model(src, want)
     module, spec = decode_step_module(built.model, decode, batch, chunk)
     ep = export_step(module, spec)
     source = {"kind": "gguf", "name": path.name, "sha256": None, "architecture": src.architecture,
               "gguf_types": dict(sorted(src.types.items())), "tensor_bytes": src.tensor_bytes,
               "decode": {"max_context": decode, **({"chunk": chunk} if chunk > 1 else {})}}
-    imp = _from_exported(ep, f"{src.name}_decode", source, files=built.sources_by_name(module), native="float32",
+    imp = _from_exported(ep, f"{src.name}_decode", source, files=built.sources_by_name(module), native=want,
                          decompose=False)
-    imp.dtype, imp.batch = "float32", batch
+    imp.mod = norms_in_float32(imp.mod, imp.const_names, imp.weights, want)
+    imp.dtype, imp.batch = want, batch
     if imp.inputs != spec.inputs:
         raise SourceError(f"internal: the decode step of {path} imported with inputs {imp.inputs}")
     imp.state, imp.generation = spec.state_pairs(), spec.generation()

@@ -22,8 +22,10 @@ from tvmpipe.compiler.hfmodel import CheckpointModel, _default_dtype, _set
 from tvmpipe.compiler.packed import FORMATS, packed_modules
 
 
-def build_gguf_model(src: GGUFSource) -> CheckpointModel:
-    """The file's model in float32, its weights the file's tensors (packed where quantized)."""
+def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel:
+    """The file's model in `dtype` (float32, or float16/bfloat16: a packed matrix unpacked in
+    float32 and rounded once to it, a float tensor cast as it is written), its weights the file's
+    tensors (packed where quantized)."""
     import torch
 
     from tvmpipe.compiler import zoo
@@ -38,11 +40,12 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
         raise SourceError(f"{src.path}: transformers cannot make a {src.model_type} config of its metadata "
                           f"({type(exc).__name__}: {one_line(exc)})") from None
     config._attn_implementation = "eager"
+    tdt = getattr(torch, dtype)
     cls = getattr(transformers, src.architecture)
     try:
-        with _default_dtype(torch.float32), torch.device("meta"):
+        with _default_dtype(tdt), torch.device("meta"):
             model = cls(config)
-        with _default_dtype(torch.float32):
+        with _default_dtype(tdt):
             for name, buf in list(model.named_buffers(remove_duplicate=False)):
                 _set(model, name, torch.empty_like(buf, device="cpu"), buffer=True)
             model.initialize_weights()
@@ -89,7 +92,7 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
 
     def plain(hf_name: str, like: Any) -> Any:
         entry = tensor(hf_name, tuple(like.shape))
-        p = torch.nn.Parameter(torch.empty(tuple(like.shape), dtype=torch.float32), requires_grad=False)
+        p = torch.nn.Parameter(torch.empty(tuple(like.shape), dtype=tdt), requires_grad=False)
         sources[id(p)] = GGUFTensor(src.path, entry, None, "", rows(entry.name, like.shape[0]) if like.dim() else None)
         return p
 
@@ -106,11 +109,11 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
                 fmt, fields = packed(entry)
                 r, c = entry.shape
                 if isinstance(module, torch.nn.Embedding):
-                    new = embedding_cls(fmt, r, c, fields)
+                    new = embedding_cls(fmt, r, c, fields, dtype=tdt)
                     emb_fields = (fmt, r, c, fields)
                 else:
                     bias = plain(f"{name}.bias", module.bias) if module.bias is not None else None
-                    new = linear_cls(fmt, r, c, fields, bias)
+                    new = linear_cls(fmt, r, c, fields, bias, dtype=tdt)
                 _replace(model, name, new)
                 continue
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -119,11 +122,11 @@ def build_gguf_model(src: GGUFSource) -> CheckpointModel:
     if head_name is not None and tied:
         if emb_fields is not None:  # the head reads the embedding's packed fields: one tensor each
             fmt, r, c, fields = emb_fields
-            _replace(model, head_name, linear_cls(fmt, r, c, fields, None))
+            _replace(model, head_name, linear_cls(fmt, r, c, fields, None, dtype=tdt))
         else:
             head = model.get_output_embeddings()
             head.weight = model.get_input_embeddings().weight
-    return CheckpointModel(model.eval(), sources, "float32")
+    return CheckpointModel(model.eval(), sources, dtype)
 
 
 def _names(model: Any, src: GGUFSource) -> dict[str, Any]:

@@ -275,6 +275,31 @@ def test_batch_and_chunk_apply_to_a_gguf_decode_step(gguf_case, tmp_path):
     assert greedy_decode(tmp_path / "b", prompts, NEW).tokens == [transformers_generate(model, p, NEW) for p in prompts]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_computes_a_gguf_step_in_half_precision(dtype, gguf_case, tmp_path):
+    """--dtype bfloat16/float16: each packed weight unpacked in float32 and rounded once, the rest
+    computed as a half-precision checkpoint is: transformers' own load of the file in that dtype
+    (it dequantizes, then casts) gives the same tokens; the fields stay packed."""
+    import torch
+    import transformers
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    f, fp32 = gguf_case("llama_mixed")
+    export(str(f), decode=CONTEXT, dtype=dtype, progress=Progress(stream=None)).write(tmp_path / "b")
+    b = load_bundle(tmp_path / "b")
+    assert b.manifest.dtype == dtype
+    assert sum(b.param_nbytes(n) for n in b.param_names) <= 1.05 * tensor_bytes(f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name,
+                                                              dtype=getattr(torch, dtype), attn_implementation="eager")
+    want = transformers_generate(model.eval(), PROMPT, NEW)
+    assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
+
+
 def test_tokenizer_names_the_tokenizer_of_a_file_without_one(tmp_path):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cli import main
