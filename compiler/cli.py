@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype (default: the model's own, float32 for built-ins; a bf16/fp16 torch "
                         "program or checkpoint stays bf16/fp16); float16/bfloat16 converts a float32 model's inputs, "
-                        "weights and compute, files included; a checkpoint is built in any of the three")
+                        "weights and compute, files included; a checkpoint or a GGUF file is built in any of the three "
+                        "(a GGUF file's packed weights stay packed, unpacked to this dtype in the kernels)")
     p.add_argument("--name", default=None,
                    help="the bundle's model name (default: the built-in's name, the .pt2 program's module "
                         "class, or the .onnx file's stem)")
