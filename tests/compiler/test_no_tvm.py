@@ -22,7 +22,8 @@ def test_compiler_modules_import_without_tvm():
     r = run_blocked(
         "import importlib\n"
         "for m in ('cli', 'constnames', 'cpucheck', 'errors', 'export', 'frontend', 'graphjson', 'launches',\n"
-        "          'models', 'opmap', 'precision', 'progress'):\n"
+        "          'models', 'opmap', 'precision', 'progress', 'packed', 'ggufsource', 'ggufmodel', 'quantize',\n"
+        "          'dequantfuse'):\n"
         "    importlib.import_module('tvmpipe.compiler.' + m)\n"
         "print(sorted(m for m in ('tvm', 'torch', 'onnx') if sys.modules.get(m) is not None))\n"
     )
