@@ -277,8 +277,7 @@ async def events(seq: ServedSequence, reply: Reply) -> AsyncIterator[bytes]:
             elif ask.return_token_ids:  # a chat token whose text is held: an empty delta with its id
                 yield sse(reply.chunk(out.text, list(out.token_ids), None))
     except SequenceFailed as exc:
-        code = 503 if exc.shutdown else 500
-        yield sse(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed").body())
+        yield sse(_failed(exc).body())
         yield DONE
         return
     if ask.include_usage:
@@ -301,25 +300,7 @@ async def whole(request: Request, seq: ServedSequence, reply: Reply) -> Response
                 finish = finish_reason(out.finish)
         return reply.body("".join(text), ids, finish, logprobs=lps, prompt_logprobs=prompt_lps)
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            seq.close()
-    if not work.done() or work.cancelled():
-        return Response(status_code=CLIENT_GONE)
-    try:
-        return JSONResponse(work.result())
-    except SequenceFailed as exc:
-        code = 503 if exc.shutdown else 500
-        return error_response(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed"))
+    return await _answer(request, run, [seq])
 
 
 async def _choices(seqs: list[ServedSequence]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -382,8 +363,7 @@ async def events_of_choices(seqs: list[ServedSequence], reply: Reply) -> AsyncIt
                                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             started.add(i)
     except SequenceFailed as exc:
-        code = 503 if exc.shutdown else 500
-        yield sse(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed").body())
+        yield sse(_failed(exc).body())
         yield DONE
         return
     if ask.include_usage:
@@ -421,6 +401,14 @@ async def whole_choices(request: Request, seqs: list[ServedSequence], reply: Rep
                                             logprobs=c["lps"], prompt_logprobs=c["prompt"]))
         return reply.bodies(choices, tokens)
 
+    return await _answer(request, run, seqs)
+
+
+async def _answer(request: Request, run: Any, seqs: list[ServedSequence]) -> Response:
+    """The JSON body `run()` makes once the request's sequences end; a client that disconnects
+    first has them cancelled (and gets nothing: CLIENT_GONE); a sequence that fails is the
+    request's error."""
+
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -439,5 +427,10 @@ async def whole_choices(request: Request, seqs: list[ServedSequence], reply: Rep
     try:
         return JSONResponse(work.result())
     except SequenceFailed as exc:
-        code = 503 if exc.shutdown else 500
-        return error_response(ApiError(code, str(exc), code="shutdown" if exc.shutdown else "generation_failed"))
+        return error_response(_failed(exc))
+
+
+def _failed(exc: SequenceFailed) -> ApiError:
+    """A sequence that ended unfinished, as the request's error: 503 when the server shut down
+    first, else 500."""
+    return ApiError(503 if exc.shutdown else 500, str(exc), code="shutdown" if exc.shutdown else "generation_failed")
