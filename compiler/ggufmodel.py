@@ -18,7 +18,7 @@ from typing import Any
 
 from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.ggufsource import GGUFSource, GGUFTensor, q_k_rows
-from tvmpipe.compiler.hfmodel import CheckpointModel, _default_dtype, _set
+from tvmpipe.compiler.hfmodel import CheckpointModel, _set, meta_model
 from tvmpipe.compiler.packed import FORMATS, packed_modules
 
 
@@ -41,17 +41,8 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
                           f"({type(exc).__name__}: {one_line(exc)})") from None
     config._attn_implementation = "eager"
     tdt = getattr(torch, dtype)
-    cls = getattr(transformers, src.architecture)
-    try:
-        with _default_dtype(tdt), torch.device("meta"):
-            model = cls(config)
-        with _default_dtype(tdt):
-            for name, buf in list(model.named_buffers(remove_duplicate=False)):
-                _set(model, name, torch.empty_like(buf, device="cpu"), buffer=True)
-            model.initialize_weights()
-    except Exception as exc:  # noqa: BLE001 - a config the class cannot build
-        raise SourceError(f"{src.path}: transformers cannot build {src.architecture} from its metadata "
-                          f"({type(exc).__name__}: {one_line(exc)})") from None
+    model = meta_model(getattr(transformers, src.architecture), config, tdt,
+                       f"{src.path}: transformers cannot build {src.architecture} from its metadata")
     by_hf = _names(model, src)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -97,7 +88,6 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
         return p
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    emb_name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     head_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     emb_fields = None
     for name, module in list(model.named_modules()):

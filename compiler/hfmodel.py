@@ -41,6 +41,26 @@ class CheckpointModel:
                 if id(p) in self.sources}
 
 
+def meta_model(cls: Any, config: Any, tdt: Any, failure: str) -> Any:
+    """`cls(config)` with its parameters on the meta device (no weight memory: they are read from
+    the source file later) and its buffers real and computed (rotary frequencies, ...); a config the
+    class cannot build is a SourceError starting with `failure`."""
+    import torch
+
+    try:
+        with _default_dtype(tdt), torch.device("meta"):
+            model = cls(config)
+        with _default_dtype(tdt):
+            for name, buf in list(model.named_buffers(remove_duplicate=False)):
+                _set(model, name, torch.empty_like(buf, device="cpu"), buffer=True)
+            model.initialize_weights()  # computes the buffers; the parameters are still meta: nothing else
+    except SourceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a config the class cannot build
+        raise SourceError(f"{failure} ({type(exc).__name__}: {one_line(exc)})") from None
+    return model
+
+
 @contextmanager
 def _default_dtype(dtype: Any) -> Iterator[None]:
     """Build in the checkpoint's dtype, as from_pretrained does: buffers made with the default
@@ -75,19 +95,8 @@ def build_model(ckpt: Checkpoint, dtype: str) -> CheckpointModel:
         raise SourceError(f"{ckpt.path / 'config.json'}: transformers cannot read it ({type(exc).__name__}: "
                           f"{one_line(exc)})") from None
     config._attn_implementation = "eager"  # traceable by torch.export; the same math as sdpa
-    cls = getattr(transformers, ckpt.architecture)
-    try:
-        with _default_dtype(tdt), torch.device("meta"):
-            model = cls(config)
-        with _default_dtype(tdt):
-            for name, buf in list(model.named_buffers(remove_duplicate=False)):
-                _set(model, name, torch.empty_like(buf, device="cpu"), buffer=True)
-            model.initialize_weights()  # computes the buffers; the parameters are still meta: nothing else
-    except SourceError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a config the class cannot build
-        raise SourceError(f"{ckpt.path}: transformers cannot build {ckpt.architecture} from its config "
-                          f"({type(exc).__name__}: {one_line(exc)})") from None
+    model = meta_model(getattr(transformers, ckpt.architecture), config, tdt,
+                       f"{ckpt.path}: transformers cannot build {ckpt.architecture} from its config")
     by_key, converted = _model_keys(ckpt, model)
     _load_persistent_buffers(by_key, model)
     sources: dict[int, CheckpointTensor] = {}
