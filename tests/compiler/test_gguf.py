@@ -142,10 +142,9 @@ def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(g
     """At batch 1 every fused unpack + matmul function is taken by dlight's GEMV or Reduction rule
     (threads across the row's packed bytes), as export's schedule step tries them in order; none is
     left to Fallback (one thread an output, the row read serially)."""
-    import tvm
     import tvm.s_tir.dlight as dl
 
-    from tvmpipe.compiler import launches
+    from tests.support.dlight_rule import rule_taken
 
     gguf_case("llama_mixed")
     mod = unscheduled["llama_mixed"]
@@ -155,17 +154,7 @@ def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(g
         name = gv.name_hint
         if "matmul" not in name or not any(k in name for k in ("right_shift", "cast")):
             continue
-        taken = None
-        for rule in rules:
-            try:
-                with launches.cuda_target("sm_90"):
-                    got = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({name: func}))[name]
-            except Exception:  # noqa: BLE001 - export goes on to the next rule too
-                continue
-            if got.attrs is not None and "tirx.is_scheduled" in got.attrs:
-                taken = type(rule).__name__
-                break
-        assert taken is not None, name
+        assert rule_taken(name, func, rules) is not None, name
         seen += 1
     assert seen >= 10
 
