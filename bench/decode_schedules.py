@@ -15,9 +15,9 @@ batch-1 bundle, so decode_real's `tokens_vs_batch_1` compares the variant's batc
 its reference check compares the batch-1 tokens with NumPy's.
 
 Variants (compiler/export.py default_rules is replaced while compiling, and the small-rows tile taken out):
-  base  Matmul, GEMV, Reduction, GeneralReduction, Fallback (what `tvmpipe compile` uses).
-  rows8 a matmul reading a 2-D param (a weight) whose output has 2-16 rows first goes to dlight's
-        Matmul with an 8-row x 32-column tile (block 2 x 32 threads, 4 rows a thread) instead of its
+  base  Matmul, GEMV, Reduction, GeneralReduction, Fallback (compiler/export.py's default_rules).
+  rows8 compiler/smallrows.py, what decode steps compile with: a matmul reading a 2-D float weight
+        whose output has 2-16 rows first goes to dlight's Matmul with an 8-row x 32-column tile (block 2 x 32 threads, 4 rows a thread) instead of its
         64 x 64 (8 x 16 threads, 4 x 4 a thread, rows padded to 64); the rest as base.
   rows8w the same tile with 64 x 2 columns (block 2 x 64).
   norm  rows8, and dlight's RMSNorm rule before Reduction. (Its Transpose rule is left out: on the
@@ -46,59 +46,17 @@ DEFAULT_JOBS = ["135m:rows8:512:8", "135m:rows8w:512:8", "135m:norm:512:1", "135
                 "1.1b:rows8:512:8", "1.1b:rows8w:512:8", "1.1b:norm:512:1"]
 
 
-def weight_rows(func) -> int | None:
-    """The output rows of a function whose one reduction reads a 2-D buffer the function takes (a
-    weight matrix), when every output dimension is static; else None."""
-    import numpy as np
-    from tvm import s_tir, tirx
-    from tvm.s_tir.dlight.analysis import get_root_block
-    from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
-
-    try:
-        sch = s_tir.Schedule(func)
-        red = get_reduction_blocks(sch, sch.get_child_blocks(get_root_block(sch)))
-    except Exception:  # noqa: BLE001 - not a function this analysis understands: not ours
-        return None
-    if not red:
-        return None
-    st = sch.get(red[0])
-    local = set(sch.get(get_root_block(sch)).alloc_buffers)
-    if not any(r.source not in local and len(r.source.shape) == 2 for r in st.reads):
-        return None
-    shape = st.writes[0].source.shape
-    if not all(isinstance(s, tirx.IntImm) for s in shape):
-        return None
-    return int(np.prod([int(s) for s in shape[:-1]]))
-
-
-def variants() -> dict:
+def variants(base) -> dict:
+    """The rule lists by variant name; `base` is export's own default_rules."""
     import tvm.s_tir.dlight as dl
-    from tvm import tirx
 
-    class SmallRows(dl.gpu.Matmul):
-        def __init__(self, cfg, lo: int = 2, hi: int = 16):
-            self.cfg, self.lo, self.hi = cfg, lo, hi
-
-        def get_configs(self, target):  # noqa: ARG002
-            return self.cfg
-
-        def apply(self, func, target, tunable):
-            rows = weight_rows(func) if isinstance(func, tirx.PrimFunc) else None
-            return None if rows is None or not self.lo <= rows <= self.hi else super().apply(func, target, tunable)
-
-    def tile(cols_threads: int, cols_each: int):
-        return dl.gpu.Matmul.Config(block_size_x=2, block_size_y=cols_threads, vthread_x=1, vthread_y=1,
-                                    micro_size_x=4, micro_size_y=cols_each, micro_size_k=16, vector_size=2, unroll=256,
-                                    use_shared=True, storage_align=True, inner_x=False)
-
-    def base():
-        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    from tvmpipe.compiler.smallrows import small_rows_rule
 
     return {
         "base": base,
-        "rows8": lambda: [SmallRows(tile(32, 1)), *base()],
-        "rows8w": lambda: [SmallRows(tile(64, 2)), *base()],
-        "norm": lambda: [SmallRows(tile(32, 1)), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.RMSNorm(), dl.gpu.Reduction(),
+        "rows8": lambda: [small_rows_rule(), *base()],
+        "rows8w": lambda: [small_rows_rule(64, 2), *base()],
+        "norm": lambda: [small_rows_rule(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.RMSNorm(), dl.gpu.Reduction(),
                          dl.gpu.GeneralReduction(), dl.gpu.Fallback()],
     }
 
@@ -119,8 +77,8 @@ def main(argv: list[str]) -> int:
     prep = json.loads((real / "prep.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(real / "prep.json", out / "prep.json")  # gpu_check.sh's sign that OUT holds bundles
-    rules, checkpoints = variants(), {}
     original, original_first = export_module.default_rules, export_module._rules
+    rules, checkpoints = variants(original), {}
     for model in {m for m, *_ in jobs}:  # the base of every model, and its batch-1 bundle in each variant folder
         for var in ["base"] + sorted({v for m, v, *_ in jobs if m == model}):
             d = out / f"{model}_{var}"

@@ -50,15 +50,17 @@ def weight_rows(func: Any) -> int | None:
     return math.prod(int(s) for s in shape[:-1])
 
 
-def small_rows_rule() -> Any:
-    """dlight's Matmul rule with the 8-row tile, for the functions `weight_rows` puts in ROWS."""
+def small_rows_rule(column_threads: int = 32, columns_each: int = 1) -> Any:
+    """dlight's Matmul rule with the 8-row tile (8 rows x `column_threads` x `columns_each`
+    columns a block; the default is the measured one, bench/decode_schedules.py tries others), for
+    the functions `weight_rows` puts in ROWS."""
     import tvm.s_tir.dlight as dl
     from tvm import tirx
 
     class SmallRows(dl.gpu.Matmul):
-        config = dl.gpu.Matmul.Config(block_size_x=2, block_size_y=32, vthread_x=1, vthread_y=1, micro_size_x=4,
-                                      micro_size_y=1, micro_size_k=16, vector_size=2, unroll=256, use_shared=True,
-                                      storage_align=True, inner_x=False)
+        config = dl.gpu.Matmul.Config(block_size_x=2, block_size_y=column_threads, vthread_x=1, vthread_y=1,
+                                      micro_size_x=4, micro_size_y=columns_each, micro_size_k=16, vector_size=2,
+                                      unroll=256, use_shared=True, storage_align=True, inner_x=False)
 
         def get_configs(self, target: Any) -> Any:  # noqa: ARG002 - one tile, whatever the GPU
             return self.config
