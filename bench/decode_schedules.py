@@ -17,8 +17,9 @@ its reference check compares the batch-1 tokens with NumPy's.
 Variants (compiler/export.py default_rules is replaced while compiling, and the small-rows tile taken out):
   base  Matmul, GEMV, Reduction, GeneralReduction, Fallback (compiler/export.py's default_rules).
   rows8 compiler/smallrows.py, what decode steps compile with: a matmul reading a 2-D float weight
-        whose output has 2-16 rows first goes to dlight's Matmul with an 8-row x 32-column tile (block 2 x 32 threads, 4 rows a thread) instead of its
-        64 x 64 (8 x 16 threads, 4 x 4 a thread, rows padded to 64); the rest as base.
+        whose output has 2-16 rows first goes to dlight's Matmul with an 8-row x 32-column tile
+        (block 2 x 32 threads, 4 rows a thread) instead of its 64 x 64 (8 x 16 threads, 4 x 4 a
+        thread, rows padded to 64); the rest as base.
   rows8w the same tile with 64 x 2 columns (block 2 x 64).
   norm  rows8, and dlight's RMSNorm rule before Reduction. (Its Transpose rule is left out: on the
         grouped-query expansion it leaves loops in host code, which a launch list cannot run.)
