@@ -9,7 +9,10 @@ parameters are the fields of the file's blocks, dequantized by ops in the graph;
 scales, biases, F32 matrices) are plain float32 parameters. GGUF's names are mapped to the
 model's by transformers' own map (get_gguf_hf_weights_map), Llama's q/k rows are put back in
 transformers' order (a row permutation of the blocks: nothing is re-quantized), and a file without
-`output.weight` ties the LM head to the embedding, which is then stored once.
+`output.weight` ties the LM head to the embedding, which is then stored once. GPT-2's Conv1D layers
+(weight [in, out], `x @ W + b`) become Linear layers of the same function, whose weight [out, in]
+is the file's matrix as llama.cpp stores it (transposed from the checkpoint's; transformers' GGUF
+loader transposes it back): its rows stay whole blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
     tdt = getattr(torch, dtype)
     model = meta_model(getattr(transformers, src.architecture), config, tdt,
                        f"{src.path}: transformers cannot build {src.architecture} from its metadata")
+    _conv1d_as_linear(model, torch)
     by_hf = _names(model, src)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -100,7 +104,8 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
                 r, c = entry.shape
                 if isinstance(module, torch.nn.Embedding):
                     new = embedding_cls(fmt, r, c, fields, dtype=tdt)
-                    emb_fields = (fmt, r, c, fields)
+                    if module is model.get_input_embeddings():  # not GPT-2's position table
+                        emb_fields = (fmt, r, c, fields)
                 else:
                     bias = plain(f"{name}.bias", module.bias) if module.bias is not None else None
                     new = linear_cls(fmt, r, c, fields, bias, dtype=tdt)
@@ -117,6 +122,16 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
             head = model.get_output_embeddings()
             head.weight = model.get_input_embeddings().weight
     return CheckpointModel(model.eval(), sources, dtype)
+
+
+def _conv1d_as_linear(model: Any, torch: Any) -> None:
+    """Each transformers Conv1D (GPT-2's c_attn, c_proj, c_fc: weight [nx, nf], `x @ W + b`) replaced
+    by a meta nn.Linear(nx, nf) (weight [nf, nx], `x @ W.T + b`): the same function of the
+    transposed weight, which is the matrix the GGUF file holds."""
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "Conv1D" and hasattr(module, "nx") and hasattr(module, "nf"):
+            _replace(model, name, torch.nn.Linear(module.nx, module.nf, bias=module.bias is not None,
+                                                  device="meta", dtype=module.weight.dtype))
 
 
 def _names(model: Any, src: GGUFSource) -> dict[str, Any]:

@@ -23,8 +23,11 @@ from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.packed import FORMATS, PackedFormat
 
 # GGUF general.architecture -> the transformers CausalLM its decode step is built from
+# (transformers' GGUF loader reads no Gemma 1 file, architecture "gemma"; gemma2/gemma3 it reads, but
+# the decode step has no Gemma 2/3: logit soft-capping, sliding windows, four norms a layer)
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                                 "gpt2": "GPT2LMHeadModel"}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 

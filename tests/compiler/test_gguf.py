@@ -4,9 +4,13 @@ The files are written by gguf's own GGUFWriter (tests/support/gguf_files.py): a 
 every listed tensor type once (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32;
 the k-quants, which gguf cannot write, as random blocks with sane scales), a tied Llama whose LM
 head reads the packed Q8_0 embedding, a Qwen2 (q/k/v biases, no q/k permutation) in Q4_K_M's
-mix, a Qwen3 (q/k norms) and a Phi-3 (fused qkv and gate-up matrices, packed whole). Each bundle, on the reference backend, gives the greedy tokens of transformers'
-own load of the same file (`from_pretrained(dir, gguf_file=...)`, which dequantizes with gguf's
-NumPy dequantizers), with every step's logits within 1e-4 x max|logits| of transformers'; and at K = 2 as a user runs it.
+mix, a Qwen3 (q/k norms), a Phi-3 (fused qkv and gate-up matrices, packed whole) and a GPT-2
+(llama.cpp's transposed Conv1D matrices, fused qkv, LayerNorms, learned positions, a byte-level
+BPE tokenizer), untied and tied. Each bundle, on the reference backend, gives the greedy tokens of
+transformers' own load of the same file (`from_pretrained(dir, gguf_file=...)`, which dequantizes
+with gguf's NumPy dequantizers), with every step's logits within 1e-4 x max|logits| of
+transformers'; and at K = 2 as a user runs it. (transformers reads no Gemma 1 GGUF file,
+architecture "gemma": tvmpipe refuses one, tested below.)
 """
 
 from __future__ import annotations
@@ -34,12 +38,24 @@ PHI3 = {"blk.0.attn_qkv.weight": "Q4_K", "blk.1.attn_qkv.weight": "Q5_0", "blk.0
         "blk.1.ffn_up.weight": "Q6_K", "blk.0.ffn_down.weight": "Q4_1", "blk.1.ffn_down.weight": "Q5_K",
         "blk.0.attn_output.weight": "Q4_0", "blk.1.attn_output.weight": "Q5_1", "token_embd.weight": "Q6_K",
         "output.weight": "Q4_K"}
+# GPT-2: every quantized type among its Conv1D matrices (stored transposed: the Linear's [out, in])
+# and head, the token embedding packed Q8_0 and the position table packed F16
+GPT2 = {"token_embd.weight": "Q8_0", "position_embd.weight": "F16", "blk.0.attn_qkv.weight": "Q4_K",
+        "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_up.weight": "Q6_K", "blk.0.ffn_down.weight": "Q4_1",
+        "blk.1.attn_qkv.weight": "Q8_0", "blk.1.attn_output.weight": "Q5_1", "blk.1.ffn_up.weight": "Q4_0",
+        "blk.1.ffn_down.weight": "Q5_K", "output.weight": "Q8_0"}
 CASES = {
     "llama_mixed": dict(types=MIXED),
     "llama_tied_q8": dict(types={k: "Q8_0" for k in MIXED}, tied=True),
     "qwen2_q4_k_m": dict(types=Q4_K_M, arch="qwen2"),
     "qwen3_mixed": dict(types=MIXED, arch="qwen3"),  # q/k norms, heads of 128
     "phi3_fused": dict(types=PHI3, arch="phi3"),  # fused qkv and gate-up matrices
+    # fused qkv with bias, transposed Conv1D matrices, LayerNorms, learned positions, byte-level BPE
+    # (seeds whose greedy tokens are not one repeated token)
+    "gpt2_mixed": dict(types=GPT2, arch="gpt2", seed=2),
+    # tied: the head reads the packed token embedding, not the (also packed) position table
+    "gpt2_tied": dict(types={k: v for k, v in GPT2.items() if k != "output.weight"}, arch="gpt2", tied=True,
+                      seed=3),
 }
 
 
@@ -103,13 +119,14 @@ def test_the_config_is_the_one_transformers_reads(name, gguf_case):
     assert open_gguf(f).config == load_gguf_checkpoint(str(f), return_tensors=False)["config"]
 
 
-def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(gguf_case):
+@pytest.mark.parametrize("name, linears", [("llama_mixed", 2 * 7 - 1 + 1), ("gpt2_mixed", 2 * 4 + 1)])
+def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(name, linears, gguf_case):
     """Every packed field is a uint8/int8/f16/bf16 param of the file's bytes; every function reading
     one either gathers embedding rows (take) or holds the matmul: one kernel, which reads the packed
     bytes, and no kernel that writes a float weight to memory."""
     from tvmpipe.bundle import load_bundle
 
-    f, bundle = gguf_case("llama_mixed")
+    f, bundle = gguf_case(name)
     b = load_bundle(bundle)
     ops = json.loads((bundle / "ops.json").read_text())["functions"]
     kernels = json.loads((bundle / "kernels.json").read_text())["functions"]
@@ -134,8 +151,8 @@ def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(gguf
             matrices |= {n.rsplit("_", 1)[0] for n in names & packed}
             assert len(kernels[fn]["launches"]) == 1, fn
             assert "right_shift" in kinds or "astype" in kinds, kinds  # the unpack ops are in it
-    # every linear layer of both blocks (one F32: not packed) and the head
-    assert len(matrices) == 2 * 7 - 1 + 1, sorted(matrices)
+    # every packed linear layer of both blocks (llama_mixed has one F32: not packed) and the head
+    assert len(matrices) == linears, sorted(matrices)
 
 
 def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(gguf_case):
@@ -236,10 +253,11 @@ def test_the_gguf_tokenizer_and_chat_template_become_the_bundle_tokenizer(gguf_c
 
 
 @pytest.mark.slow
-def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(gguf_case):
+@pytest.mark.parametrize("name", ["llama_mixed", "gpt2_mixed"])
+def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(name, gguf_case):
     from tvmpipe.compiler.decoders import transformers_generate
 
-    f, bundle = gguf_case("llama_mixed")
+    f, bundle = gguf_case(name)
     want = transformers_generate(load_transformers(f), PROMPT, NEW)
     for k in (1, 2):
         args = [sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(k), "--processes",
@@ -289,6 +307,44 @@ def test_dtype_computes_a_gguf_step_in_half_precision(dtype, gguf_case, tmp_path
     assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
 
 
+def test_a_gpt2_files_byte_level_bpe_becomes_the_bundle_tokenizer(gguf_case):
+    """GPT-2's tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges, <|endoftext|>), converted
+    as transformers converts it: the same ids, merged words included, and its end-of-text id."""
+    from transformers import AutoTokenizer
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.generation.text import load_text_codec
+
+    f, bundle = gguf_case("gpt2_mixed")
+    hf = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
+    codec = load_text_codec(load_bundle(bundle).tokenizer_dir)
+    text = "the cat sat on the mat, she is in it!"
+    ids = hf.encode(text)
+    assert codec.encode(text) == ids
+    pieces = hf.convert_ids_to_tokens(ids)
+    assert {"\u0120cat", "\u0120sat", "\u0120the", "\u0120mat"} <= set(pieces), pieces  # the file's merges
+    assert codec.decode(ids) == text
+    assert hf.eos_token == "<|endoftext|>" and hf.convert_tokens_to_ids("<|endoftext|>") == 127
+
+
+def test_a_gguf_step_of_gpt2_keeps_the_files_matrices_as_stored(gguf_case):
+    """GPT-2's Conv1D weights ([in, out]) are stored by llama.cpp transposed; the bundle keeps each
+    as the file's [out, in] blocks (a Linear of the same function), not transposed back."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.inspect import build_report
+
+    f, bundle = gguf_case("gpt2_mixed")
+    b = load_bundle(bundle)
+    assert b.manifest.source["architecture"] == "GPT2LMHeadModel"
+    by_name = {w["name"]: w for w in build_report(b)["weights"]}
+    qkv = by_name["p_model_transformer_h_0_attn_c_attn"]
+    assert qkv["format"] == "Q4_K" and qkv["shape"] == [3 * HIDDEN, HIDDEN]
+    down = by_name["p_model_transformer_h_1_mlp_c_proj"]
+    assert down["format"] == "Q5_K" and down["shape"] == [HIDDEN, 4 * HIDDEN]
+    assert by_name["p_model_transformer_wpe"]["format"] == "F16"
+    assert by_name["p_model_lm_head"]["format"] == "Q8_0"
+
+
 def test_tokenizer_names_the_tokenizer_of_a_file_without_one(tmp_path):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cli import main
@@ -331,6 +387,20 @@ def test_an_unsupported_architecture_is_refused(tmp_path, capsys):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     err = _compile(capsys, tmp_path / "rwkv.gguf", tmp_path / "b")
     assert "rwkv6" in err and "llama" in err
+
+
+def test_a_gemma_file_which_transformers_cannot_load_is_refused(tmp_path, capsys):
+    """Gemma 1 (architecture "gemma") is a decode-step family, but transformers' GGUF loader, the
+    reference a GGUF bundle is held to, reads no such file: refused as an unsupported architecture."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    assert "gemma" not in GGUF_SUPPORTED_ARCHITECTURES  # when transformers reads it, map it too
+    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    err = _compile(capsys, tmp_path / "gemma.gguf", tmp_path / "b")
+    assert "'gemma' is not supported" in err and "gpt2" in err
 
 
 def test_a_truncated_or_corrupt_file_is_refused(tmp_path, capsys):

@@ -1,9 +1,14 @@
 """Tiny GGUF files for `tvmpipe compile FILE.gguf`, written with gguf's own GGUFWriter.
 
-A Llama (or Qwen2) of 2 layers, hidden 256 (the k-quants' rows are blocks of 256 values), 4 heads,
-2 KV heads, MLP 512, vocabulary 128, with seeded weights, written as llama.cpp's converter writes
-it: GGUF tensor names (`blk.0.attn_q.weight`), Llama's q/k rows permuted, the metadata
-(`llama.context_length`, ...) and a SentencePiece-style tokenizer with a chat template.
+A Llama (or Qwen2, Qwen3, Phi-3) of 2 layers, hidden 256 (the k-quants' rows are blocks of 256
+values), 4 heads, 2 KV heads, MLP 512, vocabulary 128, with seeded weights, written as llama.cpp's
+converter writes it: GGUF tensor names (`blk.0.attn_q.weight`), Llama's q/k rows permuted, the
+metadata (`llama.context_length`, ...) and a SentencePiece-style tokenizer with a chat template.
+A GPT-2 (`arch="gpt2"`) as llama.cpp writes one: LayerNorms with biases, learned positions
+(`position_embd`, 1024 rows: transformers' GPT-2 takes n_positions' default, not the file's
+context length), one fused `attn_qkv` with its bias, MLP 4 x hidden, each Conv1D weight stored
+transposed (rows = output features, as a Linear's), and a byte-level BPE tokenizer (`gpt2`:
+tokens, merges, `<|endoftext|>`).
 
 Each matrix takes the type `types` gives it (by GGUF name; others F32). Types gguf can quantize
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) are quantized by gguf.quants from the float weight;
@@ -58,6 +63,33 @@ def _kquant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: object
     return raw
 
 
+GPT2_CONTEXT = 1024  # GPT2Config's n_positions (transformers reads no GGUF key into it)
+GPT2_WORDS = ("the", "cat", "is", "on", "mat", "of", "in", "at", "he", "she", "sat")
+
+
+def _byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
+    """A GPT-2 style byte-level BPE of VOCAB tokens: printable ASCII and `Ġ` (the space byte), merges
+    spelling " the", " cat", ... (and the bare words), `<|endoftext|>` (control) last."""
+    base = [chr(c) for c in range(33, 127)] + ["\u0120"]
+    tokens, merges = list(base), []
+
+    def spell(word: str) -> None:
+        parts = list(word)
+        while len(parts) > 1:
+            merged = parts[0] + parts[1]
+            if merged not in tokens:
+                tokens.append(merged)
+                merges.append(f"{parts[0]} {parts[1]}")
+            parts = [merged] + parts[2:]
+
+    for word in GPT2_WORDS:
+        spell("\u0120" + word)
+    tokens = tokens[:VOCAB - 1]
+    merges = [m for m in merges if m.replace(" ", "") in tokens]
+    tokens += [f"~{i}" for i in range(VOCAB - 1 - len(tokens))] + ["<|endoftext|>"]
+    return tokens, merges, [1] * (VOCAB - 1) + [3]
+
+
 def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, qtype_name: str) -> None:
     from gguf import GGMLQuantizationType, quants
 
@@ -78,30 +110,44 @@ def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, 
 def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "llama", tied: bool = False,
                seed: int = 1, tokenizer: bool = True, embedding_scale: float | None = None,
                name: str | None = None) -> Path:
-    """A tiny `arch` model (llama, qwen2, qwen3 or phi3; a llama file `name`d mistral is Mistral,
+    """A tiny `arch` model (llama, qwen2, qwen3, phi3 or gpt2; a llama file `name`d mistral is Mistral,
     as llama.cpp writes one) as a GGUF file at `path`; `types` by GGUF tensor name. A tied
     embedding is drawn smaller (0.05 by default), else the head's product with the last token's
     own embedding wins and the model repeats its input. Qwen3 has q/k RMSNorms and heads of 128
     (transformers' GGUF reader takes Qwen3's default head_dim; real Qwen3 files have 128); Phi-3
-    its fused qkv and gate-up matrices."""
+    its fused qkv and gate-up matrices; GPT-2 (see above) its Conv1D matrices transposed."""
     import gguf
 
     types = dict(MIXED if types is None else types)
     rng = np.random.default_rng(seed)
     head_dim = 128 if arch == "qwen3" else HIDDEN // HEADS
+    gpt2 = arch == "gpt2"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name or f"tiny {arch}")
-    w.add_context_length(CONTEXT)
+    w.add_context_length(GPT2_CONTEXT if gpt2 else CONTEXT)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_rope_dimension_count(head_dim)
+    w.add_feed_forward_length(4 * HIDDEN if gpt2 else FFN)
     w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
-    if tokenizer:
+    if gpt2:
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_rope_dimension_count(head_dim)
+        w.add_head_count_kv(KV_HEADS)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_freq_base(10000.0)
+        w.add_vocab_size(VOCAB)
+    if tokenizer and gpt2:
+        tokens, merges, token_types = _byte_level_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(token_types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(VOCAB - 1)
+        w.add_eos_token_id(VOCAB - 1)
+        w.add_chat_template(CHAT)
+    elif tokenizer:
         specials = ["<unk>", "<s>", "</s>"]
         pieces = specials + [f"<0x{i:02X}>" for i in range(32, 32 + 40)] + \
             ["\u2581" + c for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz") + \
@@ -126,6 +172,31 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
     add("token_embd.weight", mat(VOCAB, HIDDEN, embedding_scale or (0.05 if tied else 1.0)))
     def norm(size: int) -> np.ndarray:
         return 1 + 0.1 * rng.standard_normal(size).astype(np.float32)
+
+    def bias(size: int) -> np.ndarray:
+        return 0.1 * rng.standard_normal(size).astype(np.float32)
+
+    if gpt2:  # every matrix as a Linear's [out, in]: llama.cpp transposes GPT-2's Conv1D weights
+        add("position_embd.weight", mat(GPT2_CONTEXT, HIDDEN, 0.3))
+        for i in range(LAYERS):
+            for n, rows, cols in (("attn_norm", 0, HIDDEN), ("attn_qkv", 3 * HIDDEN, HIDDEN),
+                                  ("attn_output", HIDDEN, HIDDEN), ("ffn_norm", 0, HIDDEN),
+                                  ("ffn_up", 4 * HIDDEN, HIDDEN), ("ffn_down", HIDDEN, 4 * HIDDEN)):
+                if rows:
+                    add(f"blk.{i}.{n}.weight", mat(rows, cols, 0.04 if n == "ffn_down" else 0.08))
+                    add(f"blk.{i}.{n}.bias", bias(rows))
+                else:
+                    add(f"blk.{i}.{n}.weight", norm(cols))
+                    add(f"blk.{i}.{n}.bias", bias(cols))
+        add("output_norm.weight", norm(HIDDEN))
+        add("output_norm.bias", bias(HIDDEN))
+        if not tied:
+            add("output.weight", mat(VOCAB, HIDDEN, 0.3))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
 
     q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
     for i in range(LAYERS):
