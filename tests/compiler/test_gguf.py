@@ -307,6 +307,40 @@ def test_dtype_computes_a_gguf_step_in_half_precision(dtype, gguf_case, tmp_path
     assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
 
 
+def test_a_llama_file_named_mistral_compiles_as_mistral(tmp_path):
+    """A llama-architecture file whose general.name is "mistral" is Mistral, as transformers' config
+    reads it (MistralForCausalLM, q/k rows un-permuted as a Llama's). transformers cannot load its
+    weights with this gguf (its name map asks gguf for an architecture "mistral", which gguf 0.19
+    lacks), so the reference is its load of the same tensors named as a Llama: at a context inside
+    Mistral's sliding window the two models are one function."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.ggufsource import open_gguf
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    (tmp_path / "m").mkdir(), (tmp_path / "l").mkdir()
+    mistral = write_gguf(tmp_path / "m" / "mistral.gguf", Q4_K_M, name="mistral")
+    llama = write_gguf(tmp_path / "l" / "llama.gguf", Q4_K_M)
+    config = open_gguf(mistral).config
+    assert config["model_type"] == "mistral" and config == load_gguf_checkpoint(str(mistral))["config"]
+    export(str(mistral), decode=CONTEXT, progress=Progress(stream=None)).write(tmp_path / "b")
+    assert load_bundle(tmp_path / "b").manifest.source["architecture"] == "MistralForCausalLM"
+    try:  # when transformers loads it, it is the reference itself
+        reference = load_transformers(mistral)
+        assert isinstance(reference, transformers.MistralForCausalLM)
+    except NotImplementedError as exc:
+        assert "mistral" in str(exc)
+        reference = load_transformers(llama)
+    want = transformers_generate(reference, PROMPT, NEW)
+    assert len(set(want)) >= 4, want
+    assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
+
+
 def test_a_gpt2_files_byte_level_bpe_becomes_the_bundle_tokenizer(gguf_case):
     """GPT-2's tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges, <|endoftext|>), converted
     as transformers converts it: the same ids, merged words included, and its end-of-text id."""
