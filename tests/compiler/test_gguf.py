@@ -155,6 +155,44 @@ def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(name
     assert len(matrices) == linears, sorted(matrices)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
+def test_the_unpack_ops_equal_ggufs_numpy_dequantizer_bit_for_bit(qtype, tmp_path):
+    """Each packed type's fields, as GGUFTensor reads them from a file (byte range, split into
+    fields), unpacked by packed.dequantize (the ops a bundle runs) equal gguf's own NumPy
+    dequantizer of the same bytes, bit for bit: the types gguf writes quantized by gguf from
+    floats, the k-quants (which gguf only reads) random blocks, every code and sub-scale drawn."""
+    import gguf
+    import torch
+
+    from tests.support.gguf_files import _tensor
+    from tvmpipe.compiler.ggufsource import GGUFEntry, GGUFTensor
+    from tvmpipe.compiler.packed import FORMATS, dequantize
+
+    rows, cols = 6, 512
+    rng = np.random.default_rng(11)
+    path = tmp_path / f"{qtype}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    _tensor(w, rng, "m.weight", (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), qtype)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    t = gguf.GGUFReader(str(path)).tensors[0]
+    assert t.tensor_type.name == qtype
+    fmt = FORMATS[qtype]
+    entry = GGUFEntry(t.name, qtype, (rows, cols), int(t.data_offset), int(t.n_bytes))
+
+    def torch_field(a: np.ndarray) -> torch.Tensor:
+        if a.dtype.name == "bfloat16":  # NumPy's bfloat16 (ml_dtypes) is not torch's: by bits
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    fields = {f.name: torch_field(GGUFTensor(path, entry, fmt, f.name).numpy()) for f in fmt.fields}
+    got = dequantize(fmt, fields).numpy()
+    want = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(rows, cols)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    assert np.array_equal(got, want.astype(np.float32)), np.abs(got - want).max()
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):  # random blocks: every sub-block scale and code in use
+        assert len(np.unique(got)) > cols
+
+
 def test_the_unpack_matmul_kernels_are_scheduled_as_reductions_not_by_fallback(gguf_case):
     """At batch 1 every fused unpack + matmul function is taken by dlight's GEMV or Reduction rule
     (threads across the row's packed bytes), as export's schedule step tries them in order; none is
