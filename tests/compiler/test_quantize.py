@@ -39,6 +39,14 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
     b = load_bundle(tmp_path / "b")
     # every linear layer, the head and the embedding
     assert b.manifest.source["quantize"] == {"scheme": scheme, "group_size": group, "layers": 2 * 7 + 2}
+    # inspect shows each quantized matrix once, in its format, with its packed bytes (codes + f16 scales)
+    from tvmpipe.bundle.inspect import build_report
+
+    shown = [w for w in build_report(b)["weights"] if w["format"] == scheme]
+    assert len(shown) == 2 * 7 + 2, [w["name"] for w in shown]
+    for w in shown:
+        rows, cols = w["shape"]
+        assert w["bytes"] == rows * cols * (1 if scheme == "int8" else 1 / 2) + rows * cols // group * 2, w
     _assert_unpacked_in_matmuls(tmp_path / "b")
     model = load_transformers(ckpt, "float32")
     with torch.no_grad():
