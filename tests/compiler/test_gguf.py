@@ -291,7 +291,7 @@ def test_the_gguf_tokenizer_and_chat_template_become_the_bundle_tokenizer(gguf_c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama_mixed", "gpt2_mixed"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(name, gguf_case):
     from tvmpipe.compiler.decoders import transformers_generate
 
@@ -299,7 +299,7 @@ def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(name, gguf_case):
     want = transformers_generate(load_transformers(f), PROMPT, NEW)
     for k in (1, 2):
         args = [sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(k), "--processes",
-                "--max-new-tokens", str(NEW), "--json", "--prompt-ids", ",".join(map(str, PROMPT))]
+                "--max-new-tokens", str(NEW), "--ignore-eos", "--json", "--prompt-ids", ",".join(map(str, PROMPT))]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads(proc.stdout)["sequences"][0]["tokens"] == want, k
