@@ -68,6 +68,13 @@ class Node:
         return self.func_name == "__nop"
 
     @property
+    def inplace(self) -> list[int]:
+        """A `call_tir_inplace` node's attrs `inplace_indices`: the input its output is written over
+        (the output entry shares that input's storage); [] for other nodes."""
+        raw = self.attrs.get("inplace_indices") if self.is_op else None
+        return [int(i) for i in str(raw).split(",")] if raw not in (None, "") else []
+
+    @property
     def is_copy(self) -> bool:
         return self.func_name == "__copy"
 

@@ -251,10 +251,15 @@ def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
         for st in r["state"]:
             per.setdefault((st["dtype"], tuple(st["shape"])), []).append(st)
         kinds = "; ".join(f"{len(v)} x {_tensor_type(d, list(sh))}" for (d, sh), v in per.items())
-        rows.append(("state", f"{len(r['state'])} pair(s) ({kinds}), {format_bytes(r['state_bytes_per_slot'])} "
-                              f"per sequence slot (batch {r['batch']})"))
+        stage = sum(st["bytes"] for st in r["state"] if st.get("scope") == "stage")
+        if stage == r["state_bytes_per_slot"]:  # a paged step: pools shared by every row and slot
+            rows.append(("state", f"{len(r['state'])} pool(s) ({kinds}), {format_bytes(stage)} for the stage"))
+        else:
+            rows.append(("state", f"{len(r['state'])} pair(s) ({kinds}), {format_bytes(r['state_bytes_per_slot'])} "
+                                  f"per sequence slot (batch {r['batch']})"))
         in_place = sum(st["buffers"] == 1 for st in r["state"])
-        rows.append(("state held", f"{format_bytes(r['state_resident_bytes_per_slot'])} a slot in the stages: {in_place} "
+        held = "" if stage == r["state_bytes_per_slot"] else " a slot"
+        rows.append(("state held", f"{format_bytes(r['state_resident_bytes_per_slot'])}{held} in the stages: {in_place} "
                                    f"pair(s) updated in place, {len(r['state']) - in_place} in two buffers"))
         rows.append(("state pairs", ", ".join(f"{st['name']}: {st['input']} <- output {st['output']}"
                                               + (f" (fill {st['init']['fill']:g})" if st["init"]["fill"] else "")
@@ -264,6 +269,12 @@ def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
         chunked = f" (up to {_token_shape(r, gen)[-1]} a row, count {gen['count']})" if gen.get("count") else ""
         rows.append(("generation", f"token {gen['token']}{chunked}, position {gen['position']}, logits output "
                                    f"{gen['logits']}, max context {gen['max_context']}, vocab {gen['vocab_size']}"))
+        pg = gen.get("paged")
+        rows.append(("kv cache", "static, [B, H_kv, T, D] per layer and sequence slot" if pg is None else
+                     f"paged, page size {pg['page_size']}, pool {pg['pages']} pages shared by the stage's rows"))
+        if pg is not None:
+            rows.append(("page table", ", ".join(pg[k] for k in ("indptr", "values", "last_page_len", "position_map",
+                                                                 "q_indptr") if pg.get(k))))
     if r.get("weights") and any(w["params"] != [w["name"]] for w in r["weights"]):  # packed matrices
         per: dict[str, list[int]] = {}
         for w in r["weights"]:

@@ -27,9 +27,44 @@ class StatePair:
     input: str
     output: int
     fill: float = 0.0
+    scope: str = "slot"  # SCOPES: one value per sequence slot, or one for the stage (a paged pool)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "input": self.input, "output": self.output, "init": {"fill": self.fill}}
+        out = {"name": self.name, "input": self.input, "output": self.output, "init": {"fill": self.fill}}
+        return {**out, "scope": self.scope} if self.scope != "slot" else out
+
+
+# "slot": a stage keeps one value per sequence slot (a static KV cache [B, H, T, D]); "stage": one
+# value for the whole stage, shared by every row and slot, never reset by a slot's fresh start
+# (a paged KV pool: rows reach their own pages through the page table a step carries)
+SCOPES = ("slot", "stage")
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """A paged decode step (docs/paged-kv.md): pools of `pages` pages of `page_size` tokens (the
+    stage-scoped state), and the names of the int32 inputs each step carries: the CSR page table
+    (`indptr` [B + 1], `values` [capacity], `last_page_len` [B]), the append's `position_map`
+    [B * C], and for a chunked step `q_indptr` [B + 1] (its tokens packed, row after row)."""
+
+    page_size: int
+    pages: int
+    indptr: str
+    values: str
+    last_page_len: str
+    position_map: str
+    q_indptr: str | None = None
+
+    KEYS = ("page_size", "pages", "indptr", "values", "last_page_len", "position_map")
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.KEYS}
+        return {**out, "q_indptr": self.q_indptr} if self.q_indptr is not None else out
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.indptr, self.values, self.last_page_len, self.position_map,
+                *([self.q_indptr] if self.q_indptr is not None else [])]
 
 
 @dataclass(frozen=True)
@@ -44,11 +79,16 @@ class GenerationSpec:
     max_context: int
     vocab_size: int
     count: str | None = None  # a chunked step's input: how many of each row's tokens are real
+    paged: PagedSpec | None = None  # a paged KV step's pool and page-table inputs
 
     def to_json(self) -> dict[str, Any]:
         out = {"token": self.token, "position": self.position, "logits": self.logits,
                "max_context": self.max_context, "vocab_size": self.vocab_size}
-        return {**out, "count": self.count} if self.count is not None else out
+        if self.count is not None:
+            out["count"] = self.count
+        if self.paged is not None:
+            out["paged"] = self.paged.to_json()
+        return out
 
 
 def token_layout(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
@@ -71,8 +111,12 @@ def parse_state(raw: Any, file: str, problems: list[Problem]) -> list[StatePair]
     out = []
     for i, p in enumerate(raw):
         fld = f"state[{i}]"
-        if not isinstance(p, dict) or not {"name", "input", "output"} <= set(p) or set(p) - {"name", "input", "output", "init"}:
-            problems.append(Problem(file, "", fld, 'must be {"name", "input", "output"[, "init"]}'))
+        if not isinstance(p, dict) or not {"name", "input", "output"} <= set(p) \
+                or set(p) - {"name", "input", "output", "init", "scope"}:
+            problems.append(Problem(file, "", fld, 'must be {"name", "input", "output"[, "init", "scope"]}'))
+            continue
+        if p.get("scope", "slot") not in SCOPES:
+            problems.append(Problem(file, "", f"{fld}.scope", f"must be one of {', '.join(SCOPES)}"))
             continue
         init = p.get("init", {"fill": 0.0})
         ok_init = isinstance(init, dict) and set(init) == {"fill"} and isinstance(init["fill"], (int, float)) \
@@ -81,7 +125,7 @@ def parse_state(raw: Any, file: str, problems: list[Problem]) -> list[StatePair]
             problems.append(Problem(file, "", fld, "name and input are strings, output a head index, "
                                                    'init {"fill": <number>}'))
             continue
-        out.append(StatePair(p["name"], p["input"], p["output"], float(init["fill"])))
+        out.append(StatePair(p["name"], p["input"], p["output"], float(init["fill"]), p.get("scope", "slot")))
     return out
 
 
@@ -89,9 +133,9 @@ def parse_generation(raw: Any, file: str, problems: list[Problem]) -> Generation
     if raw is None:
         return None
     keys = {"token", "position", "logits", "max_context", "vocab_size"}
-    if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"count"}:
+    if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"count", "paged"}:
         problems.append(Problem(file, "", "generation", f"must have exactly the keys {sorted(keys)} (and \"count\" "
-                                                        "for a chunked step)"))
+                                                        "for a chunked step, \"paged\" for a paged one)"))
         return None
     if not (isinstance(raw["token"], str) and isinstance(raw["position"], str) and _is_count(raw["logits"])
             and _is_count(raw["max_context"]) and raw["max_context"] > 0 and _is_count(raw["vocab_size"])
@@ -99,8 +143,20 @@ def parse_generation(raw: Any, file: str, problems: list[Problem]) -> Generation
         problems.append(Problem(file, "", "generation", "token, position and count are input names; logits a head "
                                                         "index; max_context and vocab_size positive integers"))
         return None
+    paged = None
+    if "paged" in raw:
+        pg = raw["paged"]
+        names = PagedSpec.KEYS[2:]
+        if not (isinstance(pg, dict) and set(PagedSpec.KEYS) <= set(pg) <= set(PagedSpec.KEYS) | {"q_indptr"}
+                and all(_is_count(pg[k]) and pg[k] > 0 for k in ("page_size", "pages"))
+                and all(isinstance(pg[k], str) for k in names) and isinstance(pg.get("q_indptr", ""), str)):
+            problems.append(Problem(file, "", "generation.paged", f"must have the keys {list(PagedSpec.KEYS)} (and "
+                                    "\"q_indptr\" for a chunked step): page_size and pages positive integers, "
+                                    "the others input names"))
+            return None
+        paged = PagedSpec(pg["page_size"], pg["pages"], *(pg[k] for k in names), pg.get("q_indptr"))
     return GenerationSpec(raw["token"], raw["position"], raw["logits"], raw["max_context"], raw["vocab_size"],
-                          raw.get("count"))
+                          raw.get("count"), paged)
 
 
 def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: GenerationSpec | None,
@@ -140,7 +196,13 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
             problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is not one of the bundle's inputs"))
         elif name in seen_in:
             problems.append(Problem(file, "", f"generation.{key}", f"'{name}' is a state input"))
-    if gen.count is None and gen.token in inputs:
+    if gen.paged is not None:
+        for name in gen.paged.inputs:
+            if name not in inputs:
+                problems.append(Problem(file, "", "generation.paged", f"'{name}' is not one of the bundle's inputs"))
+        if not any(p.scope == "stage" for p in state):
+            problems.append(Problem(file, "", "generation.paged", "a paged step keeps its pools as \"stage\" state"))
+    if gen.count is None and gen.paged is None and gen.token in inputs:
         shape = graph.entry_of(gen.token).shape
         if token_layout(shape)[1] > 1:
             problems.append(Problem(file, "", "generation.count", f"token input '{gen.token}' is {list(shape)}: a step "
@@ -201,10 +263,18 @@ def updated_in_place(graph: Graph, ops: dict[str, Any], kernels: dict[str, Any],
     compiles to, `where(arange(T) == pos, new, cache)`: a kernel thread reads cache[i] (or not, at
     `pos`) and writes element i. Any other form (the input read by another node, through a reshape
     or a transpose, a head that is a view of the output, a function of several launches) keeps two
-    buffers."""
+    buffers. A paged pool's update is an in-place call (graph.json `inplace_indices`): its output
+    is its input's storage, one buffer by construction."""
     e_in = graph.entry_id(graph.node_index[pair.input])
     e_out = graph.head_entries[pair.output]
     node = graph.nodes[graph.entries[e_out].node]
+    if node.is_op and node.inplace:
+        # a call_tir_inplace (a paged pool's append): its output is the input it writes, by
+        # construction one buffer; it is the update when the input it writes is the state's, and
+        # nothing else reads that input (compiler/graphjson.py checks it when it builds the graph)
+        ins = graph.input_entry_ids(node.index)
+        return graph.consumers[e_in] == [node.index] and ins[node.inplace[0]] == e_in \
+            and graph.entries[e_out].index == 0
     fn = ops.get(node.func_name or "")
     launches = getattr(kernels.get(node.func_name or ""), "launches", ())
     if graph.consumers[e_in] != [node.index] or fn is None or len(fn.outputs) != 1 or len(launches) != 1:

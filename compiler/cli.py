@@ -63,6 +63,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=int, default=None, metavar="C",
                    help="with --decode: up to C tokens a row per step (input_ids [B,C], count [B]): prompts go "
                         "in C tokens a step (chunked prefill), generated tokens one, in the same graph (default 1)")
+    p.add_argument("--kv", choices=["static", "paged"], default=None,
+                   help="with --decode: the KV cache's layout (default static): static caches [B, H_kv, T, D] per "
+                        "layer and sequence slot, or paged: one pool of pages a layer shared by the stage's rows, "
+                        "read and written through a page table the step takes as inputs (docs/paged-kv.md)")
+    p.add_argument("--page-size", type=int, default=None, metavar="P",
+                   help="with --kv paged: tokens a page (default 16)")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="with --kv paged: pages in each layer's pool (default: every row at the max context, "
+                        "batch x ceil(T / P))")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="a GGUF file's tokenizer directory (tokenizer.json, ...), for a file without tokenizer.ggml.* "
                         "(default: the file's own tokenizer and chat template, converted)")
@@ -89,6 +98,15 @@ def run(args: argparse.Namespace) -> int:
         raise SourceError("--max-context needs --decode")
     if args.chunk is not None and not args.decode:
         raise SourceError("--chunk needs --decode")
+    if args.kv is not None and not args.decode:
+        raise SourceError("--kv needs --decode")
+    if (args.page_size is not None or args.kv_pages is not None) and args.kv != "paged":
+        raise SourceError("--page-size and --kv-pages size a paged KV cache: pass --kv paged")
+    kv = None
+    if args.kv == "paged":
+        from tvmpipe.compiler.decoders import DEFAULT_PAGE_SIZE, KvOptions
+
+        kv = KvOptions("paged", DEFAULT_PAGE_SIZE if args.page_size is None else args.page_size, args.kv_pages)
     flags = {"--token-input": args.token_input, "--position-input": args.position_input,
              "--count-input": args.count_input, "--logits-output": args.logits_output}
     given = [f for f, v in flags.items() if v is not None]
@@ -107,6 +125,6 @@ def run(args: argparse.Namespace) -> int:
                              seed=args.seed, omit_params=args.omit_params, overwrite=args.force, progress=progress,
                              name=args.name, decode=decode, chunk=1 if args.chunk is None else args.chunk,
                              seq_len=args.seq_len, generation=generation, tokenizer=args.tokenizer,
-                             quantize=args.quantize, group_size=args.group_size)
+                             quantize=args.quantize, group_size=args.group_size, kv=kv)
     print(path)
     return 0

@@ -137,9 +137,12 @@ def _layout(model: Any) -> _Layout:
 
 
 def _positions(position: Any, c: int) -> Any:
-    """[B, C] positions of a step's C tokens: position, position + 1, ... (C = 1: position[:, None])."""
+    """[B, C] positions of a step's C tokens: position, position + 1, ... (C = 1: position[:, None]).
+    A 2-D `position` is already every token's (a paged chunk's packed tokens: _paged_chunk)."""
     import torch
 
+    if position.dim() == 2:
+        return position
     return position[:, None] if c == 1 else position[:, None] + torch.arange(c)[None, :]
 
 
@@ -159,14 +162,51 @@ def _masked_attention(q: Any, k: Any, v: Any, position: Any, scaling: float) -> 
     return torch.matmul(probs, v)  # [B, H, 1, D]
 
 
-def _attend(q: Any, k: Any, v: Any, caches: list[Any], i: int, position: Any, scaling: float,
-            repeat: Callable[[Any], Any] = lambda kv: kv, count: Any = None) -> tuple[Any, Any, Any]:
+def _attend(q: Any, k: Any, v: Any, caches: Any, i: int, position: Any, scaling: float,
+            repeat: Callable[[Any], Any] = lambda kv: kv, count: Any = None) -> tuple[Any, list[Any]]:
     """Layer `i`'s step: the step's k and v ([B, H_kv, C, D]) written into its caches, q attending
     over them (`repeat`: the model's own repeat_kv for grouped-query heads; one KV head broadcasts).
-    Returns (context [B, C, H*D], new k cache, new v cache)."""
+    Returns (context [B, C, H*D], the layer's new state: k and v caches, or its page pool when
+    `caches` is a PagedKV)."""
+    if isinstance(caches, PagedKV):
+        return caches.attend(q, k, v, i, scaling)
     kc, vc = _write(caches[2 * i], k, position, count), _write(caches[2 * i + 1], v, position, count)
     ctx = _masked_attention(q, repeat(kc), repeat(vc), position, scaling)
-    return ctx.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), kc, vc
+    return ctx.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), [kc, vc]
+
+
+class PagedKV:
+    """The paged layout's per-step inputs inside a step (docs/paged-kv.md): each layer's pool
+    [N, 2, H_kv, P, D] and the page table, position map (and q_indptr for a chunk) the step
+    carries. A layer appends its new K/V to its pool (in place, compiled), then attends through
+    the table: decode (one token a row) or a causal chunk (`chunk` > 1: the step's tokens packed
+    by q_indptr, as one sequence of B * C tokens)."""
+
+    def __init__(self, pools: list[Any], indptr: Any, values: Any, last: Any, position_map: Any,
+                 q_indptr: Any = None) -> None:
+        self.pools, self.indptr, self.values, self.last = pools, indptr, values, last
+        self.position_map, self.q_indptr = position_map, q_indptr
+
+    def attend(self, q: Any, k: Any, v: Any, i: int, scaling: float) -> tuple[Any, list[Any]]:
+        """q [b, H, c, D], k and v [b, H_kv, c, D] of the step's b * c token slots: appended, then
+        attended; the kernels scale by 1/sqrt(D), so q is scaled first to the model's `scaling`."""
+        import math
+
+        import torch
+
+        b, h, c, d = q.shape
+        tokens = b * c
+        q = q.transpose(1, 2).reshape(tokens, h, d)
+        if abs(scaling * math.sqrt(d) - 1.0) > 1e-12:
+            q = q * (scaling * math.sqrt(d))
+        k = k.transpose(1, 2).reshape(tokens, k.shape[1], d)
+        v = v.transpose(1, 2).reshape(tokens, v.shape[1], d)
+        pool = torch.ops.tvmpipe.paged_append(self.pools[i], k, v, self.position_map)
+        if self.q_indptr is None:
+            out = torch.ops.tvmpipe.paged_decode(q, pool, self.indptr, self.values, self.last)
+        else:
+            out = torch.ops.tvmpipe.paged_prefill(q, self.q_indptr, pool, self.indptr, self.values, self.last)
+        return out.reshape(b, c, h * d), [pool]
 
 
 def _write(cache: Any, new: Any, position: Any, count: Any = None) -> Any:
@@ -188,9 +228,12 @@ def _write(cache: Any, new: Any, position: Any, count: Any = None) -> Any:
 
 def _last(h: Any, count: Any) -> Any:
     """[B, 1, E]: each row's hidden state at its last valid token (`count` - 1) of a chunk [B, C, E]
-    (C = 1: h itself). Only that token's logits are sampled, so the head runs once a row."""
+    (C = 1: h itself). Only that token's logits are sampled, so the head runs once a row. A 2-D
+    `count` is a paged chunk's pick [B, B * C] of each row's last packed token (h [1, B * C, E])."""
     import torch
 
+    if count is not None and count.dim() == 2:
+        return torch.matmul(count.to(h.dtype), h[0])[:, None, :]
     c = h.shape[1]
     if c == 1:
         return h
@@ -211,10 +254,10 @@ def _gpt2_step(model: Any) -> Callable:
             q, k, v = attn.c_attn(x).split(attn.split_size, dim=2)
             shape = (b, c, attn.num_heads, attn.head_dim)
             q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
+            ctx, new = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
             h = h + attn.c_proj(ctx)
             h = h + block.mlp(block.ln_2(h))
-            out += [kc, vc]
+            out += new
         return [model.lm_head(tr.ln_f(_last(h, count)))] + out
 
     return step
@@ -259,10 +302,10 @@ def _llama_step(model: Any) -> Callable:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             groups = attn.num_key_value_groups
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, lambda kv: repeat_kv(kv, groups), count)
+            ctx, new = _attend(q, k, v, caches, i, position, attn.scaling, lambda kv: repeat_kv(kv, groups), count)
             h = h + attn.o_proj(ctx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-            out += [kc, vc]
+            out += new
         return [model.lm_head(inner.norm(_last(h, count)))] + out
 
     return step
@@ -284,14 +327,14 @@ def _neox_step(model: Any) -> Callable:
             qkv = attn.query_key_value(layer.input_layernorm(h)).view(b, c, -1, 3 * attn.head_size).transpose(1, 2)
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = apply_rotary(q, k, cos, sin)
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
+            ctx, new = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
             a = attn.dense(ctx)
             if layer.use_parallel_residual:
                 h = h + a + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h = h + a
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-            out += [kc, vc]
+            out += new
         return [model.get_output_embeddings()(inner.final_layer_norm(_last(h, count)))] + out
 
     return step
@@ -316,7 +359,7 @@ def _opt_step(model: Any) -> Callable:
             x = layer.self_attn_layer_norm(h) if layer.do_layer_norm_before else h
             q, k, v = (p(x).view(b, c, -1, attn.head_dim).transpose(1, 2)
                        for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
+            ctx, new = _attend(q, k, v, caches, i, position, attn.scaling, count=count)
             h = h + attn.out_proj(ctx)
             if not layer.do_layer_norm_before:
                 h = layer.self_attn_layer_norm(h)
@@ -324,7 +367,7 @@ def _opt_step(model: Any) -> Callable:
             h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
             if not layer.do_layer_norm_before:
                 h = layer.final_layer_norm(h)
-            out += [kc, vc]
+            out += new
         h = _last(h, count)
         if dec.final_layer_norm is not None:
             h = dec.final_layer_norm(h)
@@ -356,10 +399,10 @@ def _falcon_step(model: Any) -> Callable:
             qkv = attn.query_key_value(x).view(b, c, attn.num_heads + 2, attn.head_dim)
             q, k, v = (t.transpose(1, 2) for t in (qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]))
             q, k = apply_rotary(q, k, cos, sin)
-            ctx, kc, vc = _attend(q, k, v, caches, i, position, attn.inv_norm_factor, count=count)  # one KV head
+            ctx, new = _attend(q, k, v, caches, i, position, attn.inv_norm_factor, count=count)  # one KV head
             a = attn.dense(ctx)
             h = h + a + layer.mlp(x)
-            out += [kc, vc]
+            out += new
         return [model.lm_head(tr.ln_f(_last(h, count)))] + out
 
     return step
@@ -369,41 +412,131 @@ def cache_names(layers: int) -> list[str]:
     return [f"{kv}_cache_{i}" for i in range(layers) for kv in ("k", "v")]
 
 
-class DecodeStepSpec:
-    """What the compiler needs to declare the state: cache input names, their shape, logits head."""
+def pool_names(layers: int) -> list[str]:
+    """The paged layout's state inputs: one page pool a layer."""
+    return [f"kv_pages_{i}" for i in range(layers)]
 
-    def __init__(self, layout: _Layout, batch: int, max_context: int, chunk: int = 1) -> None:
+
+KV_LAYOUTS = ("static", "paged")
+DEFAULT_PAGE_SIZE = 16
+INDPTR, VALUES, LAST, POSITION_MAP, Q_INDPTR = (
+    "page_table_indptr", "page_table_values", "last_page_len", "position_map", "q_indptr")
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """`tvmpipe compile --decode`'s KV layout: `layout` static or paged; a paged step's page size
+    and pool pages (None: every row at the max context), and the CUDA arch its kernels are built
+    for (compiler/pagedops.py)."""
+
+    layout: str = "static"
+    page_size: int = DEFAULT_PAGE_SIZE
+    pages: int | None = None
+    arch: str = "sm_90"
+
+    def step_args(self) -> dict[str, Any]:
+        """decode_step_module's keywords."""
+        return {"kv": self.layout, "page_size": self.page_size, "pages": self.pages}
+
+    def converters(self) -> dict[str, Any]:
+        """The importer's convert map for the paged ops (none for the static layout)."""
+        if self.layout != "paged":
+            return {}
+        from tvmpipe.compiler import launches, pagedops
+
+        return pagedops.converters(launches.cuda_target(self.arch))
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """A paged step's sizes: `page_size` tokens a page, a pool of `pages` pages a layer, and the
+    page table's static length `table_capacity` (every row at the max context)."""
+
+    page_size: int
+    pages: int
+    table_capacity: int
+
+
+class DecodeStepSpec:
+    """What the compiler needs to declare the state: cache input names, their shape, logits head.
+    With `paged` (a PagedLayout) the state is one page pool a layer, stage-scoped, and the step
+    takes the page table inputs (docs/paged-kv.md)."""
+
+    def __init__(self, layout: _Layout, batch: int, max_context: int, chunk: int = 1,
+                 paged: PagedLayout | None = None) -> None:
         self.layout, self.batch, self.max_context, self.chunk = layout, batch, max_context, chunk
-        self.caches = cache_names(layout.layers)
+        self.paged = paged
+        self.caches = pool_names(layout.layers) if paged else cache_names(layout.layers)
         self.cache_shape = (batch, layout.kv_heads, max_context, layout.head_dim)
+        if paged:
+            self.cache_shape = (paged.pages, 2, layout.kv_heads, paged.page_size, layout.head_dim)
 
     def state_pairs(self) -> list[Any]:
         from tvmpipe.bundle.state import StatePair
 
+        if self.paged:
+            return [StatePair(f"layer{i}.pages", n, 1 + i, 0.0, scope="stage") for i, n in enumerate(self.caches)]
         return [StatePair(f"layer{n.rsplit('_', 1)[1]}.{n[0]}", n, 1 + i, 0.0) for i, n in enumerate(self.caches)]
 
     def generation(self) -> Any:
-        from tvmpipe.bundle.state import GenerationSpec
+        from tvmpipe.bundle.state import GenerationSpec, PagedSpec
 
+        paged = None
+        if self.paged:
+            paged = PagedSpec(self.paged.page_size, self.paged.pages, INDPTR, VALUES, LAST, POSITION_MAP,
+                              Q_INDPTR if self.chunk > 1 else None)
         return GenerationSpec(TOKEN, POSITION, 0, self.max_context, self.layout.vocab,
-                              COUNT if self.chunk > 1 else None)
+                              COUNT if self.chunk > 1 and not self.paged else None, paged)
+
+    @property
+    def table_inputs(self) -> list[str]:
+        """A paged step's page-table inputs, in order (none for the static layout)."""
+        if not self.paged:
+            return []
+        return [INDPTR, VALUES, LAST, POSITION_MAP, *([Q_INDPTR] if self.chunk > 1 else [])]
 
     @property
     def inputs(self) -> list[str]:
         """The step's input names, in order."""
-        return [TOKEN, POSITION, *([COUNT] if self.chunk > 1 else []), *self.caches]
+        count = [COUNT] if self.chunk > 1 and not self.paged else []
+        return [TOKEN, POSITION, *count, *self.table_inputs, *self.caches]
 
 
-def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int = 1) -> tuple[Any, DecodeStepSpec]:
+def _paged_chunk(step: Callable, input_ids: Any, position: Any, kv: PagedKV) -> list[Any]:
+    """A paged chunked step: row b's q_indptr[b + 1] - q_indptr[b] tokens packed in the token
+    slots from q_indptr[b] (spare slots last), run as one sequence of B * C tokens, each at its
+    row's position + its index in the row; the logits are each row's last packed token's."""
+    import torch
+
+    q_indptr = kv.q_indptr.long()
+    rows = position.shape[0]
+    tokens = input_ids.shape[0]
+    t = torch.arange(tokens)
+    row = (t[:, None] >= q_indptr[None, 1:]).sum(-1)  # [T]: the row of each slot (rows for a spare one)
+    onehot = (row[:, None] == torch.arange(rows)[None, :]).long()  # [T, B]
+    at = (onehot * position[None, :]).sum(-1) + t - (onehot * q_indptr[None, :-1]).sum(-1)
+    at = torch.where(onehot.sum(-1) > 0, at, torch.zeros_like(at))  # spare slots: position 0, unread
+    ends = q_indptr[1:]
+    pick = (t[None, :] == (ends - 1)[:, None]) & (ends > q_indptr[:-1])[:, None]  # [B, T]
+    return step(input_ids[None, :], at[None, :], kv, pick)
+
+
+def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int = 1, kv: str = "static",
+                       page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None) -> tuple[Any, DecodeStepSpec]:
     """A torch module computing one decode step of `model` (see the module docstring); with
     `chunk` C > 1 a step takes up to C tokens a row (input_ids [B, C], count [B] of them valid),
-    so that a prompt goes in C tokens a step (chunked prefill), and samples the last valid one."""
+    so that a prompt goes in C tokens a step (chunked prefill), and samples the last valid one.
+    With `kv="paged"` the caches are a pool of `pages` pages of `page_size` tokens a layer
+    (default: every row at the max context), read and written through the page table inputs
+    (docs/paged-kv.md; a chunk's tokens packed: input_ids [B * C])."""
     import torch
 
     if max_context < 1:
         raise SourceError(f"--max-context must be a positive integer, got {max_context}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= max_context:
         raise SourceError(f"--chunk must be an integer from 1 to the max context {max_context}, got {chunk!r}")
+    if kv not in KV_LAYOUTS:
+        raise SourceError(f"--kv {kv!r}: the KV layouts are {', '.join(KV_LAYOUTS)}")
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     learned = _is_gpt2(model) or getattr(model.config, "model_type", None) == "opt"  # a table of positions
     if learned and limit is not None and max_context > limit:
@@ -426,13 +559,26 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int 
     else:
         raise SourceError(f"{type(model).__name__}: no decode step for this architecture (GPT-2 and "
                           f"Llama-style decoders: {', '.join(DECODERS)})")
-    spec = DecodeStepSpec(_layout(model), batch, max_context, chunk)
+    layout = _layout(model)
+    paged = None
+    if kv == "paged":
+        paged = _paged_layout(layout, batch, max_context, page_size, pages)
+        from tvmpipe.compiler.pagedops import register_torch_ops
+
+        register_torch_ops()
+    spec = DecodeStepSpec(layout, batch, max_context, chunk, paged)
     args = ", ".join(spec.caches)
-    ns: dict[str, Any] = {}
+    ns: dict[str, Any] = {"PagedKV": PagedKV, "_paged_chunk": _paged_chunk}
     # explicit parameter names (spec.inputs): torch.export names the graph inputs (and so the bundle's) after them
-    count = f", {COUNT}" if chunk > 1 else ""
-    exec(f"def forward(self, {', '.join(spec.inputs)}):\n"
-         f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]{count}))\n", ns)
+    if paged is None:
+        count = f", {COUNT}" if chunk > 1 else ""
+        body = f"    return tuple(self.step({TOKEN}, {POSITION}, [{args}]{count}))\n"
+    else:
+        q = f", {Q_INDPTR}" if chunk > 1 else ""
+        table = f"PagedKV([{args}], {INDPTR}, {VALUES}, {LAST}, {POSITION_MAP}{q})"
+        body = (f"    return tuple(self.step({TOKEN}, {POSITION}, {table}, None))\n" if chunk == 1 else
+                f"    return tuple(_paged_chunk(self.step, {TOKEN}, {POSITION}, {table}))\n")
+    exec(f"def forward(self, {', '.join(spec.inputs)}):\n" + body, ns)
 
     class DecodeStep(torch.nn.Module):
         def __init__(self) -> None:
@@ -445,24 +591,52 @@ def decode_step_module(model: Any, max_context: int, batch: int = 1, chunk: int 
     return DecodeStep().eval(), spec
 
 
+def _paged_layout(layout: _Layout, batch: int, max_context: int, page_size: int, pages: int | None) -> PagedLayout:
+    """The pool and table sizes of a paged step, checked: the kernels are built for float16 and
+    float32 pages, and a pool smaller than one row's max context could never hold a full row."""
+    for name, value in (("--page-size", page_size), ("--kv-pages", pages)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SourceError(f"{name} must be a positive integer, got {value!r}")
+    dtype = str(layout.dtype).replace("torch.", "")
+    if dtype not in ("float32", "float16"):
+        raise SourceError(f"--kv paged: pages of {dtype} are not built (float32 and float16 are); use --kv static")
+    per_row = -(-max_context // page_size)
+    pages = batch * per_row if pages is None else pages
+    if pages < per_row:
+        raise SourceError(f"--kv-pages {pages}: a pool smaller than one row at the max context "
+                          f"({per_row} pages of {page_size})")
+    return PagedLayout(page_size, pages, batch * per_row)
+
+
 def example_inputs(spec: DecodeStepSpec) -> dict[str, Any]:
-    """Zero caches, token 0 at position 0 (a whole chunk of them): the shapes torch.export fixes."""
+    """Zero caches, token 0 at position 0 (a whole chunk of them): the shapes torch.export fixes.
+    A paged step's: an empty page table (no pages, nothing written: position map -1)."""
     import numpy as np
 
     dt = str(spec.layout.dtype).replace("torch.", "")
-    out: dict[str, Any] = {TOKEN: np.zeros((spec.batch, spec.chunk), np.int64), POSITION: np.zeros((spec.batch,), np.int64)}
-    if spec.chunk > 1:
-        out[COUNT] = np.full((spec.batch,), spec.chunk, np.int64)
+    b, c = spec.batch, spec.chunk
+    tokens = (b * c,) if spec.paged and c > 1 else (b, c)
+    out: dict[str, Any] = {TOKEN: np.zeros(tokens, np.int64), POSITION: np.zeros((b,), np.int64)}
+    if c > 1 and not spec.paged:
+        out[COUNT] = np.full((b,), c, np.int64)
+    if spec.paged:
+        out[INDPTR] = np.zeros(b + 1, np.int32)
+        out[VALUES] = np.zeros(spec.paged.table_capacity, np.int32)
+        out[LAST] = np.zeros(b, np.int32)
+        out[POSITION_MAP] = np.full(b * c, -1, np.int32)
+        if c > 1:
+            out[Q_INDPTR] = np.zeros(b + 1, np.int32)
     for n in spec.caches:
         out[n] = np.zeros(spec.cache_shape, dt)
     return out
 
 
 def export_decode_step(name: str, max_context: int, batch: int = 1, seed: int = 0,
-                       chunk: int = 1) -> tuple[Any, Any, DecodeStepSpec]:
-    """(torch.export program, step module, spec) of decoder `name`'s decode step."""
+                       chunk: int = 1, **kv: Any) -> tuple[Any, Any, DecodeStepSpec]:
+    """(torch.export program, step module, spec) of decoder `name`'s decode step (`kv`: the KV
+    layout's keywords of decode_step_module)."""
     model = build_decoder(name, seed)
-    module, spec = decode_step_module(model, max_context, batch, chunk)
+    module, spec = decode_step_module(model, max_context, batch, chunk, **kv)
     return export_step(module, spec), module, spec
 
 

@@ -125,12 +125,13 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
            seed: int = 0, progress: Progress | None = None, name: str | None = None,
            decode: int | None = None, chunk: int = 1, seq_len: int | None = None,
            generation: Any = None, tokenizer: str | None = None, quantize: str | None = None,
-           group_size: int | None = None) -> Exported:
+           group_size: int | None = None, kv: Any = None) -> Exported:
     """Compile SOURCE (.onnx, .pt2, a Hugging Face checkpoint directory, or a built-in model name)
     for CUDA `arch`. With `decode` (a max context), SOURCE is a decoder (compiler/decoders.py) or a
     checkpoint of one and the bundle is its decode step, taking up to `chunk` tokens a row; or a
     stateful .pt2 whose generation inputs and logits `generation` (genspec.Declared) names or
-    leaves to inference. A checkpoint's forward pass takes `seq_len` tokens."""
+    leaves to inference. A checkpoint's forward pass takes `seq_len` tokens. `kv`: a decode step's
+    KV layout (decoders.KvOptions, or "static" / "paged" with the default page size and pool)."""
     from tvmpipe.compiler import launches
 
     progress = progress or Progress()
@@ -146,7 +147,7 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk, dtype=dtype, seq_len=seq_len,
                                    generation=generation, tokenizer=tokenizer, quantize=quantize,
-                                   group_size=group_size)
+                                   group_size=group_size, kv=_kv_options(kv, arch))
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -178,6 +179,18 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         unscheduled=tvm.IRModule(prims), torch_module=imp.torch_module, timings=dict(progress.timings),
         state=_check_state(imp, fused.graph.inputs), generation=imp.generation, tokenizer=list(imp.tokenizer),
     )
+
+
+def _kv_options(kv: Any, arch: str) -> Any:
+    """export's `kv` as decoders.KvOptions built for `arch` (None: the static layout)."""
+    import dataclasses
+
+    from tvmpipe.compiler.decoders import KvOptions
+
+    if kv is None:
+        return None
+    opts = KvOptions(layout=kv) if isinstance(kv, str) else kv
+    return dataclasses.replace(opts, arch=arch)
 
 
 def _check_state(imp: Any, inputs: list[str]) -> list[Any]:
@@ -369,8 +382,10 @@ def _calls_by_function(built: Any, group_of: dict[int, Any]) -> dict[str, tuple[
 
 
 def _check_arity(name: str, program: FusedFunction, prim: Any) -> None:
-    """ops.json's calling convention must be the PrimFunc's: inputs then outputs, same count."""
-    if program.num_inputs + program.num_outputs != len(prim.params):
+    """ops.json's calling convention must be the PrimFunc's: inputs then outputs, same count (an
+    in-place call's PrimFunc takes its inputs only: its output is written over one of them)."""
+    inplace = any("inplace" in op.attrs for op in program.ops)
+    if program.num_inputs + (0 if inplace else program.num_outputs) != len(prim.params):
         raise CompileError(f"internal: '{name}' takes {len(prim.params)} arguments but its op program has "
                            f"{program.num_inputs} inputs + {program.num_outputs} outputs")
 
@@ -379,7 +394,8 @@ def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH,
                   dtype: str | None = None, seed: int = 0, omit_params: bool = False, overwrite: bool = False,
                   progress: Progress | None = None, name: str | None = None, decode: int | None = None,
                   chunk: int = 1, seq_len: int | None = None, generation: Any = None,
-                  tokenizer: str | None = None, quantize: str | None = None, group_size: int | None = None) -> Path:
+                  tokenizer: str | None = None, quantize: str | None = None, group_size: int | None = None,
+                  kv: Any = None) -> Path:
     """`tvmpipe compile`: export SOURCE and write the bundle to `out_dir` (atomically)."""
     progress = progress or Progress()
     out = Path(out_dir)
@@ -389,7 +405,7 @@ def compile_model(source: str, out_dir: str | Path, *, arch: str = DEFAULT_ARCH,
         raise CompileError(_omit_decode(source))
     exported = export(source, arch=arch, batch=batch, dtype=dtype, seed=seed, progress=progress, name=name,
                       decode=decode, chunk=chunk, seq_len=seq_len, generation=generation, tokenizer=tokenizer,
-                      quantize=quantize, group_size=group_size)
+                      quantize=quantize, group_size=group_size, kv=kv)
     if omit_params:
         check_omittable(exported)
     with progress.step("write", str(out)):

@@ -59,12 +59,13 @@ class Imported:
 def load_source(source: str, batch: int | None = None, seed: int = 0, decode: int | None = None,
                 chunk: int = 1, dtype: str | None = None, seq_len: int | None = None,
                 generation: Any = None, tokenizer: str | None = None, quantize: str | None = None,
-                group_size: int | None = None) -> Imported:
+                group_size: int | None = None, kv: Any = None) -> Imported:
     """Import SOURCE in its own dtype. `batch` None means the file's own batch (files) or 1 (built-ins).
     With `decode` (a max context), SOURCE is a decoder and the program is its decode step.
     A checkpoint directory imports in `dtype` (default: its own); its forward pass takes `seq_len`
     tokens. A .pt2 with `generation` (genspec.Declared; or `decode`, its max context) is a stateful
-    decode step whose generation section is declared from it (genspec.py)."""
+    decode step whose generation section is declared from it (genspec.py). `kv`
+    (decoders.KvOptions) is a decode step's KV layout: static (None) or paged."""
     if batch is not None and batch < 1:
         raise SourceError(f"--batch must be a positive integer, got {batch}")
     path = Path(source)
@@ -75,12 +76,16 @@ def load_source(source: str, batch: int | None = None, seed: int = 0, decode: in
                           "program's generation section")
     if tokenizer is not None and path.suffix != ".gguf":
         raise SourceError("--tokenizer names the tokenizer of a GGUF file (a checkpoint directory carries its own)")
+    paged = kv is not None and kv.layout != "static"
+    if paged and (decode is None or path.suffix in (".gguf", ".pt2", ".onnx")):
+        raise SourceError("--kv paged applies to the decode step (--decode) of a built-in decoder or a checkpoint "
+                          "directory")
     if path.suffix == ".gguf":
         return _from_gguf(path, batch or 1, decode, chunk, dtype, tokenizer)
     if (quantize is not None or group_size is not None) and not (path.is_dir() and decode is not None):
         raise SourceError("--quantize and --group-size quantize a checkpoint directory's decode step (DIR --decode)")
     if path.is_dir():
-        return _from_checkpoint(path, batch or 1, decode, chunk, dtype, seq_len, quantize, group_size)
+        return _from_checkpoint(path, batch or 1, decode, chunk, dtype, seq_len, quantize, group_size, kv)
     if path.suffix == ".pt2":
         imp = _from_pt2(path, batch)
         if generation is not None or decode is not None:
@@ -91,7 +96,7 @@ def load_source(source: str, batch: int | None = None, seed: int = 0, decode: in
             imp.generation = _declare(imp, generation or Declared(max_context=decode), path)
         return imp
     if decode is not None:
-        return _from_decoder(source, batch or 1, seed, decode, chunk)
+        return _from_decoder(source, batch or 1, seed, decode, chunk, kv)
     if path.suffix == ".onnx":
         return _from_onnx(path, batch)
     if path.exists():
@@ -115,14 +120,23 @@ def _from_builtin(name: str, batch: int, seed: int) -> Imported:
     return imp
 
 
-def _from_decoder(name: str, batch: int, seed: int, max_context: int, chunk: int = 1) -> Imported:
-    """A decoder's decode step (compiler/decoders.py), its caches declared as state."""
-    from tvmpipe.compiler.decoders import export_decode_step
+def _decode_source(max_context: int, chunk: int, spec: Any) -> dict[str, Any]:
+    """bundle.json source.decode: the max context, the chunk, a paged step's page size and pool."""
+    out: dict[str, Any] = {"max_context": max_context, **({"chunk": chunk} if chunk > 1 else {})}
+    if spec.paged is not None:
+        out["kv"] = {"layout": "paged", "page_size": spec.paged.page_size, "pages": spec.paged.pages}
+    return out
 
-    ep, module, spec = export_decode_step(name, max_context, batch, seed, chunk)
-    decode = {"max_context": max_context, **({"chunk": chunk} if chunk > 1 else {})}
+
+def _from_decoder(name: str, batch: int, seed: int, max_context: int, chunk: int = 1, kv: Any = None) -> Imported:
+    """A decoder's decode step (compiler/decoders.py), its caches declared as state."""
+    from tvmpipe.compiler.decoders import KvOptions, export_decode_step
+
+    kv = kv or KvOptions()
+    ep, module, spec = export_decode_step(name, max_context, batch, seed, chunk, **kv.step_args())
     imp = _from_exported(ep, f"{name}_decode", {"kind": "decode", "name": name, "sha256": None, "seed": seed,
-                                                 "decode": decode})
+                                                 "decode": _decode_source(max_context, chunk, spec)},
+                         extra_convert=kv.converters())
     if imp.inputs != spec.inputs:
         raise SourceError(f"internal: the decode step of {name} imported with inputs {imp.inputs}")
     imp.state = spec.state_pairs()
@@ -135,7 +149,8 @@ DEFAULT_SEQ_LEN = 64
 
 
 def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dtype: str | None,
-                     seq_len: int | None, quantize: str | None = None, group_size: int | None = None) -> Imported:
+                     seq_len: int | None, quantize: str | None = None, group_size: int | None = None,
+                     kv: Any = None) -> Imported:
     """A Hugging Face checkpoint directory (compiler/checkpoint.py): with `decode` (a max context)
     its decode step, else its forward pass over `seq_len` tokens; in `dtype` (default: the
     checkpoint's own, half precision imported as such: compiler/importops.py). The model is built
@@ -144,7 +159,7 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
     import torch
 
     from tvmpipe.compiler.checkpoint import CONFIG, ENCODERS, open_checkpoint
-    from tvmpipe.compiler.decoders import decode_step_module, export_step
+    from tvmpipe.compiler.decoders import KvOptions, decode_step_module, export_step
     from tvmpipe.compiler.hfmodel import build_model
     from tvmpipe.compiler.precision import norms_in_float32
     from tvmpipe.compiler.zoo import text_forward
@@ -164,9 +179,10 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
         source["quantize"] = {"scheme": scheme, "group_size": group, "layers": len(layers)}
     spec = None
     if decode is not None:
-        module, spec = decode_step_module(built.model, decode, batch, chunk)
+        kv = kv or KvOptions()
+        module, spec = decode_step_module(built.model, decode, batch, chunk, **kv.step_args())
         ep = export_step(module, spec)
-        source["decode"] = {"max_context": decode, **({"chunk": chunk} if chunk > 1 else {})}
+        source["decode"] = _decode_source(decode, chunk, spec)
         model = f"{ckpt.name}_decode"
     else:
         length = DEFAULT_SEQ_LEN if seq_len is None else seq_len
@@ -182,7 +198,8 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
                                   f"{type(exc).__name__}: {one_line(exc)}") from None
         source["seq_len"] = length
         model = ckpt.name
-    imp = _from_exported(ep, model, source, files=built.sources_by_name(module), native=want, decompose=spec is None)
+    imp = _from_exported(ep, model, source, files=built.sources_by_name(module), native=want, decompose=spec is None,
+                         extra_convert=(kv or KvOptions()).converters() if spec is not None else None)
     imp.mod = norms_in_float32(imp.mod, imp.const_names, imp.weights, want)
     imp.dtype, imp.batch = want, batch
     if spec is not None:
@@ -296,13 +313,15 @@ def _class_name(ep: Any) -> str | None:
 
 
 def _from_exported(ep: Any, model: str, source: dict[str, Any], files: dict[str, Any] | None = None,
-                   native: str | None = None, decompose: bool = True) -> Imported:
+                   native: str | None = None, decompose: bool = True,
+                   extra_convert: dict[str, Any] | None = None) -> Imported:
     """Import a torch.export program. `files` (a checkpoint's: {parameter name: CheckpointTensor})
     gives the weights by name instead of the program's own (unwritten) tensors; with them the
     program imports in its own precision (`native`: importops.py), and, with `decompose` False (a
     decode step: compiler/decoders.py's ops, each checked), as traced, without the second trace
     of `run_decompositions()`. Without `files`, a half-precision program is imported in float32
-    (_as_float32) and converted back after folding."""
+    (_as_float32) and converted back after folding. `extra_convert`: more importer convert-map
+    entries (a paged step's ops: compiler/pagedops.py)."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -317,6 +336,8 @@ def _from_exported(ep: Any, model: str, source: dict[str, Any], files: dict[str,
         convert = None
     else:
         convert = importops.converters(native or "float32", decompose)
+    if extra_convert:
+        convert = {**(convert or {}), **extra_convert}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)

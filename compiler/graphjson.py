@@ -16,7 +16,7 @@ import numpy as np
 
 from tvmpipe.bundle import dtypes
 from tvmpipe.compiler.errors import CompileError, UnsupportedOpError
-from tvmpipe.compiler.opmap import key, tensor_types
+from tvmpipe.compiler.opmap import CALL_TIR, call_args, key, tensor_types
 from tvmpipe.compiler.rewrite import describe
 
 DEVICE_CUDA = 2
@@ -32,6 +32,7 @@ class GNode:
     func_name: str = ""
     outputs: list[tuple[list[int], str]] = field(default_factory=list)  # (shape, dtype) per output
     main_var: Any = None  # the Relax binding var, for tvm_op nodes
+    inplace: list[int] = field(default_factory=list)  # call_tir_inplace: the input each output is written over
 
 
 @dataclass
@@ -98,12 +99,13 @@ def build_graph(main: Any, const_name: Any, op_of_var: Any, value_of: Any = None
         for b in block.bindings:
             v = b.value
             where = f"binding '{b.var.name}'"
-            if isinstance(v, tvm.ir.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name == "relax.call_tir":
+            if isinstance(v, tvm.ir.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name in CALL_TIR:
                 func = v.args[0].name_hint
-                args = v.args[1].fields if isinstance(v.args[1], relax.Tuple) else [v.args[1]]
-                ins = [entry(a, where) for a in args]
+                ins = [entry(a, where) for a in call_args(v)]
                 outs = tensor_types(b.var.ty)
                 nodes.append(GNode("tvm_op", names.take(func), ins, func, outs, b.var))
+                if v.op.name == "relax.call_tir_inplace":
+                    nodes[-1].inplace = _inplace(v, ins, nodes, where)
             elif isinstance(v, tvm.ir.Call) and isinstance(v.op, tvm.ir.Op) and v.op.name == "relax.reshape":
                 ins = [entry(v.args[0], where)]
                 nodes.append(GNode("tvm_op", names.take("reshape_nop"), ins, "__nop", tensor_types(b.var.ty), b.var))
@@ -132,7 +134,34 @@ def build_graph(main: Any, const_name: Any, op_of_var: Any, value_of: Any = None
     for h in head_exprs:
         e = entry_of.get(key(h))
         heads.extend(e if isinstance(e, list) else [entry(h, "the output")])
+    _check_inplace(nodes, heads)
     return BuiltGraph(_to_json(nodes, heads), nodes, params, inputs)
+
+
+def _inplace(call: Any, ins: list[tuple[int, int]], nodes: list[GNode], where: str) -> list[int]:
+    """A `call_tir_inplace`'s outputs are its inputs `inplace_indices`, written over: the node's
+    output entry shares that input's storage (as a `__nop`'s does) and graph.json says which input
+    (attrs `inplace_indices`). tvmpipe takes one output written over a graph input read by nothing
+    else (a paged decode step's pool: docs/paged-kv.md; _check_inplace), so no other reader sees
+    it change."""
+    indices = [int(i) for i in call.attrs.inplace_indices]
+    if len(indices) != 1 or indices[0] < 0:
+        raise CompileError(f"internal: {where} writes {indices} in place; tvmpipe takes one output over one input")
+    if nodes[ins[indices[0]][0]].op != "null":
+        raise CompileError(f"internal: {where} writes in place over an op's output, not a graph input")
+    return indices
+
+
+def _check_inplace(nodes: list[GNode], heads: list[tuple[int, int]]) -> None:
+    """No node but an in-place call reads the input it writes over (it would see it change), nor
+    does the call read it twice, nor is it a graph output."""
+    for n in nodes:
+        if n.inplace:
+            src = n.inputs[n.inplace[0]]
+            readers = [m.name for m in nodes if m is not n and src in m.inputs]
+            if readers or n.inputs.count(src) > 1 or src in heads:
+                raise CompileError(f"internal: '{n.name}' writes in place over an input that "
+                                   f"{', '.join(readers) or 'it or the outputs'} also read(s)")
 
 
 def _why(value: Any) -> str:
@@ -196,8 +225,9 @@ def plan_storage(nodes: list[GNode], heads: list[tuple[int, int]]) -> list[int]:
                 sid[e] = new_token(sizes[e])
                 pinned.add(sid[e])
             continue
-        if n.func_name == "__nop":
-            src = row[n.inputs[0][0]] + n.inputs[0][1]
+        if n.func_name == "__nop" or n.inplace:
+            at = n.inputs[n.inplace[0] if n.inplace else 0]
+            src = row[at[0]] + at[1]
             sid[eids[0]] = sid[src]
             token_refs[sid[src]] += uses[eids[0]]
         else:
@@ -226,6 +256,8 @@ def _to_json(nodes: list[GNode], heads: list[tuple[int, int]]) -> dict[str, Any]
         if n.op == "tvm_op":
             d["attrs"] = {"func_name": n.func_name, "num_inputs": str(len(n.inputs)),
                           "num_outputs": str(len(n.outputs)), "flatten_data": "0"}
+            if n.inplace:
+                d["attrs"]["inplace_indices"] = ",".join(map(str, n.inplace))
         out_nodes.append(d)
     shapes = [s for n in nodes for s, _ in n.outputs]
     dts = [d for n in nodes for _, d in n.outputs]

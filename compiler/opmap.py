@@ -137,7 +137,11 @@ def record_ops(main: Any) -> Program:
         if not (isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op)):
             continue
         name = value.op.name
-        if name == "relax.call_tir":
+        paged = paged_op(value)
+        if paged is not None:
+            prog.ops[key(b.var)] = _paged_record(paged, value, b.var)
+            continue
+        if name in CALL_TIR:
             from tvmpipe.compiler.tecalls import TE_AS_RELAX, te_name
 
             raise UnsupportedOpError(
@@ -163,6 +167,56 @@ def record_ops(main: Any) -> Program:
             output_types=tensor_types(b.var.ty),
         )
     return prog
+
+
+# The paged KV kernels (compiler/pagedkv.py), called by a paged decode step as `call_tir` (the
+# attention) and `call_tir_inplace` (the append, writing its pool argument): recorded as the model
+# ops paged_append, paged_decode and paged_prefill, which the reference backend runs with
+# executor/paged_attention.py. Their PrimFuncs are named after them (the block builder may add a
+# number when two layers' shapes differ).
+PAGED_OPS = ("paged_append", "paged_decode", "paged_prefill")
+CALL_TIR = ("relax.call_tir", "relax.call_tir_inplace")
+
+
+def paged_op(value: Any) -> str | None:
+    """The paged op a `call_tir` / `call_tir_inplace` binding value calls, or None."""
+    import re
+
+    import tvm
+
+    if not (isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in CALL_TIR):
+        return None
+    m = re.fullmatch(f"({'|'.join(PAGED_OPS)})\\d*", value.args[0].name_hint)
+    if m is None:
+        return None
+    if (m.group(1) == "paged_append") != (value.op.name == "relax.call_tir_inplace"):
+        return None
+    return m.group(1)
+
+
+def call_args(value: Any) -> list[Any]:
+    """The tensor arguments of a `call_tir` / `call_tir_inplace` (its second argument, a tuple or one)."""
+    from tvm import relax
+
+    args = value.args[1]
+    return list(args.fields) if isinstance(args, relax.Tuple) else [args]
+
+
+def _paged_record(op: str, value: Any, var: Any) -> "ModelOp":
+    """A paged kernel call as a model op: every tensor argument an input (the rope offsets too:
+    the kernels are built with rotary off and do not read them, but the graph passes them), and
+    the attributes an independent implementation needs: the page size, the kernels' softmax scale
+    (1/sqrt(head_dim): the step scales q to its model's own), causal for a chunk."""
+    inputs = call_args(value)
+    types = [t for x in inputs for t in tensor_types(x.ty)]
+    pages = types[0] if op == "paged_append" else types[1] if op == "paged_decode" else types[2]
+    page_size, head_dim = pages[0][3], pages[0][4]
+    attrs: dict[str, Any] = {"page_size": page_size, "sm_scale": 1.0 / math.sqrt(head_dim), "rope": "none"}
+    if op == "paged_append":
+        attrs["inplace"] = [0]
+    if op == "paged_prefill":
+        attrs["causal"] = True
+    return ModelOp(op=op, attrs=attrs, inputs=inputs, input_types=types, output_types=tensor_types(var.ty))
 
 
 # ---- fused groups ---------------------------------------------------------------------------------
@@ -208,11 +262,11 @@ def _binding_key(value: Any, resolve: Any) -> tuple | None:
     import tvm
     from tvm import relax
 
-    if isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir":
+    if isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in CALL_TIR:
         callee = value.args[0].name_hint
         args = value.args[1]
         fields = args.fields if isinstance(args, relax.Tuple) else [args]
-        return ("call_tir", callee) + tuple(key(resolve(a)) for a in fields)
+        return (value.op.name, callee) + tuple(key(resolve(a)) for a in fields)
     if isinstance(value, relax.TupleGetItem):
         return ("tgi", key(resolve(value.tuple_value)), int(value.index))
     return None
@@ -295,9 +349,8 @@ class Fusion:
                 if not isinstance(body, relax.Tuple):
                     env[key(b.var)] = group.outputs[0]
                 groups.append(group)
-            elif isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir":
-                call_args = value.args[1].fields if isinstance(value.args[1], relax.Tuple) else [value.args[1]]
-                group = Group(b.var, value.args[0].name_hint, [resolve(a) for a in call_args])
+            elif isinstance(value, tvm.ir.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in CALL_TIR:
+                group = Group(b.var, value.args[0].name_hint, [resolve(a) for a in call_args(value)])
                 match(b, group)
                 group.outputs = [resolve(b.var)]
                 groups.append(group)

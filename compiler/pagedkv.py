@@ -163,12 +163,41 @@ def decode_scalars(shape: PagedShape) -> dict[str, float | int]:
     return {"rotary_mode": 0, "rope_scale": 1.0, "rope_theta": 10000.0, "sm_scale": shape.sm_scale}
 
 
+CUDA_MAX_BLOCK_Z = 64
+
+
+def decode_thread_limit(shape: PagedShape) -> int | None:
+    """The thread limit that keeps the decode kernel's block within CUDA's z limit, or None when
+    its own (512) does. TVM's generator fills a block of min(512, the target's limit) threads with
+    bdz = limit / (bdx * bdy), bdx = head_dim / vec: at a small head_dim (16, the tiny test
+    decoders') bdz would be 128, over CUDA's 64. A smaller limit gives the same kernel with fewer
+    z threads."""
+    vec = min(max(8 // 2, shape.head_dim // 32), 4)  # the generator takes 2-byte elements whatever the dtype
+    bdx, bdy = shape.head_dim // vec, shape.num_qo_heads // shape.num_kv_heads
+    while bdx * bdy > 512 and bdy > 1:
+        bdy //= 2
+    if 512 // (bdx * bdy) <= CUDA_MAX_BLOCK_Z:
+        return None
+    return CUDA_MAX_BLOCK_Z * bdx * bdy
+
+
+def _limited(target: Any, threads: int | None) -> Any:
+    """`target` with at most `threads` threads a block (None: as it is)."""
+    if threads is None:
+        return target
+    import tvm
+
+    attrs = dict(target.export())
+    attrs["max_num_threads"] = attrs["max_threads_per_block"] = threads
+    return tvm.target.Target(attrs)
+
+
 def decode_func(shape: PagedShape, target: Any) -> Any:
     """`batch_decode_paged_kv` for `target` (scheduled by its generator), static."""
     from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode
 
-    f = _attention_decode(shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, shape.dtype, False, {}, target,
-                          shape.page_size)
+    f = _attention_decode(shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, shape.dtype, False, {},
+                          _limited(target, decode_thread_limit(shape)), shape.page_size)
     return specialize_static(f, shape.decode_args(), decode_scalars(shape))
 
 

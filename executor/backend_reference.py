@@ -33,6 +33,12 @@ def aligned_bytes(nbytes: int) -> np.ndarray:
     return raw[off:off + nbytes]
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` is `b`'s bytes exactly (same start, shape and strides): nothing to copy."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides \
+        and a.shape == b.shape
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -128,7 +134,8 @@ class ReferenceBackend:
                     if v.shape != self.views[e].shape or v.dtype != self.views[e].dtype:
                         raise ExecutorError(f"node {s.node} '{s.name}' (function '{s.func}') produced "
                                             f"{v.dtype}{list(v.shape)} for {self.program.describe(e)}")
-                    np.copyto(self.views[e], v)
+                    if not _same_memory(v, self.views[e]):  # an in-place op returns its output's own bytes
+                        np.copyto(self.views[e], v)
             elif s.kind == COPY:
                 np.copyto(self.views[s.outputs[0]], self.views[s.inputs[0]].reshape(self.views[s.outputs[0]].shape))
             elif i in self._nop_copy:  # an alias of a bound state entry: no longer the same memory

@@ -57,6 +57,10 @@ class DecodeLoop:
         if b.generation is None:
             raise InputError(f"{b.path}: the bundle declares no generation section: it is not a decode step "
                              "(compile one with tvmpipe compile MODEL --decode)")
+        if b.generation.paged is not None:
+            raise InputError(f"{b.path}: a paged decode step (--kv paged) takes a page table each step; this loop "
+                             "feeds static caches (drive it through generation/pages.py's PagePool and step_pages, "
+                             "as tests/compiler/test_paged_decode.py does, or compile with --kv static)")
         self.bundle, self.gen = b, b.generation
         g = b.graph
         self._token = g.entry_of(self.gen.token)

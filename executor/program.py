@@ -50,6 +50,7 @@ class Step:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     launches: tuple[BoundLaunch, ...] = ()
+    inplace: tuple[int, ...] = ()  # a call_tir_inplace's: the input its output is written over (same slot)
 
 
 @dataclass
@@ -128,7 +129,7 @@ def build_stage_program(bundle: Bundle, start: int, end: int) -> StageProgram:
         kind = NOP if node.is_nop else COPY if node.is_copy else KERNELS
         if kind == NOP and (len(ins), len(outs)) != (1, 1):
             raise ExecutorError(f"{node.label()}: __nop must have one input and one output, has {len(ins)} and {len(outs)}")
-        steps.append(Step(nid, node.name, node.func_name or "", kind, ins, outs))
+        steps.append(Step(nid, node.name, node.func_name or "", kind, ins, outs, inplace=tuple(node.inplace)))
     recv.sort()
 
     touched = set(param_entries.values()) | set(input_entries.values()) | set(recv)
@@ -142,7 +143,9 @@ def build_stage_program(bundle: Bundle, start: int, end: int) -> StageProgram:
         if s.kind == KERNELS and s.func in bundle.kernels:
             for j, w in enumerate(bundle.kernels[s.func].workspaces):
                 workspaces[(s.func, j)] = w.nbytes
-    uses = [StepUse(s.inputs, s.outputs, alias=s.kind == NOP) for s in steps]
+    # an in-place call's output is its input's bytes (a paged pool's append): one slot, like a __nop's
+    uses = [StepUse((s.inputs[s.inplace[0]],) + s.inputs if s.inplace else s.inputs, s.outputs,
+                    alias=s.kind == NOP or bool(s.inplace)) for s in steps]
     storage = plan_storage(uses, {e: sp.nbytes for e, sp in specs.items()}, list(param_entries.values()),
                            list(input_entries.values()) + recv, sends, workspaces)
     steps = [_bind(bundle, s, storage) for s in steps]
@@ -168,4 +171,4 @@ def _bind(bundle: Bundle, step: Step, storage: StoragePlan) -> Step:
             else:
                 bound.append(BoundOperand("scalar", value=op.value, dtype=op.dtype))
         launches.append(BoundLaunch(step.node, l.kernel, l.grid, l.block, l.shared_mem, tuple(bound)))
-    return Step(step.node, step.name, step.func, step.kind, step.inputs, step.outputs, tuple(launches))
+    return Step(step.node, step.name, step.func, step.kind, step.inputs, step.outputs, tuple(launches), step.inplace)

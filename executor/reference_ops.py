@@ -853,5 +853,40 @@ def _arange(x, a, r):
     return np.arange(start, end, step).astype(out_dtype(r, np.dtype(np.int64)))
 
 
+# ---- paged KV (docs/paged-kv.md): the kernels of compiler/pagedkv.py, by executor/paged_attention.py ----
+
+@op("paged_append")
+def _paged_append(x, a, r):
+    """pages <- the step's K/V at the position map, written over the pool argument itself (the
+    kernel's call_tir_inplace: the graph gives its output the pool's storage), which is returned."""
+    pages, k, v, position_map = x[:4]
+    if not pages.flags.writeable:
+        pages = pages.copy()
+    _paged().append(pages, k, v, np.asarray(position_map))
+    return pages
+
+
+@op("paged_decode")
+def _paged_decode(x, a, r):
+    """(output, lse) of each row's one query over its pages; the rope offsets (x[5:]) are unread:
+    the kernels are built with rotary off (the step rotates q and k itself)."""
+    q, pages, indptr, values, last = x[:5]
+    return _paged().decode(q, pages, indptr, values, last, float(a["sm_scale"]))
+
+
+@op("paged_prefill")
+def _paged_prefill(x, a, r):
+    """(output, lse) of a chunk's packed queries over their rows' pages, causal."""
+    q, q_indptr, pages, indptr, values, last = x[:6]
+    return _paged().prefill(q, q_indptr, pages, indptr, values, last, bool(a.get("causal", True)),
+                            float(a["sm_scale"]))
+
+
+def _paged() -> Any:
+    from tvmpipe.executor import paged_attention
+
+    return paged_attention
+
+
 def unknown_ops(names: Sequence[str]) -> list[str]:
     return [n for n in names if n not in OPS]

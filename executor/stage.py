@@ -176,7 +176,9 @@ class SlotState:
     (`alloc_state`) that its kernels are pointed at (a launch plan per binding), so state stays on
     the GPU and never passes through the host. Others get the current buffer written in and the
     output read back (the simulated backend: nothing to hold).
-    Slots are allocated when first used; `slots` bounds them."""
+    Slots are allocated when first used; `slots` bounds them. A "stage"-scoped pair (a paged KV
+    pool, docs/paged-kv.md) has one set of buffers for the stage, used by every slot and never reset
+    by a fresh slot or row: its rows reach their own pages through the page table each step carries."""
 
     def __init__(self, bundle: Bundle, program: StageProgram, backend: Any, slots: int):
         g = bundle.graph
@@ -197,7 +199,11 @@ class SlotState:
         buffers = bundle.state_buffers
         self.copies = [buffers[p.name] for p, _, _ in self.pairs]  # buffers per slot: 1 (in place) or 2
         held = bundle.state_held_bytes
-        self.slot_bytes = sum(held[p.name] for p, _, _ in self.pairs)  # one slot of this stage's state
+        # "stage"-scoped pairs (a paged KV pool) are one value for the stage, whichever slot runs
+        self.shared_pairs = [i for i, (p, _, _) in enumerate(self.pairs) if p.scope == "stage"]
+        self.slot_bytes = sum(held[p.name] for p, _, _ in self.pairs if p.scope != "stage")  # one slot's state
+        self.stage_bytes = sum(held[p.name] for p, _, _ in self.pairs if p.scope == "stage")  # held once
+        self.shared: dict[int, list[Any]] | None = None  # pair index -> its buffers, made at the first enter
         # state outputs nobody after this stage reads: they stay here
         self.private = {o for _, _, o in self.pairs if not any(c >= program.end for c in g.consumers[o])}
         self.hollow = getattr(backend, "name", "") == "simulated"  # computes nothing: no state to hold
@@ -220,7 +226,7 @@ class SlotState:
         the middle of a run. Each stage checks its own; stages sharing a host or device each see
         all of what is free."""
         have = self._free()
-        need = self.max_slots * self.slot_bytes
+        need = self.max_slots * self.slot_bytes + self.stage_bytes
         if have is not None and need > have:
             raise InputError(f"stage [{self.program.start}, {self.program.end}): {self.max_slots} state slot(s) x "
                              f"{format_bytes(self.slot_bytes)} of caches = {format_bytes(need)}, more than the "
@@ -235,7 +241,7 @@ class SlotState:
         backend holds none."""
         if self.hollow:
             return 0
-        return len(self.buffers) * self.slot_bytes
+        return len(self.buffers) * self.slot_bytes + (self.stage_bytes if self.shared is not None else 0)
 
     def _new(self, e: int, fill: float) -> Any:
         if self.hollow:
@@ -258,6 +264,8 @@ class SlotState:
     def _check_rows(self, rows: int) -> None:
         """A row of every pair can be reset alone: its leading axis is the step's `rows`."""
         for p, e, _ in self.pairs:
+            if p.scope == "stage":  # never reset by a slot's rows
+                continue
             shape = tuple(self.program.entry_specs[e].shape)
             if not row_resettable(shape, rows):
                 raise InputError(f"stage [{self.program.start}, {self.program.end}): state pair '{p.name}' "
@@ -285,11 +293,15 @@ class SlotState:
                 raise InputError(f"stage [{self.program.start}, {self.program.end}): no memory for slot {slot}'s "
                                  f"caches ({format_bytes(self.slot_bytes)}, {format_bytes(have)} free, "
                                  f"{format_bytes(SLOT_HEADROOM)} kept spare); use fewer --slots or more memory")
-            bufs = self.buffers[slot] = [[self._new(e, p.fill) for _ in range(n)]
-                                         for (p, e, _), n in zip(self.pairs, self.copies)]
+            if self.shared is None:  # the stage-scoped pairs' buffers, one list each, shared by every slot
+                self.shared = {i: [self._new(self.pairs[i][1], self.pairs[i][0].fill) for _ in range(self.copies[i])]
+                               for i in self.shared_pairs}
+            bufs = self.buffers[slot] = [self.shared[i] if i in self.shared else [self._new(e, p.fill) for _ in range(n)]
+                                         for i, ((p, e, _), n) in enumerate(zip(self.pairs, self.copies))]
         elif fresh:
             for (p, _, _), pair in zip(self.pairs, bufs):
-                self._fill(pair[0], p.fill, rows, of)
+                if p.scope != "stage":  # a pool is the stage's: rows reach their own pages by the page table
+                    self._fill(pair[0], p.fill, rows, of)
         if self.hollow:
             return slot
         for (_, e_in, e_out), pair in zip(self.pairs, bufs):
@@ -307,4 +319,4 @@ class SlotState:
         for (_, _, e_out), pair in zip(self.pairs, self.buffers[slot]):
             if self.bind is None:
                 np.copyto(pair[-1], self.backend.read(e_out))
-            pair.reverse()  # a swap; nothing for a pair updated in place
+            pair.reverse()  # a swap; nothing for a pair updated in place (a shared pair's list: every slot's)

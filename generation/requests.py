@@ -59,6 +59,10 @@ def layout_of(bundle: Any) -> DecodeLayout:
         raise TvmpipeError(f"{bundle.path} is not a decode-step bundle: bundle.json declares no `generation` "
                            "section and state pairs (compile a decoder with `tvmpipe compile NAME --decode`; "
                            "see docs/generation.md)")
+    gen = getattr(bundle, "generation", None)
+    if getattr(gen, "paged", None) is not None:
+        raise TvmpipeError(f"{bundle.path} is a paged decode step (--kv paged): the scheduler does not drive its page "
+                           "table yet (docs/paged-kv.md); compile it with --kv static to generate")
     return layout
 
 

@@ -1,0 +1,297 @@
+"""Paged decode steps (docs/paged-kv.md, issue 53): `export(..., decode=T, kv="paged")` compiles a
+decoder's step with one page pool a layer (stage-scoped state, written in place by the append) and
+the page table as inputs; on the reference backend (ops.json's paged_append / paged_decode run by
+executor/paged_attention.py), steps driven by hand through generation/pages.py's PagePool and
+step_pages give the static layout's logits and greedy tokens, rows of different lengths starting
+at different steps, a finished row's pages going to a new sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.tvm
+
+T, B, P, POOL = 24, 3, 4, 8  # the pool holds 8 pages of 4: less than B x T (18 pages); SCRIPT's peak is 8
+SEED = 1
+TOL = 1e-4
+
+
+def _export(name: str, **kw):
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    return export(name, progress=Progress(stream=None), decode=T, batch=B, seed=SEED, **kw)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    from tvmpipe.compiler.decoders import KvOptions
+
+    cache: dict = {}
+
+    def get(name: str, kv: str, chunk: int = 1):
+        if (name, kv, chunk) not in cache:
+            out = tmp_path_factory.mktemp(f"{name}_{kv}_{chunk}") / "b"
+            if (name, kv, chunk) == ("gpt2", "paged", 1):  # one of them through the command line, in process
+                from tvmpipe.cli import main
+
+                assert main(["compile", name, "--decode", "--max-context", str(T), "--batch", str(B), "--seed",
+                             str(SEED), "--kv", "paged", "--page-size", str(P), "--kv-pages", str(POOL), "--quiet",
+                             "-o", str(out)]) == 0
+            else:
+                opts = KvOptions("paged", page_size=P, pages=POOL) if kv == "paged" else None
+                _export(name, kv=opts, chunk=chunk).write(out)
+            cache[name, kv, chunk] = out
+        return cache[name, kv, chunk]
+
+    return get
+
+
+# (row, step it starts at, prompt, tokens to generate); row 2's first sequence ends at step 5 and
+# a new one takes the row (and its freed pages, holding its predecessor's K/V) at step 7
+SCRIPT = [(0, 0, [5, 17, 3, 60, 9], 6), (1, 3, [7, 8], 8), (2, 0, [1, 2, 3], 3), (2, 7, [40, 41, 42, 43], 4)]
+
+
+class _Row:
+    def __init__(self, seq: int, prompt: list[int], new: int) -> None:
+        self.seq, self.tokens, self.prompt_len, self.new = seq, list(prompt), len(prompt), new
+        self.fed = 0  # tokens whose K/V are in the cache
+
+
+class _StageRunner:
+    """GraphRunner's run / get_output over a Stage of the whole graph keeping its state resident
+    (executor/stage.py SlotState, `slots` of them): each run uses the next slot in turn, marked
+    fresh, which would wipe a per-slot cache; a stage-scoped pool is the stage's, shared and kept."""
+
+    def __init__(self, bundle, slots: int) -> None:
+        from tvmpipe.executor.stage import Stage
+
+        self.stage = Stage(bundle, 0, len(bundle.graph.nodes), "reference", state_slots=slots)
+        self.bundle, self.slots, self.runs, self.out = bundle, slots, 0, {}
+        self.feeds = self.stage.program.input_entries
+
+    def run(self, **feeds) -> None:
+        inputs = {e: feeds[n] for n, e in self.feeds.items() if e not in self.stage.state.inputs}
+        inputs[self.stage.slot_entry] = np.array([self.runs % self.slots] + [1] * B, np.int64)
+        self.out = self.stage.run(inputs)
+        self.runs += 1
+
+    def get_output(self, i: int) -> np.ndarray:
+        return self.out[self.bundle.graph.head_entries[i]]
+
+
+def _drive(static, paged, chunk: int = 1) -> tuple[list[list[int]], float, int, dict[int, tuple[int, ...]]]:
+    """Runs SCRIPT on both bundles (GraphRunner, reference backend) step by step: each row feeds its
+    next tokens (its prompt up to `chunk` a step, then the argmax of its last logits, one a step);
+    the static step at the row's position (a chunk: [B, C] ids and count), the paged one through
+    the pool (grow, step_pages; a chunk's ids packed by q_indptr). Returns each sequence's tokens,
+    the largest logit difference relative to the logits' scale, the steps run, and each
+    sequence's pages when it finished."""
+    from tvmpipe.executor.runner import GraphRunner
+    from tvmpipe.generation.pages import PagePool, RowWrite, step_pages
+
+    rs = GraphRunner(static, "reference")
+    rp = paged if isinstance(paged, _StageRunner) else GraphRunner(paged, "reference")
+    gs, gp = rs.bundle, rp.bundle
+    state_s = {p.input: np.zeros(gs.graph.entry_of(p.input).shape, np.float32) for p in gs.state}
+    state_p = {} if isinstance(rp, _StageRunner) else \
+        {p.input: np.zeros(gp.graph.entry_of(p.input).shape, np.float32) for p in gp.state}
+    capacity = gp.graph.entry_of("page_table_values").shape[0]
+    pool = PagePool(POOL, P)
+    rows: list[_Row | None] = [None] * B
+    finished: dict[int, list[int]] = {}
+    held: dict[int, tuple[int, ...]] = {}
+    worst, step = 0.0, 0
+    pending = list(enumerate(SCRIPT))
+    while pending or any(r is not None for r in rows):
+        for k, (row, start, prompt, new) in list(pending):
+            if start <= step and rows[row] is None:
+                rows[row] = _Row(k, prompt, new)
+                assert pool.reserve(k, prompt, len(prompt)) is not None
+                pending.remove((k, (row, start, prompt, new)))
+        writes = []
+        for r in rows:
+            if r is None:
+                writes.append(None)
+                continue
+            n = min(chunk, len(r.tokens) - r.fed)
+            assert pool.grow(r.seq, r.fed + n)
+            writes.append(RowWrite(r.seq, r.fed, n))
+        sp = step_pages(pool, writes, chunk, capacity)
+        ids = np.zeros((B, chunk), np.int64)
+        packed = np.zeros(B * chunk, np.int64)
+        for b, (r, w) in enumerate(zip(rows, writes)):
+            if w is not None:
+                ids[b, :w.count] = r.tokens[r.fed:r.fed + w.count]
+                at = b if chunk == 1 else sp.q_indptr[b]
+                packed[at:at + w.count] = ids[b, :w.count]
+        pos = np.array([r.fed if r else 0 for r in rows], np.int64)
+        count = {} if chunk == 1 else {"count": np.array([w.count if w else 0 for w in writes], np.int64)}
+        rs.run(input_ids=ids, position=pos, **count, **state_s)
+        table = {"page_table_indptr": sp.page_table_indptr, "page_table_values": sp.page_table_values,
+                 "last_page_len": sp.last_page_len, "position_map": sp.position_map}
+        if chunk > 1:
+            table["q_indptr"] = sp.q_indptr
+        rp.run(input_ids=ids if chunk == 1 else packed, position=pos,
+               **{k: np.array(v, np.int32) for k, v in table.items()}, **state_p)
+        for p in gs.state:
+            state_s[p.input] = rs.get_output(p.output)
+        for p in gp.state if state_p else ():
+            state_p[p.input] = rp.get_output(p.output)
+        ls, lp = rs.get_output(0).reshape(B, -1), rp.get_output(0).reshape(B, -1)
+        for b, (r, w) in enumerate(zip(rows, writes)):
+            if r is None:
+                continue
+            scale = float(np.abs(ls[b]).max())
+            worst = max(worst, float(np.abs(ls[b] - lp[b]).max()) / scale)
+            assert int(ls[b].argmax()) == int(lp[b].argmax()), f"step {step} row {b}"
+            r.fed += w.count
+            if r.fed == len(r.tokens):  # the prompt is in: each step's argmax is the next token
+                r.tokens.append(int(lp[b].argmax()))
+            if len(r.tokens) - r.prompt_len >= r.new:
+                finished[r.seq] = r.tokens
+                held[r.seq] = pool.pages(r.seq)
+                pool.free(r.seq)
+                rows[b] = None
+        step += 1
+    return [finished[k] for k in range(len(SCRIPT))], worst, step, held
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_paged_steps_give_the_static_steps_logits_and_tokens(name, bundles):
+    """Rows of different lengths, started at different steps, one row reused by a new sequence
+    whose pages held another's K/V: every live row's logits within 1e-4 of the static layout's
+    (relative to their scale), the same argmax at every step, and the tokens transformers'
+    greedy generate gives each sequence on its own."""
+    from tvmpipe.compiler.decoders import build_decoder, transformers_generate
+
+    seqs, worst, steps, held = _drive(bundles(name, "static"), bundles(name, "paged"))
+    assert worst < TOL, worst
+    assert steps > 10
+    assert set(held[3]) & set(held[2])  # the new sequence wrote over its predecessor's pages
+    model = build_decoder(name, SEED)
+    for (_, _, prompt, new), got in zip(SCRIPT, seqs):
+        assert got[len(prompt):] == transformers_generate(model, prompt, new)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_paged_chunked_steps_give_the_static_chunked_steps_logits_and_tokens(name, bundles):
+    """--chunk 3: prompts go in up to 3 tokens a row a step, rows with different counts in one
+    step (packed by q_indptr in the paged step, [B, C] with count in the static one), generated
+    tokens one a row; the paged step's chunk attention (paged_prefill, causal) gives the static
+    step's logits and tokens, and transformers' greedy tokens."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import build_decoder, transformers_generate
+
+    paged = bundles(name, "paged", 3)
+    b = load_bundle(paged)
+    assert b.graph.entry_of("input_ids").shape == (B * 3,) and b.generation.count is None
+    assert b.generation.paged.q_indptr == "q_indptr"
+    called = {op.op for n in b.graph.nodes if n.launches_kernels for op in b.ops[n.func_name].ops}
+    assert {"paged_append", "paged_prefill"} <= called and "paged_decode" not in called
+    seqs, worst, steps, _ = _drive(bundles(name, "static", 3), paged, chunk=3)
+    assert worst < TOL, worst
+    model = build_decoder(name, SEED)
+    for (_, _, prompt, new), got in zip(SCRIPT, seqs):
+        assert got[len(prompt):] == transformers_generate(model, prompt, new)
+
+
+def test_a_stage_keeps_one_pool_for_every_slot(bundles):
+    """The pools are "stage" state: a Stage holding them (SlotState, 2 slots, each step in the next
+    slot and marked fresh) keeps one buffer per pool, neither switched by the slot nor reset by
+    the fresh mark, so the same steps give the same logits and tokens as fed pools do; the stage
+    holds the pools once, not once a slot, and sends none of them."""
+    from tvmpipe.bundle import load_bundle
+
+    paged = load_bundle(bundles("gpt2", "paged"))
+    runner = _StageRunner(paged, slots=2)
+    state = runner.stage.state
+    assert [p.scope for p, _, _ in state.pairs] == ["stage", "stage"] and state.copies == [1, 1]
+    seqs, worst, steps, _ = _drive(bundles("gpt2", "static"), runner)
+    assert worst < TOL and steps > 10
+    want, _, _, _ = _drive(bundles("gpt2", "static"), bundles("gpt2", "paged"))
+    assert seqs == want
+    pool_bytes = sum(paged.graph.entry_of(p.input).nbytes for p in paged.state)
+    assert state.resident_bytes == pool_bytes and len(state.buffers) == 2
+    assert not set(runner.out) & {paged.graph.head_entries[p.output] for p in paged.state}
+
+
+def test_paged_bundle_declares_its_pool_table_and_ops(bundles):
+    """bundle.json: one stage-scoped pool a layer [N, 2, H_kv, P, D], updated in place (one
+    buffer: the append is a call_tir_inplace whose output is the pool's storage); the generation
+    section names the table inputs; ops.json records paged_append and paged_decode per layer with
+    their attributes; the static bundle's state is unchanged (per slot, k and v caches)."""
+    from tvmpipe.bundle import load_bundle
+
+    b = load_bundle(bundles("gpt2", "paged"))
+    assert [(p.name, p.input, p.scope) for p in b.state] == [("layer0.pages", "kv_pages_0", "stage"),
+                                                              ("layer1.pages", "kv_pages_1", "stage")]
+    assert b.graph.entry_of("kv_pages_0").shape == (POOL, 2, 4, P, 16)
+    assert set(b.state_buffers.values()) == {1}
+    pg = b.generation.paged
+    assert (pg.page_size, pg.pages, pg.q_indptr) == (P, POOL, None)
+    assert b.graph.entry_of("page_table_values").shape == (B * (T // P),)
+    assert b.graph.entry_of("position_map").shape == (B,)
+    called = [b.ops[n.func_name] for n in b.graph.nodes if n.launches_kernels]  # both layers call one function
+    recs = [op for fn in called for op in fn.ops if op.op.startswith("paged_")]
+    assert sorted(op.op for op in recs) == ["paged_append"] * 2 + ["paged_decode"] * 2
+    assert all(len(fn.ops) == 1 for fn in called if fn.ops[0].op.startswith("paged_"))  # each its own kernel
+    dec = next(op for op in recs if op.op == "paged_decode")
+    assert dec.attrs["page_size"] == P and dec.attrs["sm_scale"] == pytest.approx(0.25)
+    appends = [n for n in b.graph.nodes if n.is_op and n.inplace]
+    assert len(appends) == 2
+    for n in appends:  # the output entry is the pool's storage
+        ins = b.graph.input_entry_ids(n.index)
+        out = b.graph.node_entry_ids(n.index)[0]
+        assert b.graph.entries[out].storage_id == b.graph.entries[ins[0]].storage_id
+    s = load_bundle(bundles("gpt2", "static"))
+    assert {p.scope for p in s.state} == {"slot"} and s.generation.paged is None
+
+
+def test_inspect_says_which_layout(bundles, capsys):
+    """`tvmpipe inspect` says a paged step is paged, its page size and pool, and that its pools
+    are the stage's; a static step's cache is static."""
+    from tvmpipe.cli import main
+
+    assert main(["inspect", str(bundles("gpt2", "paged"))]) == 0
+    out = capsys.readouterr().out
+    assert f"paged, page size {P}, pool {POOL} pages" in out
+    assert "2 pool(s) (2 x float32[8,2,4,4,16]), 32.0 KiB for the stage" in out
+    assert main(["inspect", str(bundles("gpt2", "static"))]) == 0
+    out = capsys.readouterr().out
+    assert "static, [B, H_kv, T, D] per layer and sequence slot" in out and "paged" not in out
+
+
+def test_the_command_line_checks_its_kv_flags(tmp_path, capsys):
+    """--kv needs --decode; --page-size and --kv-pages need --kv paged; a pool smaller than one row
+    at the max context is refused; each in one line, and no bundle is written."""
+    from tvmpipe.cli import main
+
+    base = ["compile", "gpt2", "-o", str(tmp_path / "b"), "--quiet"]
+    for flags, says in ((["--kv", "paged"], "--kv needs --decode"),
+                        (["--decode", "--page-size", "8"], "pass --kv paged"),
+                        (["--decode", "--max-context", "32", "--kv", "paged", "--page-size", "8", "--kv-pages", "3"],
+                         "smaller than one row at the max context (4 pages of 8)")):
+        assert main(base + flags) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_static_loops_refuse_a_paged_step(bundles):
+    """Until the scheduler drives the page table, the single-process loop and the generation layer
+    refuse a paged bundle in one line instead of feeding it as a static one."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.core.errors import TvmpipeError
+    from tvmpipe.executor.decode_loop import DecodeLoop
+    from tvmpipe.generation.requests import layout_of
+
+    path = bundles("gpt2", "paged")
+    with pytest.raises(TvmpipeError, match="takes a page table each step"):
+        DecodeLoop(path)
+    with pytest.raises(TvmpipeError, match="the scheduler does not drive its page table yet"):
+        layout_of(load_bundle(path))
+    layout_of(load_bundle(bundles("gpt2", "static")))
