@@ -91,15 +91,16 @@ def _drive(static, paged, chunk: int = 1) -> tuple[list[list[int]], float, int, 
     the pool (grow, step_pages; a chunk's ids packed by q_indptr). Returns each sequence's tokens,
     the largest logit difference relative to the logits' scale, the steps run, and each
     sequence's pages when it finished."""
+    from tvmpipe.bundle.dtypes import np_dtype
     from tvmpipe.executor.runner import GraphRunner
     from tvmpipe.generation.pages import PagePool, RowWrite, step_pages
 
     rs = GraphRunner(static, "reference")
     rp = paged if isinstance(paged, _StageRunner) else GraphRunner(paged, "reference")
     gs, gp = rs.bundle, rp.bundle
-    state_s = {p.input: np.zeros(gs.graph.entry_of(p.input).shape, np.float32) for p in gs.state}
-    state_p = {} if isinstance(rp, _StageRunner) else \
-        {p.input: np.zeros(gp.graph.entry_of(p.input).shape, np.float32) for p in gp.state}
+    zeros = lambda g, p: np.zeros(g.graph.entry_of(p.input).shape, np_dtype(g.graph.entry_of(p.input).dtype))  # noqa: E731
+    state_s = {p.input: zeros(gs, p) for p in gs.state}
+    state_p = {} if isinstance(rp, _StageRunner) else {p.input: zeros(gp, p) for p in gp.state}
     capacity = gp.graph.entry_of("page_table_values").shape[0]
     pool = PagePool(POOL, P)
     rows: list[_Row | None] = [None] * B
@@ -146,8 +147,8 @@ def _drive(static, paged, chunk: int = 1) -> tuple[list[list[int]], float, int, 
         for b, (r, w) in enumerate(zip(rows, writes)):
             if r is None:
                 continue
-            scale = float(np.abs(ls[b]).max())
-            worst = max(worst, float(np.abs(ls[b] - lp[b]).max()) / scale)
+            scale = float(np.abs(ls[b].astype(np.float32)).max())
+            worst = max(worst, float(np.abs(ls[b].astype(np.float32) - lp[b]).max()) / scale)
             assert int(ls[b].argmax()) == int(lp[b].argmax()), f"step {step} row {b}"
             r.fed += w.count
             if r.fed == len(r.tokens):  # the prompt is in: each step's argmax is the next token
@@ -198,6 +199,34 @@ def test_paged_chunked_steps_give_the_static_chunked_steps_logits_and_tokens(nam
     model = build_decoder(name, SEED)
     for (_, _, prompt, new), got in zip(SCRIPT, seqs):
         assert got[len(prompt):] == transformers_generate(model, prompt, new)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", TOL), ("float16", 1e-2)])
+def test_a_checkpoint_compiles_paged(checkpoint, tmp_path, dtype, tol):
+    """A Hugging Face checkpoint directory's decode step (qwen2) compiles paged (its weights bound
+    from the files, the paged ops beside the importer's own converters), in float32 and in float16
+    (float16 pages), and gives its static step's logits (float16: within 1e-2 of their scale;
+    measured 1.8e-3) and the same argmax at every step."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import KvOptions
+
+    ckpt = str(checkpoint("qwen2"))
+    _export(ckpt, dtype=dtype, kv=KvOptions("paged", page_size=P, pages=POOL)).write(tmp_path / "paged")
+    _export(ckpt, dtype=dtype).write(tmp_path / "static")
+    assert load_bundle(tmp_path / "paged").graph.entry_of("kv_pages_0").dtype == dtype
+    seqs, worst, steps, _ = _drive(tmp_path / "static", tmp_path / "paged")
+    assert worst < tol and steps > 10
+    assert all(len(s) == len(prompt) + new for s, (_, _, prompt, new) in zip(seqs, SCRIPT))
+
+
+def test_a_converted_step_is_refused_paged():
+    """--dtype float16 on a float32 built-in converts the imported step, which the paged kernels
+    (built for the step as imported) do not follow: refused in one line."""
+    from tvmpipe.compiler.decoders import KvOptions
+    from tvmpipe.compiler.errors import CompileError
+
+    with pytest.raises(CompileError, match="a converted step is not paged yet"):
+        _export("gpt2", kv=KvOptions("paged", page_size=P, pages=POOL), dtype="float16")
 
 
 def test_a_stage_keeps_one_pool_for_every_slot(bundles):
