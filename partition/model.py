@@ -80,9 +80,16 @@ class PipelineModel:
             from tvmpipe.partition.range_tables import state_table
 
             nbytes = bundle.state_held_bytes  # one buffer a slot where a pair is updated in place, else two
-            tables.state = state_table(flow.num_ops, [(flow.ordinal[lo], flow.ordinal[hi], nbytes[name])
-                                                      for name, (lo, hi) in state_spans(bundle.graph, bundle.state).items()],
-                                       state_slots)
+            spans = state_spans(bundle.graph, bundle.state)
+            scope = {p.name: p.scope for p in bundle.state}
+
+            def held(of_scope: str, slots: int):
+                return state_table(flow.num_ops, [(flow.ordinal[lo], flow.ordinal[hi], nbytes[name])
+                                                  for name, (lo, hi) in spans.items() if scope[name] == of_scope],
+                                   slots)
+
+            # a "stage" pair (a paged KV pool) is held once by its stage, whatever the slots
+            tables.state = held("slot", state_slots) + held("stage", 1)
         model = cls(bundle, flow, costs, tables,
                     link or Link(), list(speeds or [1.0]), list(memory_caps or [None]), spec,
                     list(links) if links else None, runtime)

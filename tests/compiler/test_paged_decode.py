@@ -2,8 +2,11 @@
 decoder's step with one page pool a layer (stage-scoped state, written in place by the append) and
 the page table as inputs; on the reference backend (ops.json's paged_append / paged_decode run by
 executor/paged_attention.py), steps driven by hand through generation/pages.py's PagePool and
-step_pages give the static layout's logits and greedy tokens, rows of different lengths starting
-at different steps, a finished row's pages going to a new sequence.
+step_pages give the static layout's logits and greedy tokens (and transformers'), rows of
+different lengths starting at different steps, a finished row's pages going to a new sequence:
+the ten families at chunk 1, two at chunk 3 (packed tokens, the causal chunk kernel), a checkpoint
+in float32 and float16; a Stage keeps one pool for every slot, the planner counts it once, inspect
+and the command line say and check the layout.
 """
 
 from __future__ import annotations
@@ -162,7 +165,10 @@ def _drive(static, paged, chunk: int = 1) -> tuple[list[list[int]], float, int, 
     return [finished[k] for k in range(len(SCRIPT))], worst, step, held
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+FAMILIES = ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "gpt_neox", "opt", "falcon"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_paged_steps_give_the_static_steps_logits_and_tokens(name, bundles):
     """Rows of different lengths, started at different steps, one row reused by a new sequence
     whose pages held another's K/V: every live row's logits within 1e-4 of the static layout's
@@ -324,3 +330,24 @@ def test_the_static_loops_refuse_a_paged_step(bundles):
     with pytest.raises(TvmpipeError, match="the scheduler does not drive its page table yet"):
         layout_of(load_bundle(path))
     layout_of(load_bundle(bundles("gpt2", "static")))
+
+
+def test_the_planner_counts_a_pool_once_whatever_the_slots(bundles):
+    """partition: a stage holds a "stage" pair (a pool) once, so 8 slots cost no more state memory
+    than one; a static step's 7 more slots add 7 x its per-slot caches."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.partition import make_plan
+    from tvmpipe.partition.model import PipelineModel
+
+    b = load_bundle(bundles("gpt2", "paged"))
+    one, many = PipelineModel.build(b, state_slots=1), PipelineModel.build(b, state_slots=8)
+    n = one.num_ops
+    assert many.stage_memory(0, n) == one.stage_memory(0, n)
+    pools = sum(b.graph.entry_of(p.input).nbytes for p in b.state)
+    bare = PipelineModel.build(b, state_slots=1)
+    bare.tables.state = np.where(np.isinf(bare.tables.state), np.inf, 0.0)  # the same model without its state
+    assert one.stage_memory(0, n) - bare.stage_memory(0, n) == pools
+    make_plan(many, 2, "optimal")  # no pair split: each pool stays with its append and decode
+    s = load_bundle(bundles("gpt2", "static"))
+    one, many = PipelineModel.build(s, state_slots=1), PipelineModel.build(s, state_slots=8)
+    assert many.stage_memory(0, one.num_ops) - one.stage_memory(0, one.num_ops) == 7 * s.state_bytes_per_slot
