@@ -68,11 +68,26 @@ def make_tokenizer(tokenizer_json: str, vocab: int, eos: Sequence[int]) -> Any:
     return _llguidance().LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos) or None)
 
 
+def can_begin(tokenizer: Any, grammar: str, size: int, tries: int = 16) -> bool:
+    """Whether some token of a `size`-logit vocabulary can begin output that `grammar` allows.
+    The first mask alone does not say: where the grammar's first bytes are forced and no token
+    spells them (a vocabulary without '{' for JSON), llguidance's mask still allows a few tokens,
+    each of which the matcher then refuses. So the mask's first `tries` tokens are each tried on a
+    matcher of their own (the first one takes in any vocabulary that can begin at all)."""
+    ll = _llguidance()
+    first = Constrained(tokenizer, grammar, log_level=0)
+    for token in np.flatnonzero(first.allowed(size))[:tries]:
+        m = ll.LLMatcher(tokenizer, grammar, log_level=0)
+        if m.consume_token(int(token)) and not m.is_error():
+            return True
+    return False
+
+
 class Constrained:
     """One sequence's matcher: `consumed` tokens of its output taken so far."""
 
-    def __init__(self, tokenizer: Any, grammar: str):
-        self.matcher = _llguidance().LLMatcher(tokenizer, grammar)
+    def __init__(self, tokenizer: Any, grammar: str, log_level: int = 1):
+        self.matcher = _llguidance().LLMatcher(tokenizer, grammar, log_level=log_level)
         self.consumed = 0
         self.vocab = tokenizer.vocab_size
 

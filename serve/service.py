@@ -16,7 +16,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.executor.sampler import Sampling
@@ -110,14 +110,44 @@ class Service:
 
     def grammar(self, ask: Ask) -> str:
         """The grammar of an Ask's response_format (llguidance's, executor.grammar); a 400 naming
-        response_format for a schema it cannot compile, or without a tokenizer."""
+        response_format for a schema it cannot compile, without a tokenizer, or when the model's
+        vocabulary has no token an answer can begin with."""
         if self.codec is None:
             raise bad_request("response_format needs a tokenizer: this server has none", "response_format")
         try:
-            return _json_grammar(json.dumps(ask.json_schema, sort_keys=True) if ask.json_schema is not None else None)
+            grammar = _json_grammar(json.dumps(ask.json_schema, sort_keys=True) if ask.json_schema is not None else None)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"response_format: the schema cannot be compiled: {str(exc)[:300]}",
                               "response_format") from None
+        self.check_startable(grammar, "response_format", "JSON answer")
+        return grammar
+
+    def check_startable(self, grammar: str, param: str, what: str) -> None:
+        """A 400 naming `param` when no token of the vocabulary can begin output that `grammar`
+        allows (a tokenizer that cannot write '{'), or when llguidance cannot read the tokenizer:
+        found here, before the request runs, rather than as the sequence's failure at its first
+        draw on the sampling stage."""
+        from tvmpipe.executor.grammar import can_begin
+
+        tokenizer, error = self._grammar_tokenizer()
+        if tokenizer is None:
+            raise bad_request(f"{param}: the tokenizer of {self.model!r} cannot drive structured output ({error})", param)
+        if not can_begin(tokenizer, grammar, self.layout.vocab_size):
+            raise bad_request(f"{param}: no token of {self.model!r}'s vocabulary can begin a {what} "
+                              "(its tokenizer cannot write the first character)", param)
+
+    @lru_cache(maxsize=1)
+    def _grammar_tokenizer(self) -> tuple[Any, str | None]:
+        """llguidance's tokenizer of the codec, as the sampling stage builds its own (the vocab of
+        the model's logits, the codec's stop tokens as eos); (None, why) for a tokenizer llguidance
+        cannot read (a Metaspace decoder)."""
+        from tvmpipe.executor.grammar import make_tokenizer
+
+        try:
+            return make_tokenizer(self.codec.tokenizer.to_str(), self.layout.vocab_size,
+                                  tuple(self.codec.stop_token_ids)), None
+        except ValueError as exc:
+            return None, str(exc)[:200]
 
     def tool_grammar(self, ask: Ask) -> tuple[str, str | None]:
         """The tool call format of the chat template (generation.tools), and the grammar that forces
@@ -140,9 +170,11 @@ class Service:
         if isinstance(ask.tool_choice, dict):
             functions = [f for f in functions if f["name"] == ask.tool_choice["name"]]
         try:
-            return fmt, call_grammar(fmt, functions)
+            grammar = call_grammar(fmt, functions)
         except ToolError as exc:
             raise bad_request(str(exc), "tools") from None
+        self.check_startable(grammar, "tools", "tool call")
+        return fmt, grammar
 
     def prompt_text(self, ask: Ask, prompt: str | list[int], ids: list[int]) -> str:
         """The prompt as text, for echo: as given, or its ids decoded."""

@@ -278,3 +278,30 @@ def test_chat_template_kwargs_cannot_hold_what_the_server_passes(name):
     assert set(TEMPLATE_NAMES) >= {"messages", "add_generation_prompt"}
     ok = read_ask({"model": "m", "messages": [], "chat_template_kwargs": {"bos_token": "<s>"}}, chat=True)
     assert ok.chat_template_kwargs == {"bos_token": "<s>"}  # a special token may be overridden, as transformers lets
+
+
+def test_a_json_answer_the_vocabulary_cannot_begin_is_refused_before_it_runs(tmp_path):
+    """A tokenizer llguidance reads that cannot write '{': a response_format json_object or
+    json_schema is a 400 naming response_format (found from the grammar's first mask, as the
+    sampling stage would find it at the request's first draw and end it with an error); the same
+    tokenizer with '{' serves it."""
+    pytest.importorskip("llguidance")
+    import types
+
+    from tests.support.json_tokenizer import build_json_tokenizer
+    from tvmpipe.generation.text import load_text_codec
+    from tvmpipe.serve.protocol import read_ask
+    from tvmpipe.serve.service import Service
+
+    engine = types.SimpleNamespace(layout=types.SimpleNamespace(vocab_size=128, max_context=64))
+    body = {"model": "m", "prompt": "Answer in JSON.", "max_tokens": 8}
+    fmts = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]
+    without = Service(engine, load_text_codec(build_json_tokenizer(tmp_path / "no-brace", without="{")), "m")
+    for fmt in fmts:
+        with pytest.raises(ApiError) as info:
+            without.grammar(read_ask({**body, "response_format": fmt}, chat=False))
+        assert info.value.status == 400 and info.value.param == "response_format"
+        assert "cannot write the first character" in info.value.message
+    with_brace = Service(engine, load_text_codec(build_json_tokenizer(tmp_path / "json")), "m")
+    for fmt in fmts:
+        assert with_brace.grammar(read_ask({**body, "response_format": fmt}, chat=False))

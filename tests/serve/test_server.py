@@ -154,6 +154,23 @@ def test_unsupported_parameters_are_refused_with_openai_errors(client):
     assert info.value.param == "top_p" and "top_p must be" in info.value.message
 
 
+def test_structured_output_a_tokenizer_cannot_drive_is_400_before_it_runs(server, client):
+    """The test tokenizer (a Metaspace BPE) is not one llguidance can read: a request for a JSON
+    object or schema is a 400 naming response_format and saying why, before it runs (it used to
+    run, and fail as a 500), and the server serves on. (A tokenizer llguidance reads that cannot
+    write '{': tests/serve/test_scoring.py.)"""
+    before = metric(server.metrics(), "tvmpipe_requests_submitted_total")
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "string"}}}}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"response_format": fmt})
+        assert info.value.param == "response_format" and "cannot drive structured output" in info.value.message
+        assert "Metaspace" in info.value.message
+    assert metric(server.metrics(), "tvmpipe_requests_submitted_total") == before  # nothing was submitted
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_prompts_beyond_the_context_are_400_before_anything_runs(server, client):
     before = metric(server.metrics(), "tvmpipe_requests_submitted_total")
     with pytest.raises(openai.BadRequestError) as info:

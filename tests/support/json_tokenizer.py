@@ -36,9 +36,10 @@ HERMES = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def build_json_tokenizer(directory: Path) -> Path:
+def build_json_tokenizer(directory: Path, without: str = "") -> Path:
     """A byte-level BPE over printable ASCII and newline that fits the checkpoint's 128 ids (so the
-    model can spell JSON and tool calls), ChatML specials, <|im_end|> the eos."""
+    model can spell JSON and tool calls), ChatML specials, <|im_end|> the eos; `without`:
+    characters left out of its alphabet and corpus (a tokenizer that cannot write them)."""
     import json
     import string
 
@@ -55,10 +56,11 @@ def build_json_tokenizer(directory: Path) -> Path:
             chars.append(256 + extra)
             extra += 1
     byte_char = {b: chr(c) for b, c in zip(visible, chars)}  # GPT-2's bytes_to_unicode
-    alphabet = [byte_char[ord(c)] for c in string.printable if c not in "\t\r\x0b\x0c"]
+    alphabet = [byte_char[ord(c)] for c in string.printable if c not in "\t\r\x0b\x0c" + without]
     trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
-    tok.train_from_iterator(['{"city": "Paris", "ok": true, "n": 12}', "Answer in JSON."] * 20, trainer)
+    corpus = ['{"city": "Paris", "ok": true, "n": 12}', "Answer in JSON."]
+    tok.train_from_iterator(["".join(c for c in line if c not in without) for line in corpus] * 20, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
