@@ -206,6 +206,10 @@ class PagedKV:
             out = torch.ops.tvmpipe.paged_decode(q, pool, self.indptr, self.values, self.last)
         else:
             out = torch.ops.tvmpipe.paged_prefill(q, self.q_indptr, pool, self.indptr, self.values, self.last)
+            # the kernel leaves the spare query slots (past q_indptr[B]) unwritten: whatever the
+            # buffer held, NaN included, which the logits' one-hot pick would carry (0 x NaN)
+            spare = torch.arange(tokens) >= self.q_indptr[-1]
+            out = torch.where(spare[:, None, None], torch.zeros_like(out), out)
         return out.reshape(b, c, h * d), [pool]
 
 

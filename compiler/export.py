@@ -180,9 +180,24 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         kernels={"version": 1, "functions": {k: v.to_json() for k, v in kernels.items()}},
         ops={"version": 1, "functions": {k: v.to_json() for k, v in ops.items()}},
         cuda_source=src, params=GraphParams(fused.graph.params, imp.weights), tvm_version=tvm.__version__,
-        unscheduled=tvm.IRModule(prims), torch_module=imp.torch_module, timings=dict(progress.timings),
+        unscheduled=tvm.IRModule(_for_cpu(prims, ops)), torch_module=imp.torch_module, timings=dict(progress.timings),
         state=_check_state(imp, fused.graph.inputs), generation=imp.generation, tokenizer=list(imp.tokenizer),
     )
+
+
+def _for_cpu(prims: dict[str, Any], ops: dict[str, FusedFunction]) -> dict[str, Any]:
+    """The functions the CPU check builds: the fused PrimFuncs before scheduling, except a paged
+    step's paged kernels, which come scheduled for CUDA from their generators: their llvm
+    variants (compiler/pagedkv.py) take their place."""
+    from tvmpipe.compiler import pagedkv
+    from tvmpipe.compiler.opmap import PAGED_OPS
+
+    out = dict(prims)
+    for name, fn in ops.items():
+        if len(fn.ops) == 1 and fn.ops[0].op in PAGED_OPS:
+            rec = fn.ops[0]
+            out[name] = pagedkv.cpu_func(rec.op, rec.input_shapes, rec.input_dtypes)
+    return out
 
 
 def _kv_options(kv: Any, arch: str) -> Any:

@@ -243,6 +243,27 @@ def append_func(shape: PagedShape) -> Any:
     return specialize_static(f, shape.append_args())
 
 
+def cpu_func(op: str, shapes: list[list[int]], dtypes: list[str]) -> Any:
+    """The llvm variant of a compiled step's paged function, from its ops.json record's input
+    shapes and dtypes (op `paged_append`, `paged_decode` or `paged_prefill`): what the compiler's
+    CPU check (compiler/cpucheck.py) builds in place of the CUDA-scheduled one, with the same
+    parameters."""
+    if op == APPEND:
+        pages, k = shapes[0], shapes[1]
+        rows, tokens, capacity, hq = 1, k[0], 1, pages[2]
+    elif op == DECODE:
+        q, pages, values = shapes[0], shapes[1], shapes[3]
+        rows, tokens, capacity, hq = q[0], q[0], values[0], q[1]
+    elif op == PREFILL:
+        q, q_indptr, pages, values = shapes[0], shapes[1], shapes[2], shapes[4]
+        rows, tokens, capacity, hq = q_indptr[0] - 1, q[0], values[0], q[1]
+    else:
+        raise CompileError(f"internal: '{op}' is not a paged op")
+    shape = PagedShape(num_kv_heads=pages[2], num_qo_heads=hq, head_dim=pages[4], dtype=dtypes[0],
+                       page_size=pages[3], rows=rows, num_pages=pages[0], table_capacity=capacity, tokens=tokens)
+    return append_func(shape) if op == APPEND else decode_func_cpu(shape) if op == DECODE else prefill_func_cpu(shape)
+
+
 @dataclass
 class PagedKernels:
     """The paged kernels of one PagedShape in launch form: `functions[DECODE]` and
