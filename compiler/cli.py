@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "kernels, launch lists, op programs and params. SOURCE is an .onnx file, a "
                     "torch.export program (.pt2, torch.export.save), a local Hugging Face checkpoint directory "
                     "(config.json and safetensors weights, as save_pretrained writes it: its forward pass, or with "
-                    "--decode its decode step; nothing is downloaded), a GGUF file with --decode (llama, qwen2, qwen3, phi3; "
+                    "--decode its decode step; nothing is downloaded), a GGUF file with --decode (llama, qwen2, qwen3, phi3, gpt2, gemma; "
                     "quantized weights kept packed and dequantized inside the matmul kernels), or a built-in model: "
                     + ", ".join(f"{m.name} ({m.description})" for m in BUILTIN_MODELS.values()) + ".",
     )

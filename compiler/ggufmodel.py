@@ -12,7 +12,10 @@ transformers' order (a row permutation of the blocks: nothing is re-quantized), 
 `output.weight` ties the LM head to the embedding, which is then stored once. GPT-2's Conv1D layers
 (weight [in, out], `x @ W + b`) become Linear layers of the same function, whose weight [out, in]
 is the file's matrix as llama.cpp stores it (transposed from the checkpoint's; transformers' GGUF
-loader transposes it back): its rows stay whole blocks.
+loader transposes it back): its rows stay whole blocks. Gemma's files store each RMSNorm scale
+as 1 + w (llama.cpp's GemmaModel adds the 1 that GemmaRMSNorm's `x * (1 + w)` adds): the
+parameter is the file's value - 1, in float32; its packed embedding keeps Gemma's sqrt(hidden)
+scale (GemmaTextScaledWordEmbedding's `embed_scale`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
     tdt = getattr(torch, dtype)
     model = meta_model(getattr(transformers, src.architecture), config, tdt,
                        f"{src.path}: transformers cannot build {src.architecture} from its metadata")
-    _conv1d_as_linear(model, torch)
+    conv1d_as_linear(model, torch)
     by_hf = _names(model, src)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -88,7 +91,10 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
     def plain(hf_name: str, like: Any) -> Any:
         entry = tensor(hf_name, tuple(like.shape))
         p = torch.nn.Parameter(torch.empty(tuple(like.shape), dtype=tdt), requires_grad=False)
-        sources[id(p)] = GGUFTensor(src.path, entry, None, "", rows(entry.name, like.shape[0]) if like.dim() else None)
+        # llama.cpp writes Gemma's norm scales as 1 + w (convert_hf_to_gguf: names ending norm.weight)
+        add = -1.0 if src.arch == "gemma" and hf_name.endswith("norm.weight") else 0.0
+        sources[id(p)] = GGUFTensor(src.path, entry, None, "", rows(entry.name, like.shape[0]) if like.dim() else None,
+                                    add)
         return p
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -106,6 +112,8 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
                     new = embedding_cls(fmt, r, c, fields, dtype=tdt)
                     if module is model.get_input_embeddings():  # not GPT-2's position table
                         emb_fields = (fmt, r, c, fields)
+                    if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+                        new = _scaled_embedding(new, module.embed_scale, torch)  # Gemma's sqrt(hidden)
                 else:
                     bias = plain(f"{name}.bias", module.bias) if module.bias is not None else None
                     new = linear_cls(fmt, r, c, fields, bias, dtype=tdt)
@@ -124,14 +132,37 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
     return CheckpointModel(model.eval(), sources, dtype)
 
 
-def _conv1d_as_linear(model: Any, torch: Any) -> None:
+def _scaled_embedding(inner: Any, scale: Any, torch: Any) -> Any:
+    """A packed embedding times its `embed_scale` (Gemma's GemmaTextScaledWordEmbedding: the rows
+    times sqrt(hidden), in the weight's dtype), which replacing the module would otherwise drop."""
+
+    class ScaledPackedEmbedding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.packed = inner
+            self.num_embeddings, self.embedding_dim = inner.num_embeddings, inner.embedding_dim
+            self.register_buffer("embed_scale", scale, persistent=False)
+
+        def forward(self, ids: Any) -> Any:
+            out = self.packed(ids)
+            return out * self.embed_scale.to(out.dtype)
+
+    return ScaledPackedEmbedding()
+
+
+def conv1d_as_linear(model: Any, torch: Any) -> list[tuple[Any, Any]]:
     """Each transformers Conv1D (GPT-2's c_attn, c_proj, c_fc: weight [nx, nf], `x @ W + b`) replaced
     by a meta nn.Linear(nx, nf) (weight [nf, nx], `x @ W.T + b`): the same function of the
-    transposed weight, which is the matrix the GGUF file holds."""
+    transposed weight, which is the matrix the GGUF file holds (and the one `--quantize` groups
+    along its input features). Returns the (Conv1D, Linear) pairs replaced."""
+    done = []
     for name, module in list(model.named_modules()):
         if type(module).__name__ == "Conv1D" and hasattr(module, "nx") and hasattr(module, "nf"):
-            _replace(model, name, torch.nn.Linear(module.nx, module.nf, bias=module.bias is not None,
-                                                  device="meta", dtype=module.weight.dtype))
+            new = torch.nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta",
+                                  dtype=module.weight.dtype)
+            _replace(model, name, new)
+            done.append((module, new))
+    return done
 
 
 def _names(model: Any, src: GGUFSource) -> dict[str, Any]:

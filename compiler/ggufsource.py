@@ -23,11 +23,23 @@ from tvmpipe.compiler.errors import SourceError, one_line
 from tvmpipe.compiler.packed import FORMATS, PackedFormat
 
 # GGUF general.architecture -> the transformers CausalLM its decode step is built from
-# (transformers' GGUF loader reads no Gemma 1 file, architecture "gemma"; gemma2/gemma3 it reads, but
-# the decode step has no Gemma 2/3: logit soft-capping, sliding windows, four norms a layer)
+# (gemma2/gemma3 files transformers reads, but the decode step has no Gemma 2/3: logit soft-capping,
+# sliding windows, four norms a layer)
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                                 "gpt2": "GPT2LMHeadModel"}
+                                 "gpt2": "GPT2LMHeadModel", "gemma": "GemmaForCausalLM"}
+# metadata -> config keys for the architectures transformers' GGUF_CONFIG_MAPPING lacks. Gemma 1, as
+# llama.cpp's convert_hf_to_gguf (GemmaModel) writes it: no rope keys (GemmaConfig's rope_theta, as
+# llama.cpp's default, is 10000), head_dim as attention.key_length (Gemma's head_dim is not
+# hidden / heads), no vocab_size key (the token list's length)
+CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
+    "gemma": {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+              "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+              "rope.dimension_count": None, "rope.freq_base": "rope_theta", "attention.key_length": "head_dim",
+              "attention.value_length": None, "attention.head_count": "num_attention_heads",
+              "attention.head_count_kv": "num_key_value_heads",
+              "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"},
+}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -48,13 +60,16 @@ class GGUFEntry:
 class GGUFTensor:
     """A tensor the bundle stores: a plain float tensor of the file, or one field of a packed
     matrix's blocks; rows permuted by `rows` where the file stores them permuted (Llama's q/k).
-    `numpy()` reads its bytes by byte range; the interface of checkpoint.CheckpointTensor."""
+    `add`, where not 0, is added to a float tensor's values in float32 (-1 for Gemma's norm scales,
+    which llama.cpp stores as 1 + w). `numpy()` reads its bytes by byte range; the interface of
+    checkpoint.CheckpointTensor."""
 
     path: Path
     entry: GGUFEntry
     fmt: PackedFormat | None = None  # None: the file's float tensor, as it is
     field_name: str = ""
     rows: tuple[int, ...] | None = None  # a row permutation to apply
+    add: float = 0.0  # added to a float tensor's values (in float32)
 
     @property
     def _field(self) -> Any:
@@ -69,6 +84,8 @@ class GGUFTensor:
 
     @property
     def dtype(self) -> str:
+        if self.add:
+            return "float32"
         return FLOAT_TYPES[self.entry.type] if self.fmt is None else self._field.dtype
 
     @property
@@ -97,6 +114,10 @@ class GGUFTensor:
             out = np.ascontiguousarray(blocks[..., f.offset:f.offset + f.nbytes]).view(np_dtype(f.dtype))
         if self.rows is not None:
             out = out[np.asarray(self.rows)]
+        if self.add:
+            if self.fmt is not None:
+                raise ValueError(f"{self.entry.name}: a constant is added to a float tensor only, not a packed field")
+            out = out.astype(np.float32) + np.float32(self.add)
         return np.ascontiguousarray(out)
 
 
@@ -198,7 +219,8 @@ def _config(reader: Any, arch: str, model_type: str, entries: dict[str, GGUFEntr
     GGUF_CONFIG_MAPPING and defaults; the head tied where the file has no `output.weight`; the
     vocabulary the token list's length where no key gives it), read from this reader: that
     function opens the file again and parses every tokenizer array, which takes seconds at a real
-    vocabulary (tests/compiler/test_gguf.py checks the two agree)."""
+    vocabulary (tests/compiler/test_gguf.py checks the two agree). An architecture transformers
+    maps no keys for (Gemma 1) takes CONFIG_MAPPING's."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING, _gguf_parse_value
 
     config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in entries}
@@ -208,7 +230,8 @@ def _config(reader: Any, arch: str, model_type: str, entries: dict[str, GGUFEntr
         if len(fld.data) > 64:  # the tokenizer's arrays: no config key is one
             continue
         prefix, _, rest = key.replace(arch, model_type).partition(".")
-        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        mapping = CONFIG_MAPPING.get(prefix) or GGUF_CONFIG_MAPPING.get(prefix, {})
+        target = mapping.get(rest)
         if target is None or target == -1:
             continue
         value = [_gguf_parse_value(fld.parts[i], fld.types) for i in fld.data]
@@ -233,16 +256,19 @@ def q_k_rows(rows: int, heads: int) -> tuple[int, ...]:
 def write_tokenizer(src: GGUFSource, out_dir: Path) -> list[Path]:
     """The file's tokenizer (tokenizer.ggml.*) and chat template as the tokenizer files text
     generation reads (tokenizer.json, tokenizer_config.json, ...), converted by transformers,
-    offline, into `out_dir`."""
+    offline, into `out_dir`. A Gemma file's is GemmaTokenizer's conversion (transformers' GGUF
+    tokenizer builder for "gemma": merges from the token order, no prefix space), which AutoTokenizer
+    would pick but cannot reach: it reads the file's config first, and its GGUF loader reads no
+    Gemma 1 config."""
     from tvmpipe.bundle.bundle import TOKENIZER_FILES
     from tvmpipe.compiler import zoo
 
     zoo.ensure_torchvision()
     import transformers
 
+    cls = transformers.GemmaTokenizer if src.arch == "gemma" else transformers.AutoTokenizer
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                         local_files_only=True)
+        tok = cls.from_pretrained(str(src.path.parent), gguf_file=src.path.name, local_files_only=True)
         tok.save_pretrained(str(out_dir))
     except Exception as exc:  # noqa: BLE001 - the converters raise anything on a tokenizer they do not know
         raise SourceError(f"{src.path}: transformers cannot convert its tokenizer ({type(exc).__name__}: "

@@ -6,11 +6,14 @@ the k-quants, which gguf cannot write, as random blocks with sane scales), a tie
 head reads the packed Q8_0 embedding, a Qwen2 (q/k/v biases, no q/k permutation) in Q4_K_M's
 mix, a Qwen3 (q/k norms), a Phi-3 (fused qkv and gate-up matrices, packed whole) and a GPT-2
 (llama.cpp's transposed Conv1D matrices, fused qkv, LayerNorms, learned positions, a byte-level
-BPE tokenizer), untied and tied. Each bundle, on the reference backend, gives the greedy tokens of
-transformers' own load of the same file (`from_pretrained(dir, gguf_file=...)`, which dequantizes
-with gguf's NumPy dequantizers), with every step's logits within 1e-4 x max|logits| of
-transformers'; and at K = 2 as a user runs it. (transformers reads no Gemma 1 GGUF file,
-architecture "gemma": tvmpipe refuses one, tested below.)
+BPE tokenizer), untied and tied, and a Gemma 1 (norm scales stored as 1 + w, multi-query, heads of
+128, a tied packed embedding scaled by sqrt(hidden)). Each bundle, on the reference backend, gives
+the greedy tokens of transformers' own load of the same file (`from_pretrained(dir, gguf_file=...)`,
+which dequantizes with gguf's NumPy dequantizers), with every step's logits within 1e-4 x
+max|logits| of transformers'; and at K = 2 as a user runs it. transformers' GGUF loader reads no
+Gemma 1 file (architecture "gemma"), so a Gemma's reference is transformers' GemmaForCausalLM
+holding the file's tensors dequantized by gguf with llama.cpp's conversion undone
+(tests/support/gguf_files.py gemma_reference).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.gguf_files import HIDDEN, MIXED, load_transformers, tensor_bytes, write_gguf
+from tests.support.gguf_files import HIDDEN, MIXED, gemma_reference, load_transformers, tensor_bytes, write_gguf
 
 pytest.importorskip("tvm")
 pytest.importorskip("gguf")
@@ -56,7 +59,17 @@ CASES = {
     # tied: the head reads the packed token embedding, not the (also packed) position table
     "gpt2_tied": dict(types={k: v for k, v in GPT2.items() if k != "output.weight"}, arch="gpt2", tied=True,
                       seed=3),
+    # Gemma 1: every listed type among its matrices, the tied head reading the packed Q4_K embedding
+    # (llama.cpp writes no output.weight for Gemma), norms stored as 1 + w, 1 KV head, heads of 128
+    "gemma_mixed": dict(types={k: v for k, v in MIXED.items() if k != "output.weight"}, arch="gemma", seed=3),
 }
+
+
+def reference(name: str, f: Path):
+    """transformers' model of case `name`'s file: its own GGUF load, or for a Gemma 1 (which that
+    loader does not read) GemmaForCausalLM holding the file's tensors as llama.cpp's converter
+    wrote them, undone."""
+    return gemma_reference(f) if CASES[name].get("arch") == "gemma" else load_transformers(f)
 
 
 unscheduled: dict[str, object] = {}  # the fixture's compiled functions before scheduling, by case
@@ -93,7 +106,7 @@ def test_a_gguf_bundle_gives_transformers_tokens_and_logits(name, gguf_case):
     f, bundle = gguf_case(name)
     b = load_bundle(bundle)
     assert b.manifest.source["kind"] == "gguf" and b.manifest.dtype == "float32"
-    model = load_transformers(f)
+    model = reference(name, f)
     want = transformers_generate(model, PROMPT, NEW)
     assert len(set(want)) >= 4, want  # not a repeated token or two: the check can fail
     got = greedy_decode(bundle, PROMPT, NEW)
@@ -107,7 +120,7 @@ def test_a_gguf_bundle_gives_transformers_tokens_and_logits(name, gguf_case):
     assert weights <= 1.05 * tensor_bytes(f), (weights, tensor_bytes(f))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].get("arch") != "gemma"])
 def test_the_config_is_the_one_transformers_reads(name, gguf_case):
     """open_gguf maps the metadata itself (one reader, tokenizer arrays unparsed): the same config
     as transformers' load_gguf_checkpoint."""
@@ -296,7 +309,7 @@ def test_tvmpipe_generate_runs_a_gguf_bundle_at_k_1_and_2(name, gguf_case):
     from tvmpipe.compiler.decoders import transformers_generate
 
     f, bundle = gguf_case(name)
-    want = transformers_generate(load_transformers(f), PROMPT, NEW)
+    want = transformers_generate(reference(name, f), PROMPT, NEW)
     for k in (1, 2):
         args = [sys.executable, "-m", "tvmpipe", "generate", str(bundle), "--stages", str(k), "--processes",
                 "--max-new-tokens", str(NEW), "--ignore-eos", "--json", "--prompt-ids", ",".join(map(str, PROMPT))]
@@ -417,6 +430,80 @@ def test_a_gguf_step_of_gpt2_keeps_the_files_matrices_as_stored(gguf_case):
     assert by_name["p_model_lm_head"]["format"] == "Q8_0"
 
 
+def test_a_gemma_files_metadata_reads_as_the_config_it_was_converted_from(gguf_case):
+    """transformers' GGUF loader maps no "gemma" metadata (and refuses the file): tvmpipe's own map
+    (ggufsource.CONFIG_MAPPING, llama.cpp's GemmaModel keys) gives the GemmaConfig the file was
+    written from: head_dim from attention.key_length (not hidden / heads), 1 KV head, tied, the
+    vocabulary the token list's length, rope_theta GemmaConfig's (no rope key)."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tvmpipe.compiler.ggufsource import open_gguf
+
+    f, _ = gguf_case("gemma_mixed")
+    with pytest.raises(ValueError, match="gemma"):  # when transformers reads it, hold it to that load
+        load_gguf_checkpoint(str(f), return_tensors=False)
+    src = open_gguf(f)
+    assert src.architecture == "GemmaForCausalLM"
+    got = transformers.AutoConfig.for_model("gemma", **{k: v for k, v in src.config.items() if k != "model_type"})
+    want = gemma_reference(f).config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+                "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(got, key) == getattr(want, key), key
+    assert got.head_dim == 128 != got.hidden_size // got.num_attention_heads and got.num_key_value_heads == 1
+    assert got.rms_norm_eps == pytest.approx(1e-6) and got.rope_parameters == want.rope_parameters
+
+
+def test_a_gemma_step_holds_its_norms_less_one_and_its_scaled_packed_embedding_once(gguf_case):
+    """llama.cpp stores Gemma's RMSNorm scales as 1 + w: the bundle's are the file's - 1 (as the
+    reference's); the head is the embedding's packed Q4_K fields (no lm_head tensor), and the
+    embedding keeps GemmaTextScaledWordEmbedding's sqrt(hidden) (without it the tokens differ:
+    test_a_gguf_bundle_gives_transformers_tokens_and_logits)."""
+    import gguf
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.inspect import build_report
+    from tvmpipe.compiler.ggufmodel import build_gguf_model
+    from tvmpipe.compiler.ggufsource import open_gguf
+
+    f, bundle = gguf_case("gemma_mixed")
+    file_norm = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(f)).tensors if t.name.endswith("norm.weight")}
+    assert len(file_norm) == 2 * 2 + 1 and abs(file_norm["output_norm.weight"].mean() - 1) < 0.05  # stored 1 + w
+    built = build_gguf_model(open_gguf(f))
+    sources = built.sources_by_name(built.model)
+    for hf, g in (("model.layers.0.input_layernorm.weight", "blk.0.attn_norm.weight"),
+                  ("model.layers.1.post_attention_layernorm.weight", "blk.1.ffn_norm.weight"),
+                  ("model.norm.weight", "output_norm.weight")):
+        assert np.array_equal(sources[hf].numpy(), file_norm[g] - np.float32(1)), hf
+    assert float(built.model.model.embed_tokens.embed_scale) == pytest.approx(HIDDEN ** 0.5)
+    weights = {w["name"]: w for w in build_report(load_bundle(bundle))["weights"]}
+    # the embedding and the head: one Q4_K table's fields, stored once (inspect counts them at the head)
+    table = [w for n, w in weights.items() if "embed_tokens" in n or "lm_head" in n]
+    assert sorted(w["format"] for w in table) == ["Q4_K", "Q4_K"], table
+    assert sum(w["bytes"] for w in table) == 128 * HIDDEN // 256 * 144, table
+    assert weights["p_model_model_layers_0_self_attn_q_proj"]["shape"] == [4 * 128, HIDDEN]
+
+
+def test_a_gemma_files_sentencepiece_becomes_the_bundle_tokenizer(gguf_case):
+    """Gemma's tokenizer (tokenizer.ggml.model "llama", add_space_prefix false, <bos> id 2): converted
+    as transformers' GGUF builder for "gemma" converts it (AutoTokenizer cannot: it reads the
+    config first). No space is prepended: "the" at the start is t-h-e (a Llama's ▁the), " is" is
+    the piece ▁is (merges rebuilt from the token order)."""
+    import gguf
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.generation.text import load_text_codec
+
+    f, bundle = gguf_case("gemma_mixed")
+    codec = load_text_codec(load_bundle(bundle).tokenizer_dir)
+    fld = gguf.GGUFReader(str(f)).fields["tokenizer.ggml.tokens"]
+    vocab = [bytes(fld.parts[i]).decode() for i in fld.data]
+    want = [2] + [vocab.index(p) for p in ("t", "h", "e", "\u2581c", "a", "t", "\u2581is")]
+    assert codec.encode("the cat is") == want
+    assert codec.decode(want[1:]) == "the cat is"
+
+
 def test_tokenizer_names_the_tokenizer_of_a_file_without_one(tmp_path):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cli import main
@@ -459,20 +546,6 @@ def test_an_unsupported_architecture_is_refused(tmp_path, capsys):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     err = _compile(capsys, tmp_path / "rwkv.gguf", tmp_path / "b")
     assert "rwkv6" in err and "llama" in err
-
-
-def test_a_gemma_file_which_transformers_cannot_load_is_refused(tmp_path, capsys):
-    """Gemma 1 (architecture "gemma") is a decode-step family, but transformers' GGUF loader, the
-    reference a GGUF bundle is held to, reads no such file: refused as an unsupported architecture."""
-    import gguf
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    assert "gemma" not in GGUF_SUPPORTED_ARCHITECTURES  # when transformers reads it, map it too
-    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
-    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    err = _compile(capsys, tmp_path / "gemma.gguf", tmp_path / "b")
-    assert "'gemma' is not supported" in err and "gpt2" in err
 
 
 def test_a_truncated_or_corrupt_file_is_refused(tmp_path, capsys):

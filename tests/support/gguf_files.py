@@ -8,7 +8,10 @@ A GPT-2 (`arch="gpt2"`) as llama.cpp writes one: LayerNorms with biases, learned
 (`position_embd`, 1024 rows: transformers' GPT-2 takes n_positions' default, not the file's
 context length), one fused `attn_qkv` with its bias, MLP 4 x hidden, each Conv1D weight stored
 transposed (rows = output features, as a Linear's), and a byte-level BPE tokenizer (`gpt2`:
-tokens, merges, `<|endoftext|>`).
+tokens, merges, `<|endoftext|>`). A Gemma 1 (`arch="gemma"`) as llama.cpp's GemmaModel writes one:
+multi-query (1 KV head), heads of 128 (`attention.key_length`/`value_length`, not hidden / heads),
+no rope keys, each RMSNorm scale stored as 1 + w, no `output.weight` (the head is the embedding),
+no q/k permutation, and the SentencePiece tokenizer with `add_space_prefix` false.
 
 Each matrix takes the type `types` gives it (by GGUF name; others F32). Types gguf can quantize
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) are quantized by gguf.quants from the float weight;
@@ -63,6 +66,7 @@ def _kquant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: object
     return raw
 
 
+GEMMA_HEAD_DIM, GEMMA_KV_HEADS = 128, 1
 GPT2_CONTEXT = 1024  # GPT2Config's n_positions (transformers reads no GGUF key into it)
 GPT2_WORDS = ("the", "cat", "is", "on", "mat", "of", "in", "at", "he", "she", "sat")
 
@@ -115,12 +119,15 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
     embedding is drawn smaller (0.05 by default), else the head's product with the last token's
     own embedding wins and the model repeats its input. Qwen3 has q/k RMSNorms and heads of 128
     (transformers' GGUF reader takes Qwen3's default head_dim; real Qwen3 files have 128); Phi-3
-    its fused qkv and gate-up matrices; GPT-2 (see above) its Conv1D matrices transposed."""
+    its fused qkv and gate-up matrices; GPT-2 and Gemma: see above (Gemma is always tied)."""
     import gguf
 
     types = dict(MIXED if types is None else types)
     rng = np.random.default_rng(seed)
-    head_dim = 128 if arch == "qwen3" else HIDDEN // HEADS
+    gemma = arch == "gemma"
+    head_dim = 128 if arch == "qwen3" else GEMMA_HEAD_DIM if gemma else HIDDEN // HEADS
+    kv_heads = GEMMA_KV_HEADS if gemma else KV_HEADS
+    tied = tied or gemma  # llama.cpp writes no lm_head for Gemma
     gpt2 = arch == "gpt2"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name or f"tiny {arch}")
@@ -131,6 +138,11 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
     w.add_head_count(HEADS)
     if gpt2:
         w.add_layer_norm_eps(1e-5)
+    elif gemma:  # convert_hf_to_gguf's GemmaModel.set_gguf_parameters: no rope keys, no vocab_size
+        w.add_head_count_kv(kv_heads)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     else:
         w.add_rope_dimension_count(head_dim)
         w.add_head_count_kv(KV_HEADS)
@@ -147,6 +159,21 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         w.add_bos_token_id(VOCAB - 1)
         w.add_eos_token_id(VOCAB - 1)
         w.add_chat_template(CHAT)
+    elif tokenizer and gemma:  # Gemma's SentencePiece: <pad> <eos> <bos> <unk> <mask> first, a lone "▁"
+        pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + [f"<0x{i:02X}>" for i in range(32, 32 + 40)] + \
+            ["\u2581"] + ["\u2581" + c for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz") + \
+            ["\u2581the", "\u2581is", "\u2581of"]
+        pieces += [f"x{i}" for i in range(VOCAB - len(pieces))]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores([0.0] * 5 + [-float(i) for i in range(VOCAB - 5)])
+        w.add_token_types([3, 3, 3, 2, 4] + [6] * 40 + [1] * (VOCAB - 45))
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_chat_template(CHAT.replace("</s>", "<eos>"))
+        w.add_add_space_prefix(False)  # GemmaModel.set_vocab
     elif tokenizer:
         specials = ["<unk>", "<s>", "</s>"]
         pieces = specials + [f"<0x{i:02X}>" for i in range(32, 32 + 40)] + \
@@ -198,11 +225,13 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         w.close()
         return path
 
-    q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
+    # norm(): 1 + w, w drawn around 0: a Llama's scale, or what llama.cpp stores for a Gemma (whose
+    # GemmaRMSNorm scales by 1 + w; the converter adds the 1)
+    q_rows, kv_rows = HEADS * head_dim, kv_heads * head_dim
     for i in range(LAYERS):
         q, k, v = mat(q_rows, HIDDEN), mat(kv_rows, HIDDEN), mat(kv_rows, HIDDEN)
         if arch == "llama":
-            q, k = _permute(q, HEADS), _permute(k, KV_HEADS)
+            q, k = _permute(q, HEADS), _permute(k, kv_heads)
         add(f"blk.{i}.attn_norm.weight", norm(HIDDEN))
         if arch == "phi3":
             add(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]))
@@ -224,7 +253,7 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
             add(f"blk.{i}.ffn_gate.weight", mat(FFN, HIDDEN))
             add(f"blk.{i}.ffn_up.weight", mat(FFN, HIDDEN))
         add(f"blk.{i}.ffn_down.weight", mat(HIDDEN, FFN, 0.06))
-    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32))
+    add("output_norm.weight", norm(HIDDEN))
     if not tied:
         add("output.weight", mat(VOCAB, HIDDEN, 0.3))
     w.write_header_to_file()
@@ -252,3 +281,49 @@ def tensor_bytes(path: Path) -> int:
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+# GGUF name -> GemmaForCausalLM's, as llama.cpp's tensor map names Gemma's (gguf/tensor_mapping.py)
+GEMMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+               "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+def gemma_reference(path: Path):
+    """transformers' own GemmaForCausalLM (float32, eager) of the config write_gguf's Gemma was
+    written from, holding the file's weights with llama.cpp's conversion undone: every tensor
+    dequantized by gguf's NumPy dequantizer (gguf.quants.dequantize), each norm scale less the 1
+    the converter added, the head tied to the embedding. (transformers' GGUF loader reads no
+    architecture "gemma" file, so this is the load it would make.)"""
+    import gguf
+    import torch
+    import transformers
+
+    from tvmpipe.compiler import zoo
+
+    zoo.ensure_torchvision()
+    config = transformers.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=GEMMA_KV_HEADS, head_dim=GEMMA_HEAD_DIM, intermediate_size=FFN,
+        max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    config._attn_implementation = "eager"
+    model = transformers.GemmaForCausalLM(config).eval()
+    state = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        value = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        value = value.reshape(tuple(reversed([int(d) for d in t.shape])))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{GEMMA_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{GEMMA_NAMES[parts[0]]}.{parts[1]}"
+        if name.endswith("norm.weight"):
+            value = value - np.float32(1)
+        state[name] = torch.from_numpy(np.array(value, np.float32))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
