@@ -10,7 +10,10 @@ Each weight is quantized when the bundle's weights file is written, one tensor a
 the checkpoint tensor read by byte range (streamed like any checkpoint compile):
 `QuantizedTensor.numpy()` computes one field. Every linear layer and the input embedding (a
 gather of its packed rows, then unpacked) are quantized; a tied head reads the embedding's
-fields. (GPT-2's Conv1D layers are not nn.Linear: they stay float.) The model computes in the
+fields. GPT-2's Conv1D layers (weight [in, out], `x @ W + b`) become Linear layers of the same
+function (ggufmodel.conv1d_as_linear, as for a GGUF file) whose weight [out, in] is the
+checkpoint's read transposed, quantized in groups along its input features as any linear's; its
+position table stays float. The model computes in the
 checkpoint's dtype (or --dtype's): a bf16/fp16 one unpacks in float32 and rounds the weight once
 to its dtype (q4f16: the float16 scale, float16 compute).
 
@@ -99,6 +102,33 @@ class QuantizedTensor:
         return np.ascontiguousarray(quantize_blocks(w, self.scheme, self.group)[self.field_name])
 
 
+@dataclass(frozen=True)
+class TransposedTensor:
+    """A checkpoint matrix read transposed: a Conv1D's weight [in, out] as the weight [out, in] of
+    the Linear that computes the same function (the CheckpointTensor interface)."""
+
+    source: Any  # checkpoint.CheckpointTensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.source.shape))
+
+    @property
+    def dtype(self) -> str:
+        return self.source.dtype
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+    def numpy(self) -> np.ndarray:
+        return np.ascontiguousarray(self.source.numpy().T)
+
+
 def check(scheme: str, group: int) -> None:
     from tvmpipe.compiler.errors import SourceError
 
@@ -112,15 +142,22 @@ def quantize_linears(built: Any, scheme: str, group: int) -> list[str]:
     """Replace every nn.Linear of `built.model` (a hfmodel.CheckpointModel) by a PackedLinear of
     quantized fields, and the input embedding by a PackedEmbedding (the token's rows of the fields
     gathered, then unpacked; MLC quantizes its embedding too); a head tied to the embedding reads
-    the embedding's fields (stored once). Returns the matrices quantized (a tied pair once)."""
+    the embedding's fields (stored once); GPT-2's Conv1D layers first become the Linear layers of
+    the same function (their weights read transposed). Returns the matrices quantized (a tied pair
+    once)."""
     import torch
 
     from tvmpipe.compiler.errors import SourceError
+    from tvmpipe.compiler.ggufmodel import conv1d_as_linear
     from tvmpipe.compiler.packed import packed_modules
 
     linear_cls, embedding_cls = packed_modules()
     fmt = group_format(scheme, group)
     model = built.model
+    for conv, linear in conv1d_as_linear(model, torch):
+        built.sources[id(linear.weight)] = TransposedTensor(built.sources[id(conv.weight)])
+        if conv.bias is not None:
+            linear.bias = conv.bias  # the checkpoint's bias, as it is
     emb_module = model.get_input_embeddings()
     emb = emb_module.weight
     head = model.get_output_embeddings()

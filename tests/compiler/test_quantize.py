@@ -5,7 +5,8 @@ with int4 (MLC's q4f16_1: groups of 32, a float16 scale each) and int8 in groups
 the reference backend, the greedy tokens of transformers' model of the same checkpoint holding the
 same fake-quantized weights (each linear weight replaced by compiler.quantize.fake_quantize of it,
 which at group 32 is gguf's Q4_0 / Q8_0 round trip bit for bit), logits within 1e-4 x max|logits|;
-int4's weights take <= 0.3x the float32 checkpoint's.
+int4's weights take <= 0.3x the float32 checkpoint's. GPT-2's Conv1D layers are quantized as the
+Linear layers of the same function (their weights transposed), held to the same reference.
 """
 
 from __future__ import annotations
@@ -118,6 +119,62 @@ def test_a_bf16_checkpoint_quantizes_and_computes_in_bf16(checkpoint, tmp_path):
     want = transformers_generate(model, PROMPT, NEW)
     assert len(set(want)) > 1, want
     assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
+
+
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", 64)])
+def test_gpt2s_conv1d_layers_are_quantized_as_the_linears_of_the_same_function(scheme, group, checkpoint, tmp_path):
+    """GPT-2 (float32, tied): its Conv1D layers (c_attn, attn.c_proj, c_fc, mlp.c_proj; weight
+    [in, out], x @ W + b) are quantized too, as Linear layers of the same function whose weight
+    [out, in] is the checkpoint's transposed, grouped along the input features; with the
+    embedding (read by the tied head) int4 takes <= 0.3x the float32 checkpoint's weight bytes.
+    The tokens and logits are those of transformers' GPT-2 holding each Conv1D weight W as
+    fake_quantize(W.T).T and the embedding fake-quantized (the position table stays float)."""
+    import torch
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.inspect import build_report
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.compiler.quantize import fake_quantize
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    ckpt = checkpoint("gpt2")
+    export(str(ckpt), decode=24, quantize=scheme, group_size=group, progress=Progress(stream=None)).write(tmp_path / "b")
+    b = load_bundle(tmp_path / "b")
+    assert b.manifest.source["quantize"] == {"scheme": scheme, "group_size": group, "layers": 2 * 4 + 1}
+    by_name = {w["name"]: w for w in build_report(b)["weights"]}
+    hidden = 64
+    for name, shape in (("h_0_attn_c_attn", [3 * hidden, hidden]), ("h_1_attn_c_proj", [hidden, hidden]),
+                        ("h_0_mlp_c_fc", [4 * hidden, hidden]), ("h_1_mlp_c_proj", [hidden, 4 * hidden])):
+        w = by_name[f"p_model_transformer_{name}"]
+        assert w["format"] == scheme and w["shape"] == shape, w
+    assert by_name["p_model_transformer_wpe_weight"]["format"] == "float32"
+    _assert_unpacked_in_matmuls(tmp_path / "b")
+    weights = sum(b.param_nbytes(n) for n in b.param_names)
+    limit = 0.3 if scheme == "int4" else 0.6
+    assert weights <= limit * tensor_bytes(ckpt), (weights, tensor_bytes(ckpt))
+    model = load_transformers(ckpt, "float32")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    convs = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "Conv1D":  # weight [in, out]: quantized as the Linear's [out, in]
+                w = m.weight.numpy()
+                q = fake_quantize(np.ascontiguousarray(w.T), scheme, group).T
+                assert 0 < np.abs(q - w).max() < 0.2 * np.abs(w).max()  # changed, not beyond recognition
+                m.weight.copy_(torch.from_numpy(np.ascontiguousarray(q)))
+                convs += 1
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.from_numpy(fake_quantize(emb.numpy(), scheme, group)))
+    assert convs == 2 * 4
+    want = transformers_generate(model, PROMPT, NEW)
+    assert len(set(want)) > 1, want
+    got = greedy_decode(tmp_path / "b", PROMPT, NEW)
+    assert got.tokens[0] == want
+    logits = np.stack([step[0] for step in got.logits])
+    ref = transformers_logits(model, PROMPT + want)[:len(logits)]
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
 def test_group_32_values_are_ggufs_q4_0_and_q8_0_round_trips():
