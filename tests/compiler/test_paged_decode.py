@@ -70,10 +70,10 @@ class _StageRunner:
     (executor/stage.py SlotState, `slots` of them): each run uses the next slot in turn, marked
     fresh, which would wipe a per-slot cache; a stage-scoped pool is the stage's, shared and kept."""
 
-    def __init__(self, bundle, slots: int) -> None:
+    def __init__(self, bundle, slots: int, backend: str = "reference") -> None:
         from tvmpipe.executor.stage import Stage
 
-        self.stage = Stage(bundle, 0, len(bundle.graph.nodes), "reference", state_slots=slots)
+        self.stage = Stage(bundle, 0, len(bundle.graph.nodes), backend, state_slots=slots)
         self.bundle, self.slots, self.runs, self.out = bundle, slots, 0, {}
         self.feeds = self.stage.program.input_entries
 
@@ -392,3 +392,22 @@ def test_tvms_own_paged_kernels_on_the_cpu_equal_the_reference_backend(name, chu
         np.testing.assert_allclose(got, pool_ref, rtol=1e-5, atol=1e-5)
         assert not np.array_equal(got, feeds[p.input])  # the step wrote its K/V
 
+
+
+def test_the_cuda_backend_writes_the_pool_in_place(bundles, monkeypatch, tmp_path):
+    """The cuda backend's launch path (the strict fake PyCUDA computing each kernel with its
+    ops.json program): a Stage keeping the pools resident (one device buffer each, bound as the
+    append's input and output) runs the script's steps and gives the reference backend's logits:
+    the append's launch writes the pool it reads, which the decode then reads."""
+    from tests.support.fake_cuda import activate
+    from tvmpipe.bundle import load_bundle
+
+    path = bundles("gpt2", "paged")
+    activate(monkeypatch, tmp_path / "cubins", [path])
+    paged = load_bundle(path)
+    runner = _StageRunner(paged, slots=1, backend="cuda")
+    assert runner.stage.state.copies == [1, 1]
+    seqs, worst, steps, _ = _drive(bundles("gpt2", "static"), runner)
+    assert worst < TOL and steps > 10
+    want, _, _, _ = _drive(bundles("gpt2", "static"), path)
+    assert seqs == want

@@ -1000,9 +1000,16 @@ def _run_kernel(s: Stream, info, emu, argbuf: bytes) -> None:
         n = int(np.prod(shape)) * d.itemsize
         return s.prim.memory(got[k], max(n, 1), f"kernel {info.name}")[:n].view(d).reshape(shape)
 
-    outs = run_function(fe.fn, [arr(k).copy() for k in range(fe.n_inputs)])
+    def unread(k):  # an input no launch passes (the paged kernels' rope offsets, rotary off): no kernel reads it
+        shape, dt = fe.arg_specs[k]
+        return np.zeros(shape, np_dtype(dt))
+
+    outs = run_function(fe.fn, [arr(k).copy() if k in got else unread(k) for k in range(fe.n_inputs)])
+    # an in-place function (a paged pool's append: ops.json attrs `inplace`) has no output
+    # parameters: its kernel writes output j over input inplace[j]
+    inplace = next((op.attrs["inplace"] for op in fe.fn.ops if "inplace" in op.attrs), None)
     for k, v in enumerate(outs, start=fe.n_inputs):
-        np.copyto(arr(k), v)
+        np.copyto(arr(inplace[k - fe.n_inputs] if inplace else k), v)
     del s._emu_args[fe.name]
 
 
