@@ -132,7 +132,8 @@ def test_the_config_is_the_one_transformers_reads(name, gguf_case):
     assert open_gguf(f).config == load_gguf_checkpoint(str(f), return_tensors=False)["config"]
 
 
-@pytest.mark.parametrize("name, linears", [("llama_mixed", 2 * 7 - 1 + 1), ("gpt2_mixed", 2 * 4 + 1)])
+@pytest.mark.parametrize("name, linears", [("llama_mixed", 2 * 7 - 1 + 1), ("gpt2_mixed", 2 * 4 + 1),
+                                           ("gemma_mixed", 2 * 7 - 1 + 1)])  # the head: the Q4_K embedding's
 def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(name, linears, gguf_case):
     """Every packed field is a uint8/int8/f16/bf16 param of the file's bytes; every function reading
     one either gathers embedding rows (take) or holds the matmul: one kernel, which reads the packed
@@ -355,6 +356,30 @@ def test_dtype_computes_a_gguf_step_in_half_precision(dtype, gguf_case, tmp_path
     model = transformers.AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name,
                                                               dtype=getattr(torch, dtype), attn_implementation="eager")
     want = transformers_generate(model.eval(), PROMPT, NEW)
+    assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
+
+
+def test_dtype_bfloat16_computes_a_gemma_gguf_step_in_bfloat16(gguf_case, tmp_path):
+    """--dtype bfloat16 on the Gemma: its reference built in bfloat16 as from_pretrained builds one
+    (as transformers' half load of a file: dequantized, norms less one, then cast) gives the same
+    tokens; the fields stay packed."""
+    import torch
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.executor.decode_loop import greedy_decode
+
+    f, _ = gguf_case("gemma_mixed")
+    export(str(f), decode=CONTEXT, dtype="bfloat16", progress=Progress(stream=None)).write(tmp_path / "b")
+    b = load_bundle(tmp_path / "b")
+    assert b.manifest.dtype == "bfloat16"
+    assert sum(b.param_nbytes(n) for n in b.param_names) <= 1.05 * tensor_bytes(f)
+    model = gemma_reference(f, "bfloat16")
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    want = transformers_generate(model, PROMPT, NEW)
+    assert len(set(want)) >= 4, want
     assert greedy_decode(tmp_path / "b", PROMPT, NEW).tokens[0] == want
 
 

@@ -291,12 +291,14 @@ GEMMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                "ffn_down": "mlp.down_proj"}
 
 
-def gemma_reference(path: Path):
+def gemma_reference(path: Path, dtype: str = "float32"):
     """transformers' own GemmaForCausalLM (float32, eager) of the config write_gguf's Gemma was
     written from, holding the file's weights with llama.cpp's conversion undone: every tensor
     dequantized by gguf's NumPy dequantizer (gguf.quants.dequantize), each norm scale less the 1
-    the converter added, the head tied to the embedding. (transformers' GGUF loader reads no
-    architecture "gemma" file, so this is the load it would make.)"""
+    the converter added, the head tied to the embedding; in `dtype` as from_pretrained builds a
+    model (constructed under that default dtype, the float32 weights cast when loaded).
+    (transformers' GGUF loader reads no architecture "gemma" file, so this is the load it would
+    make.)"""
     import gguf
     import torch
     import transformers
@@ -310,7 +312,12 @@ def gemma_reference(path: Path):
         max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=2, eos_token_id=1, pad_token_id=0)
     config._attn_implementation = "eager"
-    model = transformers.GemmaForCausalLM(config).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model = transformers.GemmaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     state = {}
     for t in gguf.GGUFReader(str(path)).tensors:
         value = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
