@@ -449,6 +449,20 @@ def kv_memory(d: dict) -> list[Row]:
     return rows
 
 
+def kv_paged(d: dict) -> list[Row]:
+    """bench/kv.py: a decode step's time against the tokens it holds, static against paged KV."""
+    lo, hi = sorted(d["step_ms"]["paged"], key=int)
+    ms = d["step_ms"]
+    return [
+        Row("KV caches", f"paged KV: a decode step at T = {hi} over T = {lo}, {d['tokens_held']} tokens held a row "
+            f"(reference backend, batch {d['batch']}, {d['model']})",
+            f"{d['ratio']['paged']:.2f}x ({ms['paged'][lo]:.2f} -> {ms['paged'][hi]:.2f} ms)",
+            f"<= {d['target']}x", d["met"]),
+        Row("KV caches", f"static KV, the same step at T = {hi} over T = {lo}",
+            f"{d['ratio']['static']:.2f}x ({ms['static'][lo]:.2f} -> {ms['static'][hi]:.2f} ms)"),
+    ]
+
+
 def planner(d: dict) -> list[Row]:
     """bench/planner.py: the optimal planner's speed on a 700-op graph and its plans against equal cuts."""
     sp = d["speed"]
@@ -701,6 +715,7 @@ EXTRACTORS = (
     Extractor("checkpoint.json", checkpoint),
     Extractor("quant.json", quant),
     Extractor("kv_memory.json", kv_memory),
+    Extractor("kv.json", kv_paged),
     Extractor("planner.json", planner),
     Extractor("predict.json", predict),
     Extractor("whatif.json", whatif),
