@@ -66,6 +66,12 @@ class PagedSpec:
         return [self.indptr, self.values, self.last_page_len, self.position_map,
                 *([self.q_indptr] if self.q_indptr is not None else [])]
 
+    def idle_value(self, name: str) -> int:
+        """What input `name` holds, everywhere, in a step whose rows are all idle (no pages, no
+        writes): -1 in the position map (an append writes nothing there), 0 in the rest. A warm-up
+        run feeds it: random indices would write pages at random, or twice."""
+        return -1 if name == self.position_map else 0
+
 
 @dataclass(frozen=True)
 class GenerationSpec:

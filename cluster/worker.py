@@ -162,6 +162,11 @@ class StageWorker:
         self._init_generation(bundle)
         t1 = time.time()
         feed = random_feed(self.program, spec.seed)
+        paged = getattr(bundle.generation, "paged", None)
+        for name in paged.inputs if paged is not None else ():  # a paged step's table: every row idle
+            e = self.program.input_entries.get(name)
+            if e in feed:
+                feed[e] = np.full(feed[e].shape, paged.idle_value(name), dtype=feed[e].dtype)
         if self.stage.state is not None:  # warm up on slot 0, which the first sequence there resets
             feed = {e: v for e, v in feed.items() if e not in self.stage.state.inputs}
             self.specs[self.stage.slot_entry] = tag = slot_layout(bundle).spec

@@ -24,6 +24,7 @@ Life of a sequence (the scheduler calls these; docs/paged-kv.md):
   (preempt by recompute, newest admitted first), below.
 - `forget_cached()` after a stage lost its state: the cached pages' K/V are gone, so they leave
   the table; pages held by live sequences are rewritten by the scheduler's replay, at the same ids.
+  `restart(seq)` when one sequence is fed again from its start (its K/V kept where they are).
 
 A page's cache key chains its tokens with its prefix's key (SHA-256 of the parent's key and the
 page's token ids), as vLLM's prefix caching does: equal keys mean equal tokens at equal positions
@@ -237,6 +238,15 @@ class PagePool:
                     self._cached[page] = None
                 else:
                     self._free.append(page)
+
+    def restart(self, seq: Hashable) -> None:
+        """`seq` is fed again from its first token into the pages it holds (the scheduler rebuilds
+        it: the sampling stage lost its tokens): nothing of it is confirmed until the replay
+        confirms it again. Its pages keep their cache keys (their K/V are unchanged: the replay
+        writes the same values)."""
+        s = self._get(seq)
+        s.tokens.clear()
+        s.keys.clear()
 
     def forget_cached(self) -> None:
         """Drop every cache key (a stage lost its pages' contents): unreferenced cached pages become

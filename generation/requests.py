@@ -60,9 +60,11 @@ def layout_of(bundle: Any) -> DecodeLayout:
                            "section and state pairs (compile a decoder with `tvmpipe compile NAME --decode`; "
                            "see docs/generation.md)")
     gen = getattr(bundle, "generation", None)
-    if getattr(gen, "paged", None) is not None:
-        raise TvmpipeError(f"{bundle.path} is a paged decode step (--kv paged): the scheduler does not drive its page "
-                           "table yet (docs/paged-kv.md); compile it with --kv static to generate")
+    paged = getattr(gen, "paged", None)
+    if paged is not None and paged.q_indptr is not None:
+        raise TvmpipeError(f"{bundle.path} is a chunked paged decode step (--kv paged --chunk C): the scheduler "
+                           "drives paged steps of one token a row only, so far (docs/paged-kv.md); compile it "
+                           "without --chunk, or with --kv static")
     return layout
 
 

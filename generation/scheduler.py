@@ -36,6 +36,18 @@ and stopping; a step submitted after a sequence stopped is wasted for that row.
   holding caches restarted (`state_losses` moves), every group rebuilds its caches from position 0.
   Tokens already generated are kept, not drawn again, so the streams equal those of a run without
   the fault. Results of steps submitted before a group rolled back are ignored (its `epoch`).
+- A paged step (bundle `generation.paged`, docs/paged-kv.md): one PagePool (generation.pages) is
+  every stage's page table. A queued request takes a row only when the pool can hold its tokens
+  so far and the next (else it waits at the head of the queue), sharing the cached pages of its
+  prompt's leading full pages (its first step starts after them; not for a row the sampling stage
+  sees a token at a time); before a step each row's pages grow to what the step writes, and when
+  the pool runs out the most recently admitted sequences are preempted: freed, queued again at
+  the head, and recomputed from their tokens so far (vLLM V1's default; nothing is drawn twice).
+  Each step carries its table, position map and row lengths (step_pages); a step that comes back
+  confirms its tokens (full pages become shareable), a sequence that ends frees its pages (full
+  ones stay cached, least recently freed evicted first), a restarted stage's cached pages are
+  forgotten and the held ones rewritten by the replay. Rows are admitted one at a time (nothing
+  to reset: rows reach their own pages).
 - Failure isolation. A row whose logits were not finite (its draw is executor.sampler.NOT_FINITE)
   ends alone with FinishReason.ERROR. A step that raised comes back with its `error`: the group
   rolls back and tries once more; an error that comes back on that retry belongs to the group's
@@ -55,6 +67,7 @@ from tvmpipe.bundle.decode_layout import (FED_TOKEN, LOGPROBS, MAX_LOGPROBS, NO_
                                           STEP_NAME, TARGET, encode_step, row_ints)
 from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.executor.sampler import GRAMMAR_ERROR, NOT_FINITE, STATE_LOST, SequenceExtras
+from tvmpipe.generation.pages import PagePool, RowWrite, grow_all, step_pages
 from tvmpipe.generation.requests import FinishReason, Logprob, Request, SequenceResult, TokenEvent, layout_of
 
 if TYPE_CHECKING:
@@ -162,8 +175,13 @@ class Scheduler:
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise FieldError("in_flight", f"must be an integer >= 1, got {in_flight!r}")
         self.groups = min(-(-in_flight // self.batch), pipe.slots)  # slots in use, at most
-        other = [n for n in pipe.topology.inputs if n not in (self.layout.token_name, self.layout.position_name,
-                                                               self.layout.count_name, SLOT_NAME, STEP_NAME)]
+        self.paged = getattr(pipe.bundle.generation, "paged", None)
+        # a paged step's pool (docs/paged-kv.md): one page table for every stage, the scheduler's
+        self.pool = PagePool(self.paged.pages, self.paged.page_size) if self.paged is not None else None
+        self._order: dict[int, None] = {}  # sequences holding pages, oldest admitted first (preemption)
+        fed = (self.layout.token_name, self.layout.position_name, self.layout.count_name, SLOT_NAME, STEP_NAME,
+               *(self.paged.inputs if self.paged is not None else ()))
+        other = [n for n in pipe.topology.inputs if n not in fed]
         if other:
             raise TvmpipeError(f"the decode step also takes {', '.join(other)}, which generation does not feed")
         if logits_log is not None and pipe.topology.dropped_heads:
@@ -172,12 +190,16 @@ class Scheduler:
         self.scored = pipe.topology.sends_scores  # log probabilities come back (Pipeline(scores=True))
         self.results = results  # index -> SequenceResult of every finished sequence, if given
         self.finished: deque[SequenceResult] = deque()  # finished since the caller last took them
-        self.per_row = row_admission and pipe.topology.row_reset
+        # a paged step's rows reach their own pages through the table: a row is taken alone, nothing reset
+        self.per_row = row_admission and (pipe.topology.row_reset or self.pool is not None)
         self.fed_back = pipe.topology.feedback is not None
         self.num_stages = pipe.topology.num_stages
         self.window = pipe.window
         specs = pipe.topology.specs
         self._tok_spec, self._pos_spec = specs[self.layout.token], specs[self.layout.position]
+        if self.paged is not None:  # the table's length: entries past a step's rows' pages are never read
+            self._table_capacity = int(np.prod(specs[pipe.topology.inputs[self.paged.values]].shape))
+            self._table_specs = {n: specs[pipe.topology.inputs[n]] for n in self.paged.inputs}
         self._count_spec = specs[self.layout.count] if self.layout.count is not None else None
         self.queue: deque[_Row] = deque()  # admitted to the scheduler, waiting for a row
         self.active: dict[int, _Group] = {}  # by group key
@@ -274,10 +296,22 @@ class Scheduler:
 
     # ---- admission ----------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Queued requests take free slots, up to B rows a group."""
-        while self.queue and self.free:
+        """Queued requests take free slots, up to B rows a group; with a paged step, first the empty
+        rows of running groups (rows preempted or left empty while the pool was full), and only
+        as far as the pool can hold each one's tokens so far (it waits at the head of the queue)."""
+        if self.pool is not None and self.per_row:
             now = time.time()
-            rows: list[_Row | None] = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
+            for g in list(self.active.values()):
+                for i, y in enumerate(g.rows):
+                    if y is None and self._next_fits():
+                        self._place(g, i, now)
+        while self.queue and self.free and self._next_fits():
+            now = time.time()
+            rows: list[_Row | None] = []
+            while len(rows) < self.batch and self.queue and self._next_fits():
+                rows.append(self.queue.popleft())
+                if self.pool is not None:
+                    self._reserve(rows[-1])
             g = _Group(rows + [None] * (self.batch - len(rows)), self.free.pop(), self.pipe.state_losses)
             for x in rows:
                 x.admitted = now
@@ -285,11 +319,59 @@ class Scheduler:
             self.active[g.key] = g
             self._want(g)
 
+    def _next_fits(self) -> bool:
+        """Whether the queue's head can take a row now: always with static caches; with a paged
+        step, when the pool can hold its tokens so far and the next (a request that needs more
+        pages than the whole pool ends here, with an error naming the pool: not with a compiled pool,
+        which holds a row at the max context at least)."""
+        while self.queue:
+            if self.pool is None:
+                return True
+            x = self.queue[0]
+            need = min(len(x.hist) + 1, self.layout.max_context)  # what it holds once it draws on
+            if self.pool.can_reserve(need, self._shareable(x)):
+                return True
+            if self.pool.pages_for(need) <= self.pool.num_pages:
+                return False  # it waits for pages to free
+            self.queue.popleft()
+            self._end(x, FinishReason.ERROR, f"it needs {self.pool.pages_for(need)} KV pages, more than the "
+                      f"{self.pool.num_pages} of the pool (compile with more --kv-pages)")
+        return False
+
+    def _shareable(self, x: _Row) -> list[int]:
+        """The tokens whose cached pages `x` may share: its prompt (and tokens generated before a
+        preemption); none for a row the sampling stage sees a token at a time (it scores or
+        penalizes each position, so every position is fed)."""
+        return [] if x.narrow else x.hist
+
+    def _reserve(self, x: _Row) -> None:
+        """x's pages for its tokens so far, sharing the cached pages of their leading full pages:
+        its first step starts after them."""
+        res = self.pool.reserve(x.r.index, self._shareable(x), len(x.hist))
+        if res is None:  # _next_fits said it fits: cannot happen
+            raise TvmpipeError(f"sequence {x.r.index}: its KV pages could not be reserved")
+        self._order[x.r.index] = None
+        x.pos = x.confirmed = res.hit_tokens
+
+    def _place(self, g: _Group, i: int, now: float) -> None:
+        """The queue's head takes g's empty row i (its pages reserved first, for a paged step)."""
+        y = self.queue.popleft()
+        if self.pool is not None:
+            self._reserve(y)
+        g.rows[i] = y
+        y.admitted = now
+        self._rows[y.r.index] = (g, y)
+        g.running.append((i, y))
+        self._want(g)
+
     def _notice_restarts(self) -> None:
-        """A stage holding caches restarted: every group rebuilds its own (_plan)."""
+        """A stage holding caches restarted: every group rebuilds its own (_plan); a paged step's
+        cached pages held nobody's K/V any more."""
         losses = self.pipe.state_losses
         if losses != self._seen_losses:
             self._seen_losses = losses
+            if self.pool is not None:
+                self.pool.forget_cached()
             for g in self.active.values():
                 self._want(g)
 
@@ -318,7 +400,7 @@ class Scheduler:
                 g.epoch += 1
                 for _, x in g.running:
                     x.pos = x.confirmed = 0
-                    x.r.replays += 1
+                    x.r.replays += 1  # (a paged step's pool forgot every sequence's K/V: _notice_restarts)
             src = self._source(g)
             if src is None:
                 continue  # nothing to feed yet (queued again when its step comes back)
@@ -326,6 +408,9 @@ class Scheduler:
                 deferred.append(g)
                 continue
             ns = self._widths(g)
+            if self.pool is not None and not self._grow(g, ns):
+                self._want(g)  # rows of its own were preempted or ended: planned again with the rest
+                continue
             ds = self._draws(g, ns)
             fwd = self._forward(g, ns, ds)
             plan.append(PlannedStep(seq, self._feed(g, src, ns, ds, fwd)))
@@ -423,7 +508,53 @@ class Scheduler:
                STEP_NAME: encode_step(src, fwd, rows, self.retired.popleft() if self.retired else -1)}
         if self._count_spec is not None:
             out[layout.count_name] = np.array(ns, dtype=self._count_spec.dtype).reshape(self._count_spec.shape)
+        if self.pool is not None:
+            writes: list[RowWrite | None] = [None] * batch
+            for i, x in g.running:
+                writes[i] = RowWrite(x.r.index, x.pos, ns[i])
+            pages = step_pages(self.pool, writes, chunk, self._table_capacity)
+            for name, values in zip(self.paged.inputs, (pages.page_table_indptr, pages.page_table_values,
+                                                        pages.last_page_len, pages.position_map, pages.q_indptr)):
+                spec = self._table_specs[name]
+                out[name] = np.array(values, dtype=spec.dtype).reshape(spec.shape)
         return out
+
+    def _grow(self, g: _Group, ns: list[int]) -> bool:
+        """Pages for every running row of g's next step (`ns` tokens each); when the pool runs out,
+        the most recently admitted sequences are preempted (freed, and queued again at the head to
+        be recomputed: generation.pages.grow_all), any that needs more pages than the pool ends.
+        Whether g's rows are as planned (False: some of its own were preempted or ended)."""
+        growth = grow_all(self.pool, [(x.r.index, x.pos + ns[i]) for i, x in g.running], list(self._order))
+        mine = {x.r.index for _, x in g.running}
+        for seq in growth.preempted:
+            self._preempt(seq)
+        now = time.time()
+        for seq in growth.unfit:
+            g2, x = self._rows[seq]
+            self._order.pop(seq, None)
+            i = next(i for i, y in g2.running if y is x)
+            self._finish(g2, i, x, FinishReason.ERROR, now, f"it needs more KV pages than the {self.pool.num_pages} "
+                         "of the pool (compile with more --kv-pages)")
+        return not (mine & set(growth.preempted + growth.unfit))
+
+    def _preempt(self, seq: int) -> None:
+        """Sequence `seq` lost its pages to an older one (grow_all freed them): it leaves its row and
+        waits at the head of the queue, its tokens kept; it is fed again from the start (or from
+        the pages of its prefix still cached) when pages free, drawing nothing it drew already."""
+        g, x = self._rows[seq]
+        self._order.pop(seq, None)
+        g.running = [(j, y) for j, y in g.running if y is not x]
+        g.rows[next(i for i, y in enumerate(g.rows) if y is x)] = None
+        x.pos = x.confirmed = 0
+        x.r.replays += 1
+        self.queue.appendleft(x)
+        self._rows[seq] = (None, x)
+        if not g.running:
+            del self.active[g.key]
+            if g.outstanding == 0:
+                self.free.append(g.slot)
+        else:
+            self._want(g)
 
     # ---- steps coming back --------------------------------------------------------------------------
     def _lost(self, g: _Group, step: _Step, error: str | None) -> None:
@@ -454,6 +585,8 @@ class Scheduler:
         if g.strikes and max((p for _, _, p in live), default=0) >= g.failed_at:
             g.strikes = 0  # past the step that failed: it passed on its retry
         for _, x, p in live:
+            if self.pool is not None and p > x.confirmed:  # their K/V are written: full pages become shareable
+                self.pool.confirm(x.r.index, x.hist[x.confirmed:p])
             x.confirmed = p
         if self.logits_log is not None:
             self._log_logits(result.outputs, live)
@@ -518,6 +651,8 @@ class Scheduler:
         for _, x in g.running:
             x.pos = x.confirmed = 0
             x.r.replays += 1
+            if self.pool is not None:
+                self.pool.restart(x.r.index)
             if x.extras is not None:
                 self.installs.append((x.r.index, x.extras))
         self._want(g)
@@ -536,11 +671,8 @@ class Scheduler:
         self._end(x, why, error)
         g.running = [(j, y) for j, y in g.running if y is not x]
         g.rows[i] = None
-        if self.per_row and self.queue:
-            g.rows[i] = y = self.queue.popleft()
-            y.admitted = now
-            self._rows[y.r.index] = (g, y)
-            g.running.append((i, y))
+        if self.per_row and self._next_fits():
+            self._place(g, i, now)
         if not g.running:
             del self.active[g.key]
             if g.outstanding == 0:
@@ -549,6 +681,9 @@ class Scheduler:
             self._want(g)  # a row admitted, or the others go on
 
     def _end(self, x: _Row, why: FinishReason, error: str | None = None) -> None:
+        if self.pool is not None and x.r.index in self.pool:
+            self.pool.free(x.r.index)  # its full confirmed pages stay cached for a later prompt alike
+            self._order.pop(x.r.index, None)
         if x.stateful:
             self.retired.append(x.r.index)  # the sampling stage drops its tokens with a later step
         x.r.finish = why
