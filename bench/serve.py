@@ -29,6 +29,12 @@ is taken from the stages here, and from nobody where clients run on machines of 
 server is `tvmpipe serve` as users run it: the HTTP process, and the engine in a process of its own
 (generation/engine_process.py).
 
+Each side-by-side run's CPU is booked by role from /proc (this process: the clients or the offline
+driver; the server's process tree; the offline pipeline's stages): CPU milliseconds a token, the
+cores kept busy, and the tokens/s with every core busy (cores / CPU a token), medians over the
+rounds, in `cpu_ms_a_token`: what the server path adds per token, and how much of the distance to
+offline is waiting rather than work.
+
 `--logprobs K` measures instead what log probabilities cost (issue 51): at 16 bare socket clients,
 alternating rounds of plain requests and the same requests with `logprobs` K (every token's log
 probability and the K most likely, computed on the sampling stage, sent to the driver as the step's
@@ -91,6 +97,60 @@ def ensure_bundle(path: Path) -> Path:
 
 def prompts_for(n: int) -> list[list[int]]:
     return [[(11 * i + 7 * j) % 120 + 4 for j in range(3 + i % 6)] for i in range(n)]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:  # gone, or no /proc
+        pass
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of process `pid` (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class CpuBook:
+    """CPU seconds by role over a run, from /proc: this process (the clients, or the offline run's
+    driver), the server's HTTP process, its engine process and the engine's stage processes, and
+    the offline pipeline's stage processes (this process's other children). Why: on a machine whose cores the
+    server, its stages and the clients share, tokens/s is bounded by cores / (CPU a token), and the
+    ratio of the two runs' CPU a token says how much of the distance to offline is work the server
+    path adds rather than time it waits."""
+
+    def __init__(self, server_pid: int):
+        self.server_pid = server_pid
+
+    def snapshot(self) -> dict[str, float]:
+        server = self._tree(self.server_pid)
+        others = [p for c in _children(os.getpid()) if c != self.server_pid for p, _ in self._tree(c)]
+        return {"this_process": _cpu_s(os.getpid()),
+                "server_http": sum(_cpu_s(p) for p, depth in server if depth == 0),
+                "server_engine": sum(_cpu_s(p) for p, depth in server if depth == 1),  # (and mp's resource tracker)
+                "server_stages": sum(_cpu_s(p) for p, depth in server if depth > 1),
+                "offline_stages": sum(_cpu_s(p) for p in others)}
+
+    def _tree(self, pid: int) -> list[tuple[int, int]]:
+        out, todo = [], [(pid, 0)]
+        while todo:
+            p, depth = todo.pop()
+            out.append((p, depth))
+            todo += [(c, depth + 1) for c in _children(p)]
+        return out
+
+
+def per_token_ms(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    return {k: (after[k] - before[k]) * 1e3 / tokens for k in before}
 
 
 def offline(pipe, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -239,15 +299,28 @@ def main() -> int:
                       flush=True)
             prompts = prompts_for(2 * LEVELS[-1])  # short runs, many of them: the machine's load drifts
             served, bare, alone = [], [], []
-            tps, want = offline(pipe, prompts, new)
+            book = CpuBook(srv.proc.pid)
+            cpu: dict[str, list[dict[str, float]]] = {"offline": [], "bare": [], "httpx": []}
+
+            def counted(what: str, fn):
+                before, t0 = book.snapshot(), time.perf_counter()
+                out = fn()
+                wall, after = time.perf_counter() - t0, book.snapshot()
+                tokens = len(prompts) * new
+                cpu[what].append({**per_token_ms(before, after, tokens),
+                                  "cores_busy": sum(after.values()) - sum(before.values())})
+                cpu[what][-1]["cores_busy"] /= wall
+                return out
+
+            tps, want = counted("offline", lambda: offline(pipe, prompts, new))
             alone.append(tps)
             for _ in range(rounds):
-                lv = run(level(url, LEVELS[-1], prompts, new, bare=True))
+                lv = counted("bare", lambda: run(level(url, LEVELS[-1], prompts, new, bare=True)))
                 if lv.pop("tokens") != want:
                     raise RuntimeError("the bare clients' tokens differ from the offline run's")
                 bare.append(lv["tokens_per_s"])
-                served.append(run(level(url, LEVELS[-1], prompts, new))["tokens_per_s"])
-                alone.append(offline(pipe, prompts, new)[0])
+                served.append(counted("httpx", lambda: run(level(url, LEVELS[-1], prompts, new)))["tokens_per_s"])
+                alone.append(counted("offline", lambda: offline(pipe, prompts, new))[0])
                 print(f"16 clients: server {bare[-1]:.0f} (bare socket clients) / {served[-1]:.0f} (httpx clients) "
                       f"tokens/s, offline {alone[-2]:.0f} before and {alone[-1]:.0f} after", flush=True)
         finally:
@@ -263,8 +336,20 @@ def main() -> int:
     results["side_by_side"] = {"clients": LEVELS[-1], "requests": len(prompts), "server_tokens_per_s_runs": bare,
                                "server_httpx_clients_tokens_per_s_runs": served, "offline_tokens_per_s_runs": alone,
                                "ratio": ratio, "ratio_httpx_clients": with_httpx}
+    cores = os.cpu_count() or 1
+    results["cpu_ms_a_token"] = {}
+    for what, runs in cpu.items():  # medians over the rounds, by role; the ceiling: every core busy
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        total = sum(v for k, v in med.items() if k != "cores_busy")
+        med.update(total=total, ceiling_tokens_per_s=cores * 1e3 / total if total else None)
+        results["cpu_ms_a_token"][what] = med
     results["target"] = {"server_over_offline_at_16": TARGET}
     results["machine"] = {"loadavg": list(os.getloadavg())}
+    for what, med in results["cpu_ms_a_token"].items():
+        print(f"CPU a token, {what}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items()
+                                                   if k not in ("cores_busy", "ceiling_tokens_per_s"))
+              + f"; {med['cores_busy']:.2f} of {cores} cores busy; every core busy: "
+              f"{med['ceiling_tokens_per_s']:.0f} tokens/s")
     met = ratio >= TARGET and with_httpx >= TARGET
     print(f"server / offline tokens/s at 16 clients (median of {rounds} rounds): {ratio:.2f}x with bare socket clients, "
           f"{with_httpx:.2f}x with httpx clients (>= {TARGET} with both): {'PASS' if met else 'FAIL'}")
