@@ -14,6 +14,8 @@ a process of its own, here driven step by step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,6 +64,7 @@ class GenerationRun:
     batch: int = 1
     chunk: int = 1
     metrics: Any = None
+    kv: Any = None  # a paged step's pool at the end (generation.pages.PoolStats), else None
 
     def execute(self, on_text: Callable[[int, str], None] = lambda i, t: None,
                 on_done: Callable[[Finished], None] = lambda f: None,
@@ -94,6 +97,7 @@ class GenerationRun:
             self.pipe_slots = pipe.slots
             self.batch, self.chunk = pipe.topology.batch, pipe.topology.chunk
             self.metrics = stage_metrics(pipe)
+            self.kv = engine.figures()[3]
 
     @property
     def generated_tokens(self) -> int:
@@ -109,7 +113,8 @@ class GenerationRun:
                 "batch": self.batch, "chunk": self.chunk, "sequences": seqs, "generated_tokens": tokens,
                 "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else None, "wall_s": self.wall_s,
                 "startup_s": self.startup_s, "restarts": self.restarts, "error": self.error,
-                "metrics": self.metrics.to_json() if self.metrics is not None else None}
+                "metrics": self.metrics.to_json() if self.metrics is not None else None,
+                "kv": None if self.kv is None else dataclasses.asdict(self.kv)}  # each stage's pool: the same page ids
 
 
 def stage_metrics(pipe: Any) -> Any:

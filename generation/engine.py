@@ -21,6 +21,8 @@ open request and closes the engine.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import sys
 import threading
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.generation.core import EngineCore
 from tvmpipe.generation.output import OutputProcessor, RequestOutput
+from tvmpipe.generation.pages import PoolStats
 from tvmpipe.generation.requests import FinishReason, Request, SequenceResult
 
 if TYPE_CHECKING:
@@ -84,6 +87,13 @@ class Engine:
             out += self.output.process((), stopped)
         return out
 
+    def figures(self) -> tuple[int, tuple[int, ...], int, "PoolStats | None"]:
+        """What a serving engine reports besides outputs (RequestBook._deliver): sequences running,
+        each stage's restarts, steps failed, and a paged step's pool (None for static caches)."""
+        pool = self.core.scheduler.pool
+        return (self.core.scheduler.running, tuple(self.pipe.restarts), len(self.pipe.step_errors),
+                pool.stats() if pool is not None else None)
+
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
         """Run `requests` (indexed in order) to the end, yielding every output."""
         for r in requests:
@@ -128,13 +138,15 @@ class EngineStats:
     step_errors: int  # steps that raised on a live stage (each retried or ended its requests)
     draining: bool
     failed: str | None  # why the pipeline failed for good (the engine takes nothing more)
+    kv: "PoolStats | None" = None  # a paged step's pool (the same page ids on every stage), else None
 
     @property
     def free_rows(self) -> int:
         return max(0, self.rows - self.running)
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "stage_restarts": list(self.stage_restarts), "free_rows": self.free_rows}
+        return {**self.__dict__, "stage_restarts": list(self.stage_restarts), "free_rows": self.free_rows,
+                "kv": None if self.kv is None else dataclasses.asdict(self.kv)}
 
 
 class Stream:
@@ -224,6 +236,7 @@ class RequestBook:
         self._running = 0
         self._restarts: tuple[int, ...] = ()
         self._step_errors = 0
+        self._kv: PoolStats | None = None
 
     def _send_request(self, stream: Stream) -> None:  # _lock held
         raise NotImplementedError
@@ -263,7 +276,7 @@ class RequestBook:
             return EngineStats(self._running, len(self._streams) - self._running, self.rows, self.max_waiting,
                                self._next, self._rejected, self._finished, self._cancelled, self._errors,
                                self._tokens, sum(self._restarts), self._restarts, self._step_errors,
-                               self._draining, self._failed)
+                               self._draining, self._failed, self._kv)
 
     def drain(self, timeout: float) -> bool:
         """Take no new requests; wait up to `timeout` s for the running and queued ones to finish,
@@ -281,9 +294,10 @@ class RequestBook:
         return clean
 
     # ---- outputs coming back ------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], running: int, restarts: tuple[int, ...], step_errors: int) -> None:
+    def _deliver(self, outputs: list[RequestOutput], running: int, restarts: tuple[int, ...], step_errors: int,
+                 kv: "PoolStats | None" = None) -> None:
         """Hand each output to its stream; end the streams whose request ended; take the engine's
-        figures (`running`, each stage's restarts, steps failed)."""
+        figures (`running`, each stage's restarts, steps failed, a paged step's pool)."""
         ended: list[Stream] = []
         tokens = 0
         with self._lock:
@@ -304,7 +318,7 @@ class RequestBook:
                 self._cancelled += finish == FinishReason.CANCELLED
                 self._errors += finish == FinishReason.ERROR
             self._tokens += tokens
-            self._running, self._restarts, self._step_errors = running, restarts, step_errors
+            self._running, self._restarts, self._step_errors, self._kv = running, restarts, step_errors, kv
             self._lock.notify_all()
         for stream in ended:
             stream._end()
@@ -379,6 +393,6 @@ class EngineThread(RequestBook):
                 for index in cancels:
                     engine.cancel(index)
                 outputs = engine.step() if engine.has_work else engine.collect()
-                self._deliver(outputs, engine.core.scheduler.running, tuple(pipe.restarts), len(pipe.step_errors))
+                self._deliver(outputs, *engine.figures())
         except Exception as exc:  # the pipeline failed for good: every open stream ends with its error
             self._fail_all(str(exc) if isinstance(exc, TvmpipeError) else f"{type(exc).__name__}: {exc}")

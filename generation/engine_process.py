@@ -86,7 +86,7 @@ def _serve(conn: Any, engine: Any) -> None:
         for o in engine.step() if engine.has_work else engine.collect():
             pending.append((o.index, o.text, o.token_ids, o.finish, o.error, o.result, o.logprobs, o.prompt_logprobs))
         if pending and not (engine.has_work and pipe.ready):
-            conn.send(("out", pending, engine.core.scheduler.running, tuple(pipe.restarts), len(pipe.step_errors)))
+            conn.send(("out", pending, *engine.figures()))
             pending = []
 
 

@@ -105,6 +105,7 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced keyed pages, least recent first
         self._seqs: dict[Hashable, _Sequence] = {}
         self._hit_tokens = 0
+        self._shared = 0  # pages held by more than one sequence (kept as refs change: stats() each step is O(1))
 
     # ---- queries -----------------------------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class PagePool:
         held = self.num_pages - len(self._free) - len(self._cached)
         return PoolStats(kv_tokens_total=self.num_pages * self.page_size, kv_tokens_held=held * self.page_size,
                          kv_tokens_cached=len(self._cached) * self.page_size,
-                         kv_pages_shared=sum(1 for r in self._refs if r > 1), kv_prefix_hit_tokens=self._hit_tokens)
+                         kv_pages_shared=self._shared, kv_prefix_hit_tokens=self._hit_tokens)
 
     def table(self, rows: Sequence[tuple[Hashable, int] | None]) -> PageTable:
         """The CSR page table of a step whose row b is (sequence, tokens it attends to: its length
@@ -233,6 +234,7 @@ class PagePool:
             raise PagePoolError(f"sequence {seq!r} holds no pages")
         for page in reversed(s.pages):  # the tail first: a prefix's first pages stay cached longest
             self._refs[page] -= 1
+            self._shared -= self._refs[page] == 1
             if self._refs[page] == 0:
                 if page in self._key_of:
                     self._cached[page] = None
@@ -273,6 +275,7 @@ class PagePool:
         if self._refs[page] == 0:
             del self._cached[page]
         self._refs[page] += 1
+        self._shared += self._refs[page] == 2
 
     def _fresh(self) -> int:
         """A page for new tokens: a free one, else the least recently freed cached one (evicted)."""

@@ -75,6 +75,18 @@ def render(model: str, stats: EngineStats, counters: Counters, stages: Iterable[
     metric("tvmpipe_stage_info", "gauge", "The process that runs each stage now.",
            [({**m, "stage": s.stage, "pid": s.pid if s.pid is not None else "", "host": s.host or ""}, 1)
             for s in stages])
+    if stats.kv is not None:  # a paged step: one pool per stage, the same page ids on every stage
+        kv, per_stage = stats.kv, range(len(stats.stage_restarts))
+        for name, kind, help_, value in (
+                ("tvmpipe_kv_tokens_total", "gauge", "Tokens each stage's KV page pool holds.", kv.kv_tokens_total),
+                ("tvmpipe_kv_tokens_held", "gauge", "Tokens of the pool in pages sequences hold now.", kv.kv_tokens_held),
+                ("tvmpipe_kv_tokens_cached", "gauge", "Tokens of the pool in full pages nobody holds, kept for a "
+                 "later prompt alike.", kv.kv_tokens_cached),
+                ("tvmpipe_kv_pages_shared", "gauge", "Pages held by more than one sequence (a shared prompt prefix).",
+                 kv.kv_pages_shared),
+                ("tvmpipe_kv_prefix_hit_tokens_total", "counter", "Prompt tokens whose KV came from cached pages.",
+                 kv.kv_prefix_hit_tokens)):
+            metric(name, kind, help_, [({**m, "stage": i}, value) for i in per_stage])
     metric("tvmpipe_draining", "gauge", "1 while the server drains after SIGTERM.", [(m, int(stats.draining))])
     metric("tvmpipe_pipeline_failed", "gauge", "1 once the pipeline failed for good.", [(m, int(stats.failed is not None))])
     metric("tvmpipe_http_responses_total", "counter", "HTTP responses by status code.",
