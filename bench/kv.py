@@ -12,8 +12,20 @@ each row's token to its page and attends over the row's 64 tokens through the pa
 time should follow the tokens held, not T: the issue's target is paged(T = 2048) <= 1.2 x
 paged(T = 64) at 64 tokens held. `--quick` uses T = 64 and 256.
 
-Not here yet (they need the scheduler to drive the page table, docs/paged-kv.md): rows at a fixed
-memory, prefix TTFT, and these times on a GPU.
+Through the scheduler (a one-stage process pipeline, the same Llama step; skipped with --quick):
+
+* **Prefix TTFT**: a max context of 256, batch 8. A request whose prompt is a 200-token system
+  prompt and 2 tokens of its own runs alone, then 7 more with the same system prompt run at once:
+  the paged step shares the first request's 12 full cached pages (their prefill is skipped), the
+  static one computes every prompt token. TTFT (admission to first token) of the first against the
+  median of the 7 (target: >= 3x lower), the pages shared while they run, the tokens of both
+  layouts compared.
+* **Capacity at a fixed pool**: a max context of 2048, batch 8, a pool of 2048 tokens (128 pages).
+  16 requests of 8 prompt tokens and 32 to generate at once: the most rows busy at once (target
+  >= 8), the tokens against the static step's; the static caches those rows would take (rows x
+  2048 tokens) against the pool, and each layout's stage process's resident memory after the run.
+
+These times on a GPU: bench/paged_gpu.py.
 """
 
 from __future__ import annotations
@@ -87,6 +99,105 @@ def run(contexts: tuple[int, int], repeat: int, work: Path) -> dict:
             "target": TARGET, "met": ratio["paged"] <= TARGET}
 
 
+def _steps(core, watch=None) -> None:
+    while core.has_work:
+        core.step()
+        if watch is not None:
+            watch()
+
+
+def _stage_rss(pipe) -> int:
+    """The resident bytes of the pipeline's stage process (VmRSS)."""
+    from tvmpipe.generation.engine import stage_info
+
+    pid = stage_info(pipe)[0][1]
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib * 1024
+
+
+def prefix_ttft(work: Path) -> dict:
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.compiler.decoders import KvOptions
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.generation import Request, layout_of
+    from tvmpipe.generation.core import EngineCore
+
+    system = [(7 * i) % 120 + 4 for i in range(200)]
+    prompts = [system + [100 + j, 3] for j in range(8)]
+    out: dict = {"system_tokens": len(system), "requests": len(prompts), "new_tokens": 8, "max_context": 256}
+    tokens = {}
+    for kv in ("static", "paged"):
+        path = work / f"ttft_{kv}"
+        export("llama", decode=256, batch=BATCH, seed=1, progress=Progress(stream=None),
+               kv=KvOptions("paged", page_size=PAGE) if kv == "paged" else None).write(path, overwrite=True)
+        with Pipeline(path, 1, launcher="process", logits=False) as pipe:
+            layout = layout_of(pipe.bundle)
+            core = EngineCore(pipe, results={})
+            core.add(Request.checked(prompts[0], 8, layout), 0)
+            _steps(core)
+            shared = [0]
+            pool = core.scheduler.pool
+            for i, p in enumerate(prompts[1:], 1):
+                core.add(Request.checked(p, 8, layout), i)
+            _steps(core, (lambda: shared.append(pool.stats().kv_pages_shared)) if pool is not None else None)
+            results = core.scheduler.results
+        ttft = [results[i].first_token_s * 1e3 for i in range(len(prompts))]
+        rest = float(np.median(ttft[1:]))
+        out[kv] = {"ttft_first_ms": ttft[0], "ttft_rest_median_ms": rest, "first_over_rest": ttft[0] / rest}
+        if pool is not None:
+            out[kv].update(pages_shared_max=max(shared), prefix_hit_tokens=pool.stats().kv_prefix_hit_tokens)
+        tokens[kv] = [results[i].tokens for i in range(len(prompts))]
+        print(f"prefix TTFT, {kv}: first {ttft[0]:.0f} ms, the 7 after it {rest:.0f} ms (median): "
+              f"{ttft[0] / rest:.1f}x" + (f", {max(shared)} pages shared" if pool is not None else ""), flush=True)
+    out["same_tokens"] = tokens["static"] == tokens["paged"]
+    out["target_first_over_rest"] = 3.0
+    out["met"] = out["same_tokens"] and out["paged"]["first_over_rest"] >= 3.0
+    return out
+
+
+def capacity(work: Path) -> dict:
+    from tvmpipe.bundle.dtypes import np_dtype
+    from tvmpipe.cluster import Pipeline
+    from tvmpipe.compiler.decoders import KvOptions
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.generation import Request, layout_of
+    from tvmpipe.generation.core import EngineCore
+
+    t, pages, new = 2048, 2048 // PAGE, 32
+    prompts = [[(11 * i + 5 * j) % 120 + 4 for j in range(8)] for i in range(16)]
+    out: dict = {"max_context": t, "batch": BATCH, "pool_tokens": pages * PAGE, "requests": len(prompts),
+                 "prompt_tokens": 8, "new_tokens": new}
+    tokens = {}
+    for kv in ("static", "paged"):
+        path = work / f"cap_{kv}"
+        export("llama", decode=t, batch=BATCH, seed=1, progress=Progress(stream=None),
+               kv=KvOptions("paged", page_size=PAGE, pages=pages) if kv == "paged" else None).write(path, overwrite=True)
+        with Pipeline(path, 1, launcher="process", logits=False) as pipe:
+            layout = layout_of(pipe.bundle)
+            core = EngineCore(pipe, results={})
+            for i, p in enumerate(prompts):
+                core.add(Request.checked(p, new, layout, key=i), i)
+            busy = [0]
+            _steps(core, lambda: busy.append(core.scheduler.running))
+            rows = pipe.slots * BATCH
+            rss = _stage_rss(pipe)
+            g = pipe.bundle.graph
+            state = sum(int(np.prod(g.entry_of(p.input).shape)) * np.dtype(np_dtype(g.entry_of(p.input).dtype)).itemsize
+                        for p in pipe.bundle.state)
+            tokens[kv] = [core.scheduler.results[i].tokens for i in range(len(prompts))]
+        held = state if kv == "paged" else state * pipe.slots  # the pool once; static caches a slot each
+        out[kv] = {"rows": rows, "rows_busy_max": max(busy), "kv_bytes": held, "stage_rss_bytes": rss}
+        print(f"capacity, {kv}: {rows} rows, at most {max(busy)} busy at once; KV {held / 2**20:.1f} MiB, "
+              f"the stage's RSS {rss / 2**20:.0f} MiB", flush=True)
+    out["same_tokens"] = tokens["static"] == tokens["paged"]
+    out["target_rows_busy"] = BATCH
+    out["met"] = out["same_tokens"] and out["paged"]["rows_busy_max"] >= BATCH
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 64 and 256, fewer repeats")
@@ -97,6 +208,9 @@ def main() -> int:
     repeat = args.repeat or (5 if args.quick else 60)
     with tempfile.TemporaryDirectory(prefix="tvmpipe-kv-") as work:
         result = run(contexts, repeat, Path(work))
+        if not args.quick:
+            result["prefix_ttft"] = prefix_ttft(Path(work))
+            result["capacity"] = capacity(Path(work))
     out = args.out or (None if args.quick else ROOT / "bench" / "results" / "kv.json")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
