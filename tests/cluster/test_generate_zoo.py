@@ -2,7 +2,8 @@
 
 `tvmpipe compile NAME --decode` bundles of GPT-2, Llama and Qwen2 (tiny configs, seeded random
 weights) run as K = 1, 2, 3 stateful stages in processes on the reference backend; Mistral, Qwen3,
-Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2. Every sequence's
+Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2; each with static caches and as a paged step
+(`--kv paged`, the scheduler driving its page table). Every sequence's
 tokens equal transformers' `generate(do_sample=False)` on the same weights, and every step's logits
 are within 1e-4 x max|ref| of transformers' logits for the same prefix.
 
@@ -36,17 +37,20 @@ def decoder(zoo_decoder):
     return zoo_decoder
 
 
+@pytest.mark.parametrize("kv", [None, "paged"])
 @pytest.mark.parametrize("name,ks", [("gpt2", (1, 2, 3)), ("llama", (1, 2, 3)), ("qwen2", (1, 2, 3)),
                                      ("mistral", (2,)), ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)),
                                      ("gpt_neox", (2,)), ("opt", (2,)), ("falcon", (2,))])
-def test_pipelined_generation_equals_transformers(decoder, name, ks):
+def test_pipelined_generation_equals_transformers(decoder, name, ks, kv):
+    """Static caches, and a paged step (`--kv paged`, pages of 4 in the default pool: one row at
+    the max context, so the two sequences in flight preempt each other) through the scheduler."""
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
     from tvmpipe.bundle import load_bundle
 
-    bundle, model = decoder(name)
+    bundle, model = decoder(name, kv=kv)
     assert set(load_bundle(bundle).state_buffers.values()) == {1}  # its caches are updated in place
     want = [transformers_generate(model, p, NEW) for p in PROMPTS]
     assert any(len(set(w)) > 1 for w in want)  # not one repeated token: the check can fail
