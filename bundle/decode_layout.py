@@ -233,12 +233,25 @@ class DecodeLayout:
                 self.logits if start <= graph.entries[self.logits].node < end else None)
 
 
+def step_rows(bundle: Any) -> tuple[int, int]:
+    """(rows, tokens a row) of a decode step: from its token input ([B, 1], or [B, C] for `--chunk
+    C`), or for a chunked paged step, whose tokens are packed [B * C] row after row, from its
+    `q_indptr` [B + 1] (docs/paged-kv.md)."""
+    g, gen = bundle.graph, bundle.generation
+    shape = g.entry_of(gen.token).shape
+    paged = getattr(gen, "paged", None)
+    if paged is not None and paged.q_indptr is not None:
+        rows = g.entry_of(paged.q_indptr).shape[0] - 1
+        return rows, max(1, math.prod(shape) // rows)
+    return token_layout(shape)
+
+
 def slot_layout(bundle: Any) -> SlotLayout | None:
     """The slot entry of a bundle with state pairs (None without): one past the graph's entries."""
     if not bundle.state:
         return None
     g = bundle.graph
-    rows = token_layout(g.entry_of(bundle.generation.token).shape)[0] if bundle.generation is not None else 1
+    rows = step_rows(bundle)[0] if bundle.generation is not None else 1
     reset = rows > 1 and all(row_resettable(g.entry_of(p.input).shape, rows) for p in bundle.state)
     return SlotLayout(len(g.entries), rows, reset)
 
@@ -251,7 +264,7 @@ def decode_layout(bundle: Any) -> DecodeLayout | None:
         return None
     g = bundle.graph
     token = g.entry_id(g.node_index[gen.token])
-    rows, chunk = token_layout(g.entries[token].shape)
+    rows, chunk = step_rows(bundle)
     readers = tuple(node.index for node in g.nodes if any(r.node == g.entries[token].node for r in node.inputs))
     return DecodeLayout(
         slot=slot, step=slot.entry + 1, drawn=slot.entry + 2, scores=slot.entry + 3, token=token,

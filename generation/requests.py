@@ -59,12 +59,6 @@ def layout_of(bundle: Any) -> DecodeLayout:
         raise TvmpipeError(f"{bundle.path} is not a decode-step bundle: bundle.json declares no `generation` "
                            "section and state pairs (compile a decoder with `tvmpipe compile NAME --decode`; "
                            "see docs/generation.md)")
-    gen = getattr(bundle, "generation", None)
-    paged = getattr(gen, "paged", None)
-    if paged is not None and paged.q_indptr is not None:
-        raise TvmpipeError(f"{bundle.path} is a chunked paged decode step (--kv paged --chunk C): the scheduler "
-                           "drives paged steps of one token a row only, so far (docs/paged-kv.md); compile it "
-                           "without --chunk, or with --kv static")
     return layout
 
 

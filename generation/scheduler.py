@@ -473,6 +473,8 @@ class Scheduler:
         pipeline has a token stage to feed (the feedback edge), a row draws a token that cannot end
         its sequence by length or context, and the window holds two steps of every group in flight
         (with fewer, the next step could not be submitted before this one completes anyway)."""
+        if self.pool is not None and self.chunk > 1:
+            return False  # its tokens are packed by q_indptr: a fed-back draw's slot is not the row's own
         return (self.fed_back and 2 * len(self.active) <= self.window
                 and any(0 <= ds[i] and ds[i] + 1 < x.request.max_new_tokens and x.pos + ns[i] < self.layout.max_context
                         for i, x in g.running))
@@ -484,10 +486,18 @@ class Scheduler:
         batch, chunk = self.batch, self.chunk
         toks, poss, fresh, rows = [0] * (batch * chunk), [0] * batch, [0] * batch, EMPTY_ROW * batch
         width = len(EMPTY_ROW)
+        packed = None
+        if self.pool is not None:  # the step's pages first: a chunked paged step packs its tokens by q_indptr
+            writes: list[RowWrite | None] = [None] * batch
+            for i, x in g.running:
+                writes[i] = RowWrite(x.r.index, x.pos, ns[i])
+            pages = step_pages(self.pool, writes, chunk, self._table_capacity)
+            packed = pages.q_indptr if chunk > 1 else None
         for i, x in g.running:
             n, p = len(x.hist), x.pos
             if p < n:
-                toks[i * chunk:i * chunk + ns[i]] = x.hist[p:p + ns[i]]
+                at = i * chunk if packed is None else packed[i]
+                toks[at:at + ns[i]] = x.hist[p:p + ns[i]]
             poss[i] = p
             fresh[i] = 1 if p == 0 else 0
             sampling = x.sampling
@@ -509,10 +519,6 @@ class Scheduler:
         if self._count_spec is not None:
             out[layout.count_name] = np.array(ns, dtype=self._count_spec.dtype).reshape(self._count_spec.shape)
         if self.pool is not None:
-            writes: list[RowWrite | None] = [None] * batch
-            for i, x in g.running:
-                writes[i] = RowWrite(x.r.index, x.pos, ns[i])
-            pages = step_pages(self.pool, writes, chunk, self._table_capacity)
             for name, values in zip(self.paged.inputs, (pages.page_table_indptr, pages.page_table_values,
                                                         pages.last_page_len, pages.position_map, pages.q_indptr)):
                 spec = self._table_specs[name]

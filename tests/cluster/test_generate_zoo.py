@@ -227,19 +227,20 @@ def _chunk_ends(n: int, chunk: int, new: int) -> list[int]:
     return sorted({min(i + chunk, n) - 1 for i in range(0, n, chunk)} | set(range(n, n + new - 1)))
 
 
+@pytest.mark.parametrize("kv", [None, "paged"])
 @pytest.mark.parametrize("name,batch", [("gpt2", 1), ("llama", 1), ("gpt2", 2)])
-def test_chunked_prefill_equals_transformers(decoder, name, batch):
+def test_chunked_prefill_equals_transformers(decoder, name, batch, kv):
     """A --chunk 4 decode step: each prompt goes in 4 tokens a step (its last chunk shorter), then
     one token a step, in the same graph; at K = 1 and 2 every sequence's tokens are transformers',
     the logits of every step (its last token's) within 1e-4 x max|ref|, and the prompts take fewer
     micro-batches than a token a step (batch 2: rows of different prompts side by side, taken as
-    they free)."""
+    they free). Static caches, and a paged step (its tokens packed by q_indptr, the chunk kernel)."""
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
-    bundle, model = decoder(name, batch, 4)
-    one, _ = decoder(name, batch)
+    bundle, model = decoder(name, batch, 4, kv=kv)
+    one, _ = decoder(name, batch, kv=kv)
     want = [transformers_generate(model, p, NEW) for p in CHUNK_PROMPTS]
     with Pipeline(one, 2, launcher="process", slots=2) as pipe:
         Generator(pipe).generate_all(CHUNK_PROMPTS, NEW)
