@@ -152,3 +152,57 @@ def test_a_stage_killed_mid_way_is_rebuilt_into_the_held_pages(bundles, static_t
         assert pipe.restarts == [0, 1] and pipe.state_losses == 1
     assert [results[i].tokens for i in range(len(PROMPTS))] == static_tokens[0]
     assert sum(r.replays for r in results.values()) >= 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_mixes_of_prefixes_cancels_preemption_and_a_kill(bundles, seed):
+    """A seeded random workload on the 9-page pool at K = 2: 10 requests (prompts drawn from a few
+    shared prefixes, 4-14 tokens to generate) added at random steps, some cancelled at random
+    steps, stage 1 SIGKILLed at a random step. Every request that was not cancelled gives the
+    static step's tokens; a cancelled one a prefix of them; no page is held at the end; something
+    was replayed (a preemption or the kill)."""
+    import random
+
+    from tvmpipe.cluster import Pipeline, Timeouts
+    from tvmpipe.generation import FinishReason, Request, layout_of
+    from tvmpipe.generation.core import EngineCore
+
+    rng = random.Random(seed)
+    stems = [[5, 17, 3, 60, 9, 11, 12, 13], [7, 8, 9, 10], [40, 41, 42]]
+    prompts = [rng.choice(stems)[:rng.randint(2, 8)] + [rng.randrange(4, 120) for _ in range(rng.randint(1, 6))]
+               for _ in range(10)]
+    news = [rng.randint(4, 14) for _ in prompts]
+    arrive = sorted(rng.randint(0, 30) for _ in prompts)
+    cancel_at = {i: rng.randint(arrive[i] + 1, arrive[i] + 20) for i in rng.sample(range(len(prompts)), 3)}
+    kill_at = rng.randint(5, 40)
+    with Pipeline(bundles["static"], 1, launcher="process") as pipe:
+        from tvmpipe.generation import Generator
+
+        layout = layout_of(pipe.bundle)
+        want = [r.tokens for r in Generator(pipe).generate_all(
+            [Request.checked(p, n, layout, key=i) for i, (p, n) in enumerate(zip(prompts, news))])]
+    with Pipeline(bundles[9], 2, launcher="process", timeouts=Timeouts(progress=20)) as pipe:
+        core = EngineCore(pipe, results={})
+        step = 0
+        while step < 200 and (core.has_work or any(a >= step for a in arrive)):
+            for i, a in enumerate(arrive):
+                if a == step:
+                    core.add(Request.checked(prompts[i], news[i], layout, key=i), i)
+            for i, c in cancel_at.items():
+                if c == step:
+                    core.cancel(i)
+            if step == kill_at:
+                pipe.launcher.kill(1)
+            core.step()
+            step += 1
+        results = core.scheduler.results
+        pool = core.scheduler.pool
+        assert not core.has_work and pool.stats().kv_tokens_held == 0
+        assert step > kill_at and pipe.restarts == [0, 1]  # the kill came mid-way
+    assert sum(r.replays for r in results.values()) >= 1
+    for i, w in enumerate(want):
+        r = results[i]
+        if r.finish == FinishReason.CANCELLED:
+            assert i in cancel_at and r.tokens == w[:len(r.tokens)], i
+        else:
+            assert r.tokens == w, (i, r.finish, r.error)
