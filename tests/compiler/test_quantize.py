@@ -29,11 +29,9 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
     import torch
 
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
     from tvmpipe.compiler.quantize import fake_quantize
-    from tvmpipe.executor.decode_loop import greedy_decode
 
     ckpt = checkpoint("qwen2")
     export(str(ckpt), decode=24, quantize=scheme, group_size=group, progress=Progress(stream=None)).write(tmp_path / "b")
@@ -57,16 +55,25 @@ def test_a_quantized_checkpoint_gives_the_fake_quantized_models_tokens(scheme, g
                 q = fake_quantize(w, scheme, group)
                 assert 0 < np.abs(q - w).max() < 0.1 * np.abs(w).max()  # changed, and not beyond recognition
                 m.weight.copy_(torch.from_numpy(q))
+    _assert_the_models_tokens(tmp_path / "b", model)
+    weights = sum(b.param_nbytes(n) for n in b.param_names)
+    limit = 0.3 if scheme == "int4" else 0.6
+    assert weights <= limit * tensor_bytes(ckpt), (weights, tensor_bytes(ckpt))
+
+
+def _assert_the_models_tokens(bundle_dir, model) -> None:
+    """The bundle's greedy tokens are the (fake-quantized) torch model's, not one repeated token,
+    and every step's logits within 1e-4 x max|ref| of its own."""
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
+    from tvmpipe.executor.decode_loop import greedy_decode
+
     want = transformers_generate(model, PROMPT, NEW)
     assert len(set(want)) > 1, want
-    got = greedy_decode(tmp_path / "b", PROMPT, NEW)
+    got = greedy_decode(bundle_dir, PROMPT, NEW)
     assert got.tokens[0] == want
     logits = np.stack([step[0] for step in got.logits])
     ref = transformers_logits(model, PROMPT + want)[:len(logits)]
     assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
-    weights = sum(b.param_nbytes(n) for n in b.param_names)
-    limit = 0.3 if scheme == "int4" else 0.6
-    assert weights <= limit * tensor_bytes(ckpt), (weights, tensor_bytes(ckpt))
 
 
 def _assert_unpacked_in_matmuls(bundle) -> None:
@@ -133,11 +140,9 @@ def test_gpt2s_conv1d_layers_are_quantized_as_the_linears_of_the_same_function(s
 
     from tvmpipe.bundle import load_bundle
     from tvmpipe.bundle.inspect import build_report
-    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
     from tvmpipe.compiler.quantize import fake_quantize
-    from tvmpipe.executor.decode_loop import greedy_decode
 
     ckpt = checkpoint("gpt2")
     export(str(ckpt), decode=24, quantize=scheme, group_size=group, progress=Progress(stream=None)).write(tmp_path / "b")
@@ -168,13 +173,7 @@ def test_gpt2s_conv1d_layers_are_quantized_as_the_linears_of_the_same_function(s
         emb = model.get_input_embeddings().weight
         emb.copy_(torch.from_numpy(fake_quantize(emb.numpy(), scheme, group)))
     assert convs == 2 * 4
-    want = transformers_generate(model, PROMPT, NEW)
-    assert len(set(want)) > 1, want
-    got = greedy_decode(tmp_path / "b", PROMPT, NEW)
-    assert got.tokens[0] == want
-    logits = np.stack([step[0] for step in got.logits])
-    ref = transformers_logits(model, PROMPT + want)[:len(logits)]
-    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+    _assert_the_models_tokens(tmp_path / "b", model)
 
 
 def test_group_32_values_are_ggufs_q4_0_and_q8_0_round_trips():

@@ -203,6 +203,16 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
     def bias(size: int) -> np.ndarray:
         return 0.1 * rng.standard_normal(size).astype(np.float32)
 
+    def finish() -> Path:
+        """The head (unless tied) after the output norm, then the file written and closed."""
+        if not tied:
+            add("output.weight", mat(VOCAB, HIDDEN, 0.3))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
     if gpt2:  # every matrix as a Linear's [out, in]: llama.cpp transposes GPT-2's Conv1D weights
         add("position_embd.weight", mat(GPT2_CONTEXT, HIDDEN, 0.3))
         for i in range(LAYERS):
@@ -217,13 +227,7 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
                     add(f"blk.{i}.{n}.bias", bias(cols))
         add("output_norm.weight", norm(HIDDEN))
         add("output_norm.bias", bias(HIDDEN))
-        if not tied:
-            add("output.weight", mat(VOCAB, HIDDEN, 0.3))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return path
+        return finish()
 
     # norm(): 1 + w, w drawn around 0: a Llama's scale, or what llama.cpp stores for a Gemma (whose
     # GemmaRMSNorm scales by 1 + w; the converter adds the 1)
@@ -254,13 +258,7 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
             add(f"blk.{i}.ffn_up.weight", mat(FFN, HIDDEN))
         add(f"blk.{i}.ffn_down.weight", mat(HIDDEN, FFN, 0.06))
     add("output_norm.weight", norm(HIDDEN))
-    if not tied:
-        add("output.weight", mat(VOCAB, HIDDEN, 0.3))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish()
 
 
 def load_transformers(path: Path):
