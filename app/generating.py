@@ -15,7 +15,6 @@ a process of its own, here driven step by step.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -97,7 +96,7 @@ class GenerationRun:
             self.pipe_slots = pipe.slots
             self.batch, self.chunk = pipe.topology.batch, pipe.topology.chunk
             self.metrics = stage_metrics(pipe)
-            self.kv = engine.figures()[3]
+            self.kv = engine.pool_stats()
 
     @property
     def generated_tokens(self) -> int:

@@ -208,6 +208,10 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
                 problems.append(Problem(file, "", "generation.paged", f"'{name}' is not one of the bundle's inputs"))
         if not any(p.scope == "stage" for p in state):
             problems.append(Problem(file, "", "generation.paged", "a paged step keeps its pools as \"stage\" state"))
+        pg = gen.paged
+        if pg.pages * pg.page_size < gen.max_context:  # the scheduler's admission rests on it: no row is ever unfit
+            problems.append(Problem(file, "", "generation.paged", f"a pool of {pg.pages} pages of {pg.page_size} "
+                                    f"tokens holds less than one row at the max context ({gen.max_context})"))
     if gen.count is None and gen.paged is None and gen.token in inputs:
         shape = graph.entry_of(gen.token).shape
         if token_layout(shape)[1] > 1:

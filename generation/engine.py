@@ -22,7 +22,6 @@ open request and closes the engine.
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import sys
 import threading
@@ -87,12 +86,15 @@ class Engine:
             out += self.output.process((), stopped)
         return out
 
+    def pool_stats(self) -> "PoolStats | None":
+        """A paged step's pool now (None for static caches)."""
+        pool = self.core.scheduler.pool
+        return pool.stats() if pool is not None else None
+
     def figures(self) -> tuple[int, tuple[int, ...], int, "PoolStats | None"]:
         """What a serving engine reports besides outputs (RequestBook._deliver): sequences running,
         each stage's restarts, steps failed, and a paged step's pool (None for static caches)."""
-        pool = self.core.scheduler.pool
-        return (self.core.scheduler.running, tuple(self.pipe.restarts), len(self.pipe.step_errors),
-                pool.stats() if pool is not None else None)
+        return (self.core.scheduler.running, tuple(self.pipe.restarts), len(self.pipe.step_errors), self.pool_stats())
 
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
         """Run `requests` (indexed in order) to the end, yielding every output."""

@@ -198,8 +198,8 @@ class Scheduler:
         specs = pipe.topology.specs
         self._tok_spec, self._pos_spec = specs[self.layout.token], specs[self.layout.position]
         if self.paged is not None:  # the table's length: entries past a step's rows' pages are never read
-            self._table_capacity = int(np.prod(specs[pipe.topology.inputs[self.paged.values]].shape))
             self._table_specs = {n: specs[pipe.topology.inputs[n]] for n in self.paged.inputs}
+            self._table_capacity = int(np.prod(self._table_specs[self.paged.values].shape))
         self._count_spec = specs[self.layout.count] if self.layout.count is not None else None
         self.queue: deque[_Row] = deque()  # admitted to the scheduler, waiting for a row
         self.active: dict[int, _Group] = {}  # by group key
@@ -321,22 +321,14 @@ class Scheduler:
 
     def _next_fits(self) -> bool:
         """Whether the queue's head can take a row now: always with static caches; with a paged
-        step, when the pool can hold its tokens so far and the next (a request that needs more
-        pages than the whole pool ends here, with an error naming the pool: not with a compiled pool,
-        which holds a row at the max context at least)."""
-        while self.queue:
-            if self.pool is None:
-                return True
-            x = self.queue[0]
-            need = min(len(x.hist) + 1, self.layout.max_context)  # what it holds once it draws on
-            if self.pool.can_reserve(need, self._shareable(x)):
-                return True
-            if self.pool.pages_for(need) <= self.pool.num_pages:
-                return False  # it waits for pages to free
-            self.queue.popleft()
-            self._end(x, FinishReason.ERROR, f"it needs {self.pool.pages_for(need)} KV pages, more than the "
-                      f"{self.pool.num_pages} of the pool (compile with more --kv-pages)")
-        return False
+        step, when the pool can hold its tokens so far and the next (else it waits for pages to
+        free: a valid bundle's pool holds a row at the max context, so it never waits for ever)."""
+        if not self.queue:
+            return False
+        if self.pool is None:
+            return True
+        x = self.queue[0]
+        return self.pool.can_reserve(min(len(x.hist) + 1, self.layout.max_context), self._shareable(x))
 
     def _shareable(self, x: _Row) -> list[int]:
         """The tokens whose cached pages `x` may share: its prompt (and tokens generated before a
@@ -528,20 +520,14 @@ class Scheduler:
     def _grow(self, g: _Group, ns: list[int]) -> bool:
         """Pages for every running row of g's next step (`ns` tokens each); when the pool runs out,
         the most recently admitted sequences are preempted (freed, and queued again at the head to
-        be recomputed: generation.pages.grow_all), any that needs more pages than the pool ends.
-        Whether g's rows are as planned (False: some of its own were preempted or ended)."""
+        be recomputed: generation.pages.grow_all). No row is unfit: a step writes at most the max
+        context, which a valid bundle's pool holds (bundle.state.check_state). Whether g's rows are
+        as planned (False: some of its own were preempted)."""
         growth = grow_all(self.pool, [(x.r.index, x.pos + ns[i]) for i, x in g.running], list(self._order))
         mine = {x.r.index for _, x in g.running}
         for seq in growth.preempted:
             self._preempt(seq)
-        now = time.time()
-        for seq in growth.unfit:
-            g2, x = self._rows[seq]
-            self._order.pop(seq, None)
-            i = next(i for i, y in g2.running if y is x)
-            self._finish(g2, i, x, FinishReason.ERROR, now, f"it needs more KV pages than the {self.pool.num_pages} "
-                         "of the pool (compile with more --kv-pages)")
-        return not (mine & set(growth.preempted + growth.unfit))
+        return not mine.intersection(growth.preempted)
 
     def _preempt(self, seq: int) -> None:
         """Sequence `seq` lost its pages to an older one (grow_all freed them): it leaves its row and
@@ -549,18 +535,12 @@ class Scheduler:
         the pages of its prefix still cached) when pages free, drawing nothing it drew already."""
         g, x = self._rows[seq]
         self._order.pop(seq, None)
-        g.running = [(j, y) for j, y in g.running if y is not x]
-        g.rows[next(i for i, y in enumerate(g.rows) if y is x)] = None
+        self._vacate(g, next(i for i, y in enumerate(g.rows) if y is x), x)
         x.pos = x.confirmed = 0
         x.r.replays += 1
         self.queue.appendleft(x)
         self._rows[seq] = (None, x)
-        if not g.running:
-            del self.active[g.key]
-            if g.outstanding == 0:
-                self.free.append(g.slot)
-        else:
-            self._want(g)
+        self._settle(g)
 
     # ---- steps coming back --------------------------------------------------------------------------
     def _lost(self, g: _Group, step: _Step, error: str | None) -> None:
@@ -675,16 +655,26 @@ class Scheduler:
         """Row i's sequence ended; with per-row admission the next queued request takes the row at
         once (its first step resets that row of the slot), else the row idles until the group ends."""
         self._end(x, why, error)
-        g.running = [(j, y) for j, y in g.running if y is not x]
-        g.rows[i] = None
+        self._vacate(g, i, x)
         if self.per_row and self._next_fits():
             self._place(g, i, now)
+        self._settle(g)
+
+    @staticmethod
+    def _vacate(g: _Group, i: int, x: _Row) -> None:
+        """x leaves g's row i."""
+        g.running = [(j, y) for j, y in g.running if y is not x]
+        g.rows[i] = None
+
+    def _settle(self, g: _Group) -> None:
+        """After a row of g emptied: a group with no sequence left ends (its slot frees once its
+        steps in flight are back), else its next step is planned (a row admitted, or the others go on)."""
         if not g.running:
             del self.active[g.key]
             if g.outstanding == 0:
                 self.free.append(g.slot)
         else:
-            self._want(g)  # a row admitted, or the others go on
+            self._want(g)
 
     def _end(self, x: _Row, why: FinishReason, error: str | None = None) -> None:
         if self.pool is not None and x.r.index in self.pool:

@@ -263,6 +263,24 @@ def test_a_converted_step_is_refused_paged():
         _export("gpt2", kv=KvOptions("paged", page_size=P, pages=POOL), dtype="float16")
 
 
+def test_a_pool_smaller_than_one_row_is_refused_at_load(bundles, tmp_path):
+    """bundle.json's pool must hold a row at the max context (the scheduler admits and grows on
+    it: no row is ever too long for the pool): a bundle declaring fewer pages is refused in one
+    line naming generation.paged, as the compiler refuses --kv-pages that small."""
+    import json
+    import shutil
+
+    from tvmpipe.bundle import BundleError, load_bundle
+
+    out = tmp_path / "b"
+    shutil.copytree(bundles("gpt2", "paged"), out)
+    doc = json.loads((out / "bundle.json").read_text())
+    doc["generation"]["paged"]["pages"] = T // P - 1
+    (out / "bundle.json").write_text(json.dumps(doc))
+    with pytest.raises(BundleError, match="generation.paged.*holds less than one row at the max context"):
+        load_bundle(out)
+
+
 def test_a_stage_keeps_one_pool_for_every_slot(bundles):
     """The pools are "stage" state: a Stage holding them (SlotState, 2 slots, each step in the next
     slot and marked fresh) keeps one buffer per pool, neither switched by the slot nor reset by
