@@ -4,24 +4,16 @@ the oracle's results computed; without a GPU it says so and exits 0, so it canno
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.support.commands import run_bench
+
 pytestmark = pytest.mark.tvm
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_paged_gpu_bench_dry_run(tmp_path):
     pytest.importorskip("tvm")
-    out = tmp_path / "paged.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "paged_gpu.py"), "--dry-run", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    res = json.loads(out.read_text())
+    res = run_bench("paged_gpu.py", "--dry-run", out=tmp_path / "paged.json", timeout=300)
     assert res["launches"] == {c: {"paged_decode": 1, "paged_prefill": 1, "paged_append": 1}
                                for c in ("gqa4_fp16", "mha_fp32")}
     assert "checks" not in res  # nothing claimed without a device

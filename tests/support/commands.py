@@ -1,16 +1,28 @@
-"""The `tvmpipe` command run as users run it: a subprocess, so exit status, stdout and stderr (no
-traceback on errors) are what a shell sees."""
+"""The `tvmpipe` command and the bench scripts run as users run them: a subprocess, so exit status,
+stdout and stderr (no traceback on errors) are what a shell sees."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.paths import REPO
 
 
 def run_tvmpipe(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tvmpipe", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_bench(script: str, *args: str, out: Path, timeout: float = 600) -> dict:
+    """`python bench/SCRIPT ARGS --out OUT`: it exits 0 (else its output's tail is the failure) and
+    its JSON result is returned."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads(out.read_text())
 
 
 def assert_fits_100_columns(lines: list[str], path: object, params: object = None) -> None:
