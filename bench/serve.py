@@ -306,10 +306,8 @@ def main() -> int:
                 before, t0 = book.snapshot(), time.perf_counter()
                 out = fn()
                 wall, after = time.perf_counter() - t0, book.snapshot()
-                tokens = len(prompts) * new
-                cpu[what].append({**per_token_ms(before, after, tokens),
-                                  "cores_busy": sum(after.values()) - sum(before.values())})
-                cpu[what][-1]["cores_busy"] /= wall
+                cpu[what].append({**per_token_ms(before, after, len(prompts) * new),
+                                  "cores_busy": (sum(after.values()) - sum(before.values())) / wall})
                 return out
 
             tps, want = counted("offline", lambda: offline(pipe, prompts, new))

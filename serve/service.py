@@ -127,14 +127,20 @@ class Service:
         allows (a tokenizer that cannot write '{'), or when llguidance cannot read the tokenizer:
         found here, before the request runs, rather than as the sequence's failure at its first
         draw on the sampling stage."""
-        from tvmpipe.executor.grammar import can_begin
-
         tokenizer, error = self._grammar_tokenizer()
         if tokenizer is None:
             raise bad_request(f"{param}: the tokenizer of {self.model!r} cannot drive structured output ({error})", param)
-        if not can_begin(tokenizer, grammar, self.layout.vocab_size):
+        if not self._can_begin(grammar):
             raise bad_request(f"{param}: no token of {self.model!r}'s vocabulary can begin a {what} "
                               "(its tokenizer cannot write the first character)", param)
+
+    @lru_cache(maxsize=256)
+    def _can_begin(self, grammar: str) -> bool:
+        """executor.grammar.can_begin for the codec's tokenizer, once a grammar (clients send the
+        same schema request after request, as _json_grammar caches)."""
+        from tvmpipe.executor.grammar import can_begin
+
+        return can_begin(self._grammar_tokenizer()[0], grammar, self.layout.vocab_size)
 
     @lru_cache(maxsize=1)
     def _grammar_tokenizer(self) -> tuple[Any, str | None]:
