@@ -9,6 +9,13 @@ The prompt goes in token by token through the decode step (position 0, 1, ...), 
 step through a step compiled with `--chunk C` (chunked prefill); after the last prompt token each step's argmax over the logits is the next token, fed back at the next position.
 State outputs become the next step's state inputs; each starts filled with its `init.fill`.
 Everything runs in one `GraphRunner` on one backend (the reference NumPy backend by default).
+
+A paged step (`--kv paged`, docs/paged-kv.md) takes a page table each step. The loop's rows move in
+lockstep (the same length at every step), so it needs no allocator: `LockstepPages` gives row r its
+k-th page `k * B + r`, pages taken in the order the rows reach them, so any pool that holds the
+batch's tokens holds them; a chunk's tokens go in packed by `q_indptr`, n a row. (The scheduler's
+`generation.pages.PagePool` is the general allocator, with prefix reuse and preemption; the
+executor layer cannot import it, and this loop needs neither.)
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from tvmpipe.bundle import Bundle
+from tvmpipe.bundle.decode_layout import step_rows
 from tvmpipe.bundle.dtypes import np_dtype
-from tvmpipe.bundle.state import token_layout
+from tvmpipe.bundle.state import PagedSpec
 from tvmpipe.executor.errors import InputError
+from tvmpipe.executor.paged_attention import position_map
 from tvmpipe.executor.runner import GraphRunner
 
 
@@ -41,13 +50,49 @@ class DecodeResult:
         return [p + t for p, t in zip(self.prompts, self.tokens)]
 
 
+@dataclass(frozen=True)
+class LockstepPages:
+    """The page table of `rows` rows that always hold the same number of tokens, in a pool of
+    `pages` pages of `page_size`: row r's k-th page is `k * rows + r`, so a length of L tokens uses
+    the first `rows * ceil(L / page_size)` pages of the pool, whatever its size."""
+
+    rows: int
+    page_size: int
+    pages: int
+    capacity: int  # the step's page_table_values length
+
+    def inputs(self, spec: PagedSpec, start: int, count: int, chunk: int) -> dict[str, np.ndarray]:
+        """A step's paged inputs (int32, by input name) when every row writes tokens
+        [start, start + count): the table of each row's pages holding start + count tokens, the
+        append's position of each token (row b's at slots b*count .. in a chunked step, packed; at
+        slot b in a one-token step; spare slots -1), and q_indptr for a chunked step."""
+        length = start + count
+        per_row = -(-length // self.page_size)
+        if self.rows * per_row > self.pages:
+            raise InputError(f"{self.rows} row(s) of {length} tokens need {self.rows * per_row} pages of "
+                             f"{self.page_size}; the bundle's pool holds {self.pages} (--kv-pages)")
+        indptr = np.arange(self.rows + 1, dtype=np.int32) * per_row
+        values = np.zeros(self.capacity, np.int32)
+        values[:self.rows * per_row] = (np.arange(per_row)[None, :] * self.rows
+                                        + np.arange(self.rows)[:, None]).reshape(-1)
+        last = np.full(self.rows, length - (per_row - 1) * self.page_size, np.int32)
+        slots = np.full(self.rows * chunk, -1, np.int32)
+        for b in range(self.rows):
+            slots[b * count:(b + 1) * count] = position_map(indptr, values, self.page_size, b, start, count)
+        out = {spec.indptr: indptr, spec.values: values, spec.last_page_len: last, spec.position_map: slots}
+        if spec.q_indptr is not None:
+            out[spec.q_indptr] = np.arange(self.rows + 1, dtype=np.int32) * count
+        return out
+
+
 class DecodeLoop:
     """One GraphRunner and the state of one micro-batch of sequences, stepped by hand:
 
         loop = DecodeLoop(bundle); logits = loop.step(token_ids)   # [batch] ids -> [batch, vocab]
 
     A step compiled with `--chunk C` also takes [batch, n] ids, n <= C (`chunk`), at positions
-    position .. position + n - 1, and returns the last one's logits.
+    position .. position + n - 1, and returns the last one's logits. A paged step's page table is
+    `LockstepPages`'s (`pages`; None for a static step).
     """
 
     def __init__(self, bundle: Bundle | str | Path, backend: str = "reference", runner: GraphRunner | None = None,
@@ -57,16 +102,15 @@ class DecodeLoop:
         if b.generation is None:
             raise InputError(f"{b.path}: the bundle declares no generation section: it is not a decode step "
                              "(compile one with tvmpipe compile MODEL --decode)")
-        if b.generation.paged is not None:
-            raise InputError(f"{b.path}: a paged decode step (--kv paged) takes a page table each step; this loop "
-                             "feeds static caches (drive it through generation/pages.py's PagePool and step_pages, "
-                             "as tests/compiler/test_paged_decode.py does, or compile with --kv static)")
         self.bundle, self.gen = b, b.generation
         g = b.graph
         self._token = g.entry_of(self.gen.token)
-        self.batch, self.chunk = token_layout(self._token.shape)  # rows, and tokens a row a step can take
+        self.batch, self.chunk = step_rows(b)  # rows, and tokens a row a step can take
         self._position = g.entry_of(self.gen.position)
         self._count = g.entry_of(self.gen.count) if self.gen.count is not None else None
+        paged = self.gen.paged
+        self.pages = None if paged is None else LockstepPages(self.batch, paged.page_size, paged.pages,
+                                                              g.entry_of(paged.values).shape[0])
         self.reset()
 
     def reset(self) -> None:
@@ -93,10 +137,15 @@ class DecodeLoop:
             raise InputError(f"token id {int(ids.max() if ids.max() >= self.gen.vocab_size else ids.min())} is "
                              f"outside the vocabulary (0..{self.gen.vocab_size - 1})")
         padded = np.zeros((self.batch, self.chunk), dtype=np_dtype(self._token.dtype))
-        padded[:, :n] = ids
+        if self.pages is not None and self.chunk > 1:
+            padded.reshape(-1)[:self.batch * n] = ids.reshape(-1)  # packed: row b's n tokens at b*n ..
+        else:
+            padded[:, :n] = ids
         feeds = {self.gen.token: padded.reshape(self._token.shape),
                  self.gen.position: np.full(self._position.shape, self.position, np_dtype(self._position.dtype)),
                  **self.state}
+        if self.pages is not None:
+            feeds.update(self.pages.inputs(self.gen.paged, self.position, n, self.chunk))
         if self._count is not None:
             feeds[self.gen.count] = np.full(self._count.shape, n, np_dtype(self._count.dtype))
         self.runner.run(**feeds)

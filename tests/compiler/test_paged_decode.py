@@ -5,7 +5,8 @@ executor/paged_attention.py), steps driven by hand through generation/pages.py's
 step_pages give the static layout's logits and greedy tokens (and transformers'), rows of
 different lengths starting at different steps, a finished row's pages going to a new sequence:
 the ten families at chunk 1, two at chunk 3 (packed tokens, the causal chunk kernel), a checkpoint
-in float32 and float16; a Stage keeps one pool for every slot, the planner counts it once, inspect
+in float32 and float16; the single-process loop (greedy_decode) drives a paged step to the static
+one's tokens and logits; a Stage keeps one pool for every slot, the planner counts it once, inspect
 and the command line say and check the layout.
 """
 
@@ -46,7 +47,7 @@ def bundles(tmp_path_factory):
                              str(SEED), "--kv", "paged", "--page-size", str(P), "--kv-pages", str(POOL), "--quiet",
                              "-o", str(out)]) == 0
             else:
-                opts = KvOptions("paged", page_size=P, pages=POOL) if kv == "paged" else None
+                opts = KvOptions("paged", page_size=P, pages=POOL) if kv == "paged" else KvOptions("static")
                 _export(name, kv=opts, chunk=chunk).write(out)
             cache[name, kv, chunk] = out
         return cache[name, kv, chunk]
@@ -362,16 +363,26 @@ def test_the_command_line_checks_its_kv_flags(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
-def test_the_static_loop_refuses_a_paged_step(bundles):
-    """The single-process loop (executor/decode_loop.py) feeds static caches: it refuses a paged
-    bundle in one line instead of feeding it as a static one (the scheduler drives the page table:
-    generation/, docs/paged-kv.md)."""
+@pytest.mark.parametrize("name,chunk", [("gpt2", 1), ("llama", 3)])
+def test_the_single_process_loop_drives_a_paged_step_as_a_static_one(name, chunk, bundles):
+    """The single-process oracle loop (executor/decode_loop.py) drives a paged step's page table
+    (row r's k-th page is k * B + r: the rows move in lockstep), one token a step or packed chunks
+    (prompts of 5 at --chunk 3: a step of 3 a row, then one of 2 with spare slots): greedy_decode
+    gives the static bundle's tokens and every step's logits within 1e-4 of their scale. Past what
+    the pool holds for the batch (8 pages of 4: 2 pages a row for 3 rows, not 3) it says so."""
     from tvmpipe.core.errors import TvmpipeError
-    from tvmpipe.executor.decode_loop import DecodeLoop
+    from tvmpipe.executor.decode_loop import greedy_decode
 
-    with pytest.raises(TvmpipeError, match="takes a page table each step"):
-        DecodeLoop(bundles("gpt2", "paged"))
-    DecodeLoop(bundles("gpt2", "static"))
+    prompts = [[5, 17, 3, 60, 9], [7, 8, 1, 2, 40], [1, 2, 3, 41, 42]]
+    static = greedy_decode(bundles(name, "static", chunk), prompts, 3)
+    paged = greedy_decode(bundles(name, "paged", chunk), prompts, 3)
+    assert paged.tokens == static.tokens
+    assert len(paged.logits) == len(static.logits) == (5 if chunk == 1 else 2) + 2
+    for s, p in zip(static.logits, paged.logits):
+        assert np.abs(p - s).max() <= TOL * np.abs(s).max()
+    assert len({tuple(t) for t in static.tokens}) > 1  # the rows differ: a row reading another's pages would show
+    with pytest.raises(TvmpipeError, match="need 9 pages of 4; the bundle's pool holds 8"):
+        greedy_decode(bundles(name, "paged", chunk), prompts, 5)
 
 
 def test_the_planner_counts_a_pool_once_whatever_the_slots(bundles):
