@@ -77,11 +77,15 @@ def load_source(source: str, batch: int | None = None, seed: int = 0, decode: in
     if tokenizer is not None and path.suffix != ".gguf":
         raise SourceError("--tokenizer names the tokenizer of a GGUF file (a checkpoint directory carries its own)")
     paged = kv is not None and kv.layout != "static"
-    if paged and (decode is None or path.suffix in (".gguf", ".pt2", ".onnx")):
-        raise SourceError("--kv paged applies to the decode step (--decode) of a built-in decoder or a checkpoint "
-                          "directory")
+    if paged and (decode is None or path.suffix in (".pt2", ".onnx")):
+        raise SourceError("--kv paged applies to the decode step (--decode) of a built-in decoder, a checkpoint "
+                          "directory or a GGUF file")
+    if paged and dtype is not None:  # before anything is read (a source's own dtype: decoders._paged_layout)
+        from tvmpipe.compiler.pagedkv import check_page_dtype
+
+        check_page_dtype(dtype)
     if path.suffix == ".gguf":
-        return _from_gguf(path, batch or 1, decode, chunk, dtype, tokenizer)
+        return _from_gguf(path, batch or 1, decode, chunk, dtype, tokenizer, kv)
     if (quantize is not None or group_size is not None) and not (path.is_dir() and decode is not None):
         raise SourceError("--quantize and --group-size quantize a checkpoint directory's decode step (DIR --decode)")
     if path.is_dir():
@@ -212,17 +216,18 @@ def _from_checkpoint(path: Path, batch: int, decode: int | None, chunk: int, dty
 
 
 def _from_gguf(path: Path, batch: int, decode: int | None, chunk: int, dtype: str | None,
-               tokenizer: str | None) -> Imported:
+               tokenizer: str | None, kv: Any = None) -> Imported:
     """A GGUF file's decode step (compiler/ggufsource.py): quantized matrices kept packed, their
     fields read from the file when the bundle is written, dequantized in the matmul kernels; in
     float32, or `dtype` (float16/bfloat16: each weight unpacked in float32 and rounded once, the
-    rest computed as a checkpoint of that dtype is)."""
+    rest computed as a checkpoint of that dtype is). `kv` (decoders.KvOptions): static or paged
+    caches, as a checkpoint's; the paged ops' converters join the packed unpack ops' (importops)."""
     import atexit
     import shutil
     import tempfile
 
     from tvmpipe.compiler.checkpoint import tokenizer_files
-    from tvmpipe.compiler.decoders import decode_step_module, export_step
+    from tvmpipe.compiler.decoders import KvOptions, decode_step_module, export_step
     from tvmpipe.compiler.ggufmodel import build_gguf_model
     from tvmpipe.compiler.ggufsource import open_gguf, write_tokenizer
     from tvmpipe.compiler.precision import norms_in_float32
@@ -242,14 +247,15 @@ def _from_gguf(path: Path, batch: int, decode: int | None, chunk: int, dtype: st
         tmp = Path(tempfile.mkdtemp(prefix="tvmpipe-gguf-tokenizer-"))
         atexit.register(shutil.rmtree, tmp, True)
         tok = write_tokenizer(src, tmp)
+    kv = kv or KvOptions()
     built = build_gguf_model(src, want)
-    module, spec = decode_step_module(built.model, decode, batch, chunk)
+    module, spec = decode_step_module(built.model, decode, batch, chunk, **kv.step_args())
     ep = export_step(module, spec)
     source = {"kind": "gguf", "name": path.name, "sha256": None, "architecture": src.architecture,
               "gguf_types": dict(sorted(src.types.items())), "tensor_bytes": src.tensor_bytes,
-              "decode": {"max_context": decode, **({"chunk": chunk} if chunk > 1 else {})}}
+              "decode": _decode_source(decode, chunk, spec)}
     imp = _from_exported(ep, f"{src.name}_decode", source, files=built.sources_by_name(module), native=want,
-                         decompose=False)
+                         decompose=False, extra_convert=kv.converters())
     imp.mod = norms_in_float32(imp.mod, imp.const_names, imp.weights, want)
     imp.dtype, imp.batch = want, batch
     if imp.inputs != spec.inputs:

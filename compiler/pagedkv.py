@@ -51,6 +51,16 @@ PREFILL = "paged_prefill"
 APPEND = "paged_append"
 
 
+PAGE_DTYPES = ("float32", "float16")
+
+
+def check_page_dtype(dtype: str) -> None:
+    """Pages are built in float32 and float16 only (the dtypes the kernels are checked in against
+    the oracle, docs/paged-kv.md): a step of another dtype (bfloat16) is refused in one line."""
+    if dtype not in PAGE_DTYPES:
+        raise CompileError(f"--kv paged: pages of {dtype} are not built (float32 and float16 are); use --kv static")
+
+
 @dataclass(frozen=True)
 class PagedShape:
     """The static sizes one decode step's paged kernels are built for.
@@ -72,8 +82,7 @@ class PagedShape:
     def __post_init__(self) -> None:
         if self.num_qo_heads % self.num_kv_heads:
             raise CompileError(f"{self.num_qo_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
-        if self.dtype not in ("float16", "float32"):
-            raise CompileError(f"paged KV pages of {self.dtype}: only float16 and float32 are built")
+        check_page_dtype(self.dtype)
         for name in ("page_size", "rows", "num_pages", "table_capacity", "tokens", "head_dim"):
             if getattr(self, name) < 1:
                 raise CompileError(f"paged KV {name} {getattr(self, name)}: must be at least 1")
@@ -243,11 +252,10 @@ def append_func(shape: PagedShape) -> Any:
     return specialize_static(f, shape.append_args())
 
 
-def cpu_func(op: str, shapes: list[list[int]], dtypes: list[str]) -> Any:
-    """The llvm variant of a compiled step's paged function, from its ops.json record's input
-    shapes and dtypes (op `paged_append`, `paged_decode` or `paged_prefill`): what the compiler's
-    CPU check (compiler/cpucheck.py) builds in place of the CUDA-scheduled one, with the same
-    parameters."""
+def shape_of_call(op: str, shapes: list[list[int]] | list[tuple[int, ...]], dtype: str) -> PagedShape:
+    """The PagedShape of a step's call of paged op `op` (`paged_append`, `paged_decode` or
+    `paged_prefill`) from its tensor arguments' shapes, in order (an ops.json record's input
+    shapes, or the Relax call's), with pages of `dtype`."""
     if op == APPEND:
         pages, k = shapes[0], shapes[1]
         rows, tokens, capacity, hq = 1, k[0], 1, pages[2]
@@ -259,9 +267,36 @@ def cpu_func(op: str, shapes: list[list[int]], dtypes: list[str]) -> Any:
         rows, tokens, capacity, hq = q_indptr[0] - 1, q[0], values[0], q[1]
     else:
         raise CompileError(f"internal: '{op}' is not a paged op")
-    shape = PagedShape(num_kv_heads=pages[2], num_qo_heads=hq, head_dim=pages[4], dtype=dtypes[0],
-                       page_size=pages[3], rows=rows, num_pages=pages[0], table_capacity=capacity, tokens=tokens)
-    return append_func(shape) if op == APPEND else decode_func_cpu(shape) if op == DECODE else prefill_func_cpu(shape)
+    return PagedShape(num_kv_heads=pages[2], num_qo_heads=hq, head_dim=pages[4], dtype=dtype, page_size=pages[3],
+                      rows=rows, num_pages=pages[0], table_capacity=capacity, tokens=tokens)
+
+
+def step_func(op: str, shape: PagedShape, target: Any | None) -> Any:
+    """The PrimFunc a decode step calls for paged op `op`: for a CUDA `target` the kernel as it is
+    launched (the attention scheduled by its generator, the append by dlight's gpu.Fallback), for
+    None its llvm variant."""
+    if op == APPEND:
+        func = append_func(shape)
+        if target is None:
+            return func
+        import tvm
+        import tvm.s_tir.dlight as dl
+
+        with target:
+            return dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({APPEND: func}))[APPEND]
+    if op == DECODE:
+        return decode_func(shape, target) if target is not None else decode_func_cpu(shape)
+    if op == PREFILL:
+        return prefill_func(shape, target) if target is not None else prefill_func_cpu(shape)
+    raise CompileError(f"internal: '{op}' is not a paged op")
+
+
+def cpu_func(op: str, shapes: list[list[int]], dtypes: list[str]) -> Any:
+    """The llvm variant of a compiled step's paged function, from its ops.json record's input
+    shapes and dtypes (op `paged_append`, `paged_decode` or `paged_prefill`): what the compiler's
+    CPU check (compiler/cpucheck.py) builds in place of the CUDA-scheduled one, with the same
+    parameters."""
+    return step_func(op, shape_of_call(op, shapes, dtypes[0]), None)
 
 
 @dataclass
@@ -280,17 +315,12 @@ class PagedKernels:
 
 
 def build_paged_kernels(shape: PagedShape, arch: str = "sm_90") -> PagedKernels:
-    """Specialize, schedule (append: dlight gpu.Fallback) and lower both kernels for CUDA `arch`."""
-    import tvm
-    import tvm.s_tir.dlight as dl
-
+    """Specialize, schedule (append: dlight gpu.Fallback) and lower the three kernels for CUDA `arch`."""
     from tvmpipe.compiler import launches
 
     launches.check_arch(arch)
     target = launches.cuda_target(arch)
-    with target:
-        append = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({APPEND: append_func(shape)}))[APPEND]
-    funcs = {DECODE: decode_func(shape, target), PREFILL: prefill_func(shape, target), APPEND: append}
+    funcs = {op: step_func(op, shape, target) for op in (DECODE, PREFILL, APPEND)}
     lowered = {name: launches.lower_function(name, f, target) for name, f in funcs.items()}
     device = {sym: f for low in lowered.values() for sym, f in low.device_funcs.items()}
     return PagedKernels(shape=shape, functions={n: low.kernels for n, low in lowered.items()},

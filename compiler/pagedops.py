@@ -17,18 +17,25 @@ compiler/pagedkv.py's PrimFuncs: the way a decode step's graph will reach them (
 The torch implementations are plain gathers and softmax attention (the compiler layer does not
 import the executor's NumPy oracle; the tests compare the two). `converters(target)` gives the
 importer's `custom_convert_map` entries; `target` None builds the llvm variants, which run here.
+They join the other converters a step's import takes (compiler/importops.py: a checkpoint's or a
+GGUF file's half-precision matmuls, the packed weights' shifts): their op names do not meet.
+A step converted after import (`--dtype float16` on a float32 built-in: compiler/precision.py)
+has its paged calls rebuilt for float16 pages by `in_dtype`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from tvmpipe.compiler import pagedkv
+from tvmpipe.compiler.pagedkv import APPEND, DECODE, PREFILL
+
 NAMESPACE = "tvmpipe"
 _REGISTERED: list[bool] = []
 
 
 def register_torch_ops() -> None:
-    """Define the two ops in torch (once a process)."""
+    """Define the three ops in torch (once a process)."""
     if _REGISTERED:
         return
     import torch
@@ -108,58 +115,62 @@ def _dims(value: Any) -> list[int]:
     return [int(d) for d in value.ty.shape.values]
 
 
+def _rope_zeros(op: str, shape: Any) -> list[Any]:
+    """The kernels' rope-offset arguments (`k_rope_pos_offset` [rows], `q_rope_position` [rows or
+    tokens]): zeros, which the kernels never read with rotary off (one constant where both are
+    [rows])."""
+    import numpy as np
+    from tvm import relax
+
+    rows = relax.const(np.zeros(shape.rows, np.int32))
+    return [rows, rows if op == DECODE else relax.const(np.zeros(shape.tokens, np.int32))]
+
+
+def _call(op: str, gv: Any, args: list[Any], shape: Any) -> Any:
+    """The Relax call of paged PrimFunc `gv` on `args` (its tensor arguments, the rope zeros
+    included): the append in place over the pool (argument 0), the attention's (output, lse)."""
+    from tvm import relax
+
+    if op == APPEND:
+        return relax.call_tir_inplace(gv, args, [0], relax.TensorType(list(shape.pool_shape), shape.dtype))
+    queries = shape.rows if op == DECODE else shape.tokens
+    return relax.call_tir(gv, args, [relax.TensorType([queries, shape.num_qo_heads, shape.head_dim], shape.dtype),
+                                     relax.TensorType([queries, shape.num_qo_heads], "float32")])
+
+
 def converters(target: Any | None) -> dict[str, Callable[[Any, Any], Any]]:
-    """`custom_convert_map` entries for the two ops, building the kernels for `target` (a CUDA
-    target: the scheduled kernels; None: the llvm variants)."""
-    from tvmpipe.compiler import pagedkv
+    """`custom_convert_map` entries for the three ops, building the kernels for `target` (a CUDA
+    target: the scheduled kernels; None: the llvm variants), in the dtype of the step's pools."""
+    from tvm import relax
 
-    def shape_of(q_or_k: Any, pages: Any, values: Any | None, rows: int, tokens: int) -> pagedkv.PagedShape:
-        n, _, hkv, page_size, d = _dims(pages)
-        return pagedkv.PagedShape(num_kv_heads=hkv, num_qo_heads=_dims(q_or_k)[1], head_dim=d,
-                                  dtype=str(pages.ty.dtype), page_size=page_size, rows=rows, num_pages=n,
-                                  table_capacity=_dims(values)[0] if values is not None else 1, tokens=tokens)
+    def convert(op: str, pool_arg: int) -> Callable[[Any, Any], Any]:
+        def emit(node: Any, importer: Any) -> Any:
+            args = _args(node, importer)
+            shape = pagedkv.shape_of_call(op, [_dims(a) for a in args], str(args[pool_arg].ty.dtype))
+            gv = importer.block_builder.add_func(pagedkv.step_func(op, shape, target), op)
+            out = importer.block_builder.emit(_call(op, gv, args if op == APPEND else args + _rope_zeros(op, shape),
+                                                    shape))
+            return out if op == APPEND else importer.block_builder.emit(relax.TupleGetItem(out, 0))
 
-    def append(node: Any, importer: Any) -> Any:
-        import tvm.s_tir.dlight as dl
-        from tvm import IRModule, relax
+        return emit
 
-        pages, k, v, pos = _args(node, importer)
-        shape = shape_of(k, pages, None, rows=1, tokens=_dims(k)[0])
-        func = pagedkv.append_func(shape)
-        if target is not None:
-            with target:
-                func = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(IRModule({"f": func}))["f"]
-        gv = importer.block_builder.add_func(func, pagedkv.APPEND)
-        return importer.block_builder.emit(relax.call_tir_inplace(gv, [pages, k, v, pos], [0], pages.ty))
+    return {"paged_append.default": convert(APPEND, 0), "paged_decode.default": convert(DECODE, 1),
+            "paged_prefill.default": convert(PREFILL, 2)}
 
-    def decode(node: Any, importer: Any) -> Any:
-        import numpy as np
-        from tvm import relax
 
-        q, pages, indptr, values, last = _args(node, importer)
-        rows = _dims(q)[0]
-        shape = shape_of(q, pages, values, rows=rows, tokens=rows)
-        func = pagedkv.decode_func(shape, target) if target is not None else pagedkv.decode_func_cpu(shape)
-        gv = importer.block_builder.add_func(func, pagedkv.DECODE)
-        zeros = relax.const(np.zeros(rows, np.int32))
-        out = importer.block_builder.emit(relax.call_tir(
-            gv, [q, pages, indptr, values, last, zeros, zeros],
-            [relax.TensorType(_dims(q), shape.dtype), relax.TensorType([rows, shape.num_qo_heads], "float32")]))
-        return importer.block_builder.emit(relax.TupleGetItem(out, 0))
+def in_dtype(value: Any, args: list[Any], dtype: str, target: Any | None, funcs: dict[Any, Any]) -> Any:
+    """A step's paged call `value` (a `call_tir` / `call_tir_inplace` of a paged PrimFunc,
+    compiler/opmap.py `paged_op`) once the step is converted to `dtype` (compiler/precision.py:
+    `args`, the call's arguments re-emitted, now hold pools and q/k/v of `dtype`): the same call
+    with outputs of `dtype` (lse stays float32), and its PrimFunc rebuilt for pages of `dtype`
+    for `target` as the converters build it, into `funcs` (PrimFunc GlobalVar -> new function,
+    once a function: the layers of one shape share it), which the caller puts in the module.
+    The kernels are generated per dtype, so converting their bodies would not do."""
+    from tvmpipe.compiler.opmap import paged_op
 
-    def prefill(node: Any, importer: Any) -> Any:
-        import numpy as np
-        from tvm import relax
-
-        q, q_indptr, pages, indptr, values, last = _args(node, importer)
-        rows, tokens = _dims(q_indptr)[0] - 1, _dims(q)[0]
-        shape = shape_of(q, pages, values, rows=rows, tokens=tokens)
-        func = pagedkv.prefill_func(shape, target) if target is not None else pagedkv.prefill_func_cpu(shape)
-        gv = importer.block_builder.add_func(func, pagedkv.PREFILL)
-        out = importer.block_builder.emit(relax.call_tir(
-            gv, [q, q_indptr, pages, indptr, values, last, relax.const(np.zeros(rows, np.int32)),
-                 relax.const(np.zeros(tokens, np.int32))],
-            [relax.TensorType(_dims(q), shape.dtype), relax.TensorType([tokens, shape.num_qo_heads], "float32")]))
-        return importer.block_builder.emit(relax.TupleGetItem(out, 0))
-
-    return {"paged_append.default": append, "paged_decode.default": decode, "paged_prefill.default": prefill}
+    op = paged_op(value)
+    gv, tensors = args[0], list(args[1].fields)
+    shape = pagedkv.shape_of_call(op, [_dims(t) for t in tensors], dtype)
+    if gv not in funcs:
+        funcs[gv] = pagedkv.step_func(op, shape, target)
+    return _call(op, gv, tensors, shape)

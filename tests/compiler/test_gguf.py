@@ -77,22 +77,31 @@ unscheduled: dict[str, object] = {}  # the fixture's compiled functions before s
 
 @pytest.fixture(scope="module")
 def gguf_case(tmp_path_factory: pytest.TempPathFactory):
-    """gguf_case(name) -> (file, bundle): written and compiled once per module."""
+    """gguf_case(name) -> (file, bundle): written and compiled once per module, static caches;
+    gguf_case(name, "paged", batch, chunk): the same file's `--kv paged --page-size 4` step (the
+    default pool: one row at the max context a row of the batch)."""
+    from tvmpipe.compiler.decoders import KvOptions
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
 
-    cache: dict[str, tuple[Path, Path]] = {}
+    files: dict[str, Path] = {}
+    cache: dict[tuple[str, str, int, int], tuple[Path, Path]] = {}
     unscheduled.clear()
 
-    def get(name: str) -> tuple[Path, Path]:
-        if name not in cache:
-            d = tmp_path_factory.mktemp(f"gguf_{name}")
-            f = write_gguf(d / f"{name}.gguf", **CASES[name])
-            exported = export(str(f), decode=CONTEXT, progress=Progress(stream=None))
-            exported.write(d / "b")
-            unscheduled[name] = exported.unscheduled
-            cache[name] = (f, d / "b")
-        return cache[name]
+    def get(name: str, kv: str = "static", batch: int = 1, chunk: int = 1) -> tuple[Path, Path]:
+        if name not in files:
+            files[name] = write_gguf(tmp_path_factory.mktemp(f"gguf_{name}") / f"{name}.gguf", **CASES[name])
+        key = (name, kv, batch, chunk)
+        if key not in cache:
+            out = files[name].parent / ("b" if key[1:] == ("static", 1, 1) else f"b_{kv}_{batch}_{chunk}")
+            exported = export(str(files[name]), decode=CONTEXT, batch=batch, chunk=chunk,
+                              kv=KvOptions("paged", page_size=4) if kv == "paged" else "static",
+                              progress=Progress(stream=None))
+            exported.write(out)
+            if key[1:] == ("static", 1, 1):
+                unscheduled[name] = exported.unscheduled
+            cache[key] = (files[name], out)
+        return cache[key]
 
     return get
 
@@ -118,6 +127,52 @@ def test_a_gguf_bundle_gives_transformers_tokens_and_logits(name, gguf_case):
     # memory: the bundle holds the file's tensors' bytes (packed as they are), nothing dequantized
     weights = sum(b.param_nbytes(n) for n in b.param_names)
     assert weights <= 1.05 * tensor_bytes(f), (weights, tensor_bytes(f))
+
+
+def _scheduled(bundle: Path, prompts: list[list[int]], stages: int = 1) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of `prompts` through the scheduler (generation.Generator on a Pipeline of
+    `stages` stages in this process, 2 slots) and every step's logits, by sequence and position."""
+    from tests.support.pipeline_harness import ThreadLauncher
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.generation import Generator
+
+    with Pipeline(bundle, stages, launcher=ThreadLauncher(), slots=2) as pipe:
+        results, logs = {}, {}
+        list(Generator(pipe).generate(prompts, NEW, results=results, logits_log=logs))
+    return [results[i].tokens for i in range(len(prompts))], logs
+
+
+@pytest.mark.parametrize("name, batch, chunk, stages", [("llama_mixed", 1, 1, 1), ("gpt2_mixed", 1, 1, 1),
+                                                        ("qwen2_q4_k_m", 2, 2, 2)])
+def test_a_paged_gguf_step_gives_the_static_steps_tokens_and_logits(name, batch, chunk, stages, gguf_case):
+    """--kv paged on a GGUF file (the paged ops' converters beside the packed weights' own; every
+    type in the llama, Q4_K/Q6_K in the qwen2, GPT-2's transposed matrices and learned positions;
+    --batch 2 --chunk 2: tokens packed by q_indptr, the causal chunk kernel, cut into 2 stages):
+    its fields stay packed, and through the scheduler (two sequences in flight in a pool of one
+    row: they preempt each other) its greedy tokens are the static step's and transformers', and
+    every step's logits within 1e-4 x max|logits| of the static step's at that position and of
+    transformers'."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
+
+    f, static = gguf_case(name)
+    _, paged = gguf_case(name, "paged", batch, chunk)
+    b = load_bundle(paged)
+    assert b.generation.paged is not None and b.manifest.source["decode"]["kv"]["layout"] == "paged"
+    assert sum(b.param_nbytes(n) for n in b.param_names) <= 1.05 * tensor_bytes(f)
+    prompts = [PROMPT, [60, 2, 100, 7], [1, 2, 3]]
+    model = reference(name, f)
+    want = [transformers_generate(model, p, NEW) for p in prompts]
+    tokens, logs = _scheduled(paged, prompts, stages)
+    tokens_static, logs_static = _scheduled(static, prompts)
+    assert tokens == tokens_static == want
+    for i, p in enumerate(prompts):
+        ref = transformers_logits(model, (p + want[i])[:-1])
+        assert len(logs[i]) >= NEW and set(logs[i]) <= set(logs_static[i])  # a chunk: its last token's
+        for pos, got in logs[i].items():
+            got, s = np.asarray(got).reshape(-1), np.asarray(logs_static[i][pos]).reshape(-1)
+            assert np.abs(got - s).max() <= 1e-4 * np.abs(s).max(), (i, pos)
+            assert np.abs(got - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max(), (i, pos)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].get("arch") != "gemma"])
@@ -334,24 +389,28 @@ def test_batch_and_chunk_apply_to_a_gguf_decode_step(gguf_case, tmp_path):
     assert greedy_decode(tmp_path / "b", prompts, NEW).tokens == [transformers_generate(model, p, NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_dtype_computes_a_gguf_step_in_half_precision(dtype, gguf_case, tmp_path):
+@pytest.mark.parametrize("dtype, kv", [("bfloat16", "static"), ("float16", "static"), ("float16", "paged")])
+def test_dtype_computes_a_gguf_step_in_half_precision(dtype, kv, gguf_case, tmp_path):
     """--dtype bfloat16/float16: each packed weight unpacked in float32 and rounded once, the rest
     computed as a half-precision checkpoint is: transformers' own load of the file in that dtype
-    (it dequantizes, then casts) gives the same tokens; the fields stay packed."""
+    (it dequantizes, then casts) gives the same tokens; the fields stay packed. float16 with --kv
+    paged: pages of float16, the same tokens (the single-process loop drives its page table)."""
     import torch
     import transformers
 
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.compiler.decoders import transformers_generate
+    from tvmpipe.compiler.decoders import KvOptions, transformers_generate
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
     from tvmpipe.executor.decode_loop import greedy_decode
 
     f, fp32 = gguf_case("llama_mixed")
-    export(str(f), decode=CONTEXT, dtype=dtype, progress=Progress(stream=None)).write(tmp_path / "b")
+    export(str(f), decode=CONTEXT, dtype=dtype, kv=KvOptions("paged", page_size=4) if kv == "paged" else "static",
+           progress=Progress(stream=None)).write(tmp_path / "b")
     b = load_bundle(tmp_path / "b")
     assert b.manifest.dtype == dtype
+    assert [b.graph.entry_of(p.input).dtype for p in b.state] == [dtype] * len(b.state)
+    assert (b.generation.paged is not None) == (kv == "paged")
     assert sum(b.param_nbytes(n) for n in b.param_names) <= 1.05 * tensor_bytes(f)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name,
                                                               dtype=getattr(torch, dtype), attn_implementation="eager")
