@@ -78,3 +78,12 @@ def cluster_options(ns: argparse.Namespace, **overrides: Any) -> ClusterOptions:
     """The parsed cluster options as the application layer takes them."""
     fields = {f: getattr(ns, f) for f in ClusterOptions.__dataclass_fields__ if hasattr(ns, f)}
     return ClusterOptions(**{**fields, **overrides})
+
+
+def add_kv_tokens_arg(g: argparse._ActionsGroup | argparse.ArgumentParser) -> None:
+    """`--kv-tokens N` (tvmpipe generate and serve): a paged decode step's KV pool, in tokens."""
+    g.add_argument("--kv-tokens", type=COUNT, metavar="N", help="a paged decode step (--kv paged): its KV page pool "
+                   "in tokens, the same on every stage (rounded up to whole pages; at least one row at the max "
+                   "context). Default: every row at the max context, reduced to what fits in 90%% of the tightest "
+                   "stage memory's free bytes after its weights (docs/paged-kv.md, Sizing)")
+

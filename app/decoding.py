@@ -48,13 +48,19 @@ class OpenPipeline:
 
 @contextlib.contextmanager
 def open_decode_pipeline(options: ClusterOptions, bundle: "Bundle", plan: "Plan", *,
-                         slots: int | None = None, scores: bool = False) -> Iterator[OpenPipeline]:
+                         slots: int | None = None, scores: bool = False,
+                         kv_tokens: int | None = None) -> Iterator[OpenPipeline]:
     """The pipeline for the duration of the block; it, then the cluster, closed afterwards.
-    `scores`: its sampling stage sends the rows' log probabilities (a server's logprobs)."""
+    `scores`: its sampling stage sends the rows' log probabilities (a server's logprobs).
+    `kv_tokens`: a paged step's pool in tokens (executor/kvpool.py); None: sized by the stages'
+    free memory (a static step has no pool)."""
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.executor.kvpool import AUTO
 
+    paged = bundle.generation is not None and bundle.generation.paged is not None
+    kv = kv_tokens if kv_tokens is not None or not paged else AUTO
     with open_cluster(options, plan.num_stages) as cluster:
         backend = pick_backend(options.backend, cluster.gpus)
         kw = pipeline_kwargs(options, cluster, backend, plan.num_stages)
-        with Pipeline(bundle, plan, slots=slots, logits=False, scores=scores, **kw) as pipe:
+        with Pipeline(bundle, plan, slots=slots, logits=False, scores=scores, kv_tokens=kv, **kw) as pipe:
             yield OpenPipeline(pipe, cluster, backend)

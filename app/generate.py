@@ -22,7 +22,8 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, cluster_options
+from tvmpipe.app.args import (COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, add_kv_tokens_arg,
+                              cluster_options)
 from tvmpipe.core.errors import TvmpipeError
 
 
@@ -87,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--slots", type=COUNT, help="slots each stage holds caches for, each one micro-batch's sequences "
                    "(1, or the bundle's --batch B) (default: the window)")
     r.add_argument("--json", action="store_true", help="print one JSON document, and nothing else, on stdout")
+    add_kv_tokens_arg(r)
     add_cluster_args(g)
     g.set_defaults(func=generate_command)
 
@@ -115,7 +117,7 @@ def stdout_reserved(reserve: bool) -> Iterator[None]:
 # The generation layer names the fields it checks (core.errors.FieldError); this command's names for them
 FIELD_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
                "max_new_tokens": "--max-new-tokens", "stop_tokens": "--stop-token", "stop": "--stop",
-               "in_flight": "--in-flight"}
+               "in_flight": "--in-flight", "kv_tokens": "--kv-tokens"}
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -135,6 +137,7 @@ def _generate(args: argparse.Namespace) -> int:
     from tvmpipe.app.sources import choose_plan
     from tvmpipe.bundle import load_bundle
     from tvmpipe.core.files import JsonLines
+    from tvmpipe.executor.kvpool import requested_pages
     from tvmpipe.executor.sampler import Sampling
     from tvmpipe.generation import layout_of
 
@@ -148,6 +151,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise TvmpipeError("--chat is for --prompt TEXT: in a prompts file, a line with \"messages\" is a chat")
     bundle = load_bundle(args.bundle)
     layout = layout_of(bundle)
+    if args.kv_tokens is not None:  # a paged step's pool, checked before anything starts
+        requested_pages(bundle, args.kv_tokens)
     codec = bundle_codec(bundle, layout, args.tokenizer)
     if args.stop and codec is None:
         raise TvmpipeError("--stop TEXT needs a tokenizer: the bundle has none, give --tokenizer DIR")
@@ -162,7 +167,8 @@ def _generate(args: argparse.Namespace) -> int:
         have = {r.get("id") for r in output.records if isinstance(r, dict)}
         prompts = [p for p in prompts if p.id not in have]
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
-    run = GenerationRun(bundle, plan, options, prompts, codec=codec, slots=args.slots, in_flight=args.in_flight)
+    run = GenerationRun(bundle, plan, options, prompts, codec=codec, slots=args.slots, in_flight=args.in_flight,
+                        kv_tokens=args.kv_tokens)
     with stdout_reserved(args.json or output is not None):
         if prompts:
             _execute(run, args, output)

@@ -64,6 +64,8 @@ class GenerationRun:
     chunk: int = 1
     metrics: Any = None
     kv: Any = None  # a paged step's pool at the end (generation.pages.PoolStats), else None
+    kv_tokens: int | None = None  # a paged step's pool asked for (--kv-tokens); None: sized by free memory
+    kv_pool: Any = None  # how the pool was sized (executor.kvpool.PoolSize), else None
 
     def execute(self, on_text: Callable[[int, str], None] = lambda i, t: None,
                 on_done: Callable[[Finished], None] = lambda f: None,
@@ -75,8 +77,10 @@ class GenerationRun:
         from tvmpipe.generation.engine import Engine
 
         t0 = time.time()
-        with open_decode_pipeline(self.options, self.bundle, self.plan, slots=self.slots) as opened:
+        with open_decode_pipeline(self.options, self.bundle, self.plan, slots=self.slots,
+                                  kv_tokens=self.kv_tokens) as opened:
             pipe, self.backend = opened.pipe, opened.backend
+            self.kv_pool = pipe.kv_pool
             t1 = time.time()
             self.startup_s = t1 - t0
             on_start()
@@ -113,7 +117,9 @@ class GenerationRun:
                 "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else None, "wall_s": self.wall_s,
                 "startup_s": self.startup_s, "restarts": self.restarts, "error": self.error,
                 "metrics": self.metrics.to_json() if self.metrics is not None else None,
-                "kv": None if self.kv is None else dataclasses.asdict(self.kv)}  # each stage's pool: the same page ids
+                "kv": None if self.kv is None else dataclasses.asdict(self.kv),  # each stage's pool: the same page ids
+                "kv_pool": None if self.kv_pool is None else {**dataclasses.asdict(self.kv_pool),
+                                                              "tokens": self.kv_pool.tokens}}
 
 
 def stage_metrics(pipe: Any) -> Any:

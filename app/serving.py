@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from tvmpipe.app.args import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, cluster_options, number
+from tvmpipe.app.args import (COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, add_cluster_args, add_kv_tokens_arg,
+                              cluster_options, number)
 from tvmpipe.core.errors import TvmpipeError
 
 _NON_NEGATIVE_PORT = number(int, 0, what="a port number")
@@ -48,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--plan", metavar="PLAN.json", help="plan from `tvmpipe partition -o` (overrides --stages)")
     s.add_argument("--slots", type=COUNT, help="slots each stage holds caches for (default: the window)")
     s.add_argument("--in-flight", type=COUNT, help="sequences in rows at once (default: all the slots hold)")
+    add_kv_tokens_arg(s)
     s.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer directory (tokenizer.json, ...) instead of "
                    "the bundle's; without either, prompts are token ids and responses carry token ids")
     s.add_argument("--served-model-name", metavar="NAME", help="the model's name in /v1/models and in requests "
@@ -75,12 +77,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=serve_command)
 
 
+# The layers below name the fields they check (core.errors.FieldError); this command's names for them
+FIELD_FLAGS = {"kv_tokens": "--kv-tokens"}
+
+
 def serve_command(args: argparse.Namespace) -> int:
+    from tvmpipe.core.errors import FieldError
+
+    try:
+        return _serve(args)
+    except FieldError as exc:  # one line, naming the option
+        raise TvmpipeError(exc.render(FIELD_FLAGS)) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
     from tvmpipe.app.connect import check_where
     from tvmpipe.app.decoding import bundle_codec
     from tvmpipe.app.sources import choose_plan
     from tvmpipe.generation.engine_process import EngineProcess
     from tvmpipe.bundle import load_bundle
+    from tvmpipe.executor.kvpool import requested_pages
     from tvmpipe.generation import layout_of
     from tvmpipe.serve.server import API_KEY_ENV, ServeSettings, bind, serve
 
@@ -89,6 +105,8 @@ def serve_command(args: argparse.Namespace) -> int:
     check_where(options)
     bundle = load_bundle(args.bundle)
     layout = layout_of(bundle)
+    if args.kv_tokens is not None:  # a paged step's pool, checked before anything starts
+        requested_pages(bundle, args.kv_tokens)
     codec = bundle_codec(bundle, layout, args.tokenizer)
     model = args.served_model_name or Path(args.bundle).resolve().name
     settings = ServeSettings(model=model, host=args.host, port=args.port, api_key=api_key,
@@ -104,7 +122,7 @@ def serve_command(args: argparse.Namespace) -> int:
     engine = None
     try:
         opener = functools.partial(open_served_engine, options, args.bundle, plan, args.slots, args.tokenizer,
-                                   args.in_flight)
+                                   args.in_flight, args.kv_tokens)
         engine = EngineProcess(opener, layout, max_waiting=args.max_waiting)
 
         def ready(url: str, rows: int) -> None:
@@ -122,21 +140,27 @@ def serve_command(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def open_served_engine(options: Any, bundle_path: str, plan: Any, slots: int | None, tokenizer: str | None,
-                       in_flight: int | None) -> Iterator[Any]:
+                       in_flight: int | None, kv_tokens: int | None = None) -> Iterator[Any]:
     """The engine `tvmpipe serve` runs, opened in its own process (generation.engine_process): the
-    bundle and its tokenizer loaded there again, the pipeline on the cluster the options chose, and
-    the Engine over it (its output processor detokenizes there)."""
+    bundle and its tokenizer loaded there again, the pipeline on the cluster the options chose
+    (a paged step's pool `kv_tokens`, or sized by the stages' free memory), and the Engine over it
+    (its output processor detokenizes there). A field refused there is named by this command's
+    option: the message crosses to the server's process as text."""
     from tvmpipe.app.decoding import bundle_codec, open_decode_pipeline
     from tvmpipe.bundle import load_bundle
+    from tvmpipe.core.errors import FieldError
     from tvmpipe.generation import layout_of
     from tvmpipe.generation.engine import Engine
 
     bundle = load_bundle(bundle_path)
     codec = bundle_codec(bundle, layout_of(bundle), tokenizer)
-    with open_decode_pipeline(options, bundle, plan, slots=slots, scores=True) as opened:
-        engine = Engine(opened.pipe, codec, in_flight=in_flight)
-        engine.backend = opened.backend
-        yield engine
+    try:
+        with open_decode_pipeline(options, bundle, plan, slots=slots, scores=True, kv_tokens=kv_tokens) as opened:
+            engine = Engine(opened.pipe, codec, in_flight=in_flight)
+            engine.backend = opened.backend
+            yield engine
+    except FieldError as exc:
+        raise TvmpipeError(exc.render(FIELD_FLAGS)) from None
 
 
 def _api_key(given: str | None, env: str | None, env_name: str) -> str | None:

@@ -208,10 +208,9 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
                 problems.append(Problem(file, "", "generation.paged", f"'{name}' is not one of the bundle's inputs"))
         if not any(p.scope == "stage" for p in state):
             problems.append(Problem(file, "", "generation.paged", "a paged step keeps its pools as \"stage\" state"))
-        pg = gen.paged
-        if pg.pages * pg.page_size < gen.max_context:  # the scheduler's admission rests on it: no row is ever unfit
-            problems.append(Problem(file, "", "generation.paged", f"a pool of {pg.pages} pages of {pg.page_size} "
-                                    f"tokens holds less than one row at the max context ({gen.max_context})"))
+        short = pool_shortfall(gen.paged, gen.max_context)
+        if short is not None:
+            problems.append(Problem(file, "", "generation.paged", short))
     if gen.count is None and gen.paged is None and gen.token in inputs:
         shape = graph.entry_of(gen.token).shape
         if token_layout(shape)[1] > 1:
@@ -224,6 +223,17 @@ def check_state(graph: Graph, inputs: list[str], state: list[StatePair], gen: Ge
     elif graph.entries[graph.head_entries[gen.logits]].shape[-1:] != (gen.vocab_size,):
         problems.append(Problem(file, "", "generation.vocab_size", f"logits head {gen.logits} is "
                                 f"{list(graph.entries[graph.head_entries[gen.logits]].shape)}, not [..., {gen.vocab_size}]"))
+
+
+def pool_shortfall(paged: PagedSpec, max_context: int) -> str | None:
+    """Why a pool of `paged.pages` pages is too small for a step of `max_context`, or None: it must
+    hold at least one row at the max context (`pages x page_size >= max_context`). The scheduler's
+    admission rests on it (no row is ever unfit), so a load refuses less, whether the pool was
+    compiled (`--kv-pages`) or set at run time (bundle.pool.resize_pool, `--kv-tokens`)."""
+    if paged.pages * paged.page_size >= max_context:
+        return None
+    return (f"a pool of {paged.pages} pages of {paged.page_size} tokens ({paged.pages * paged.page_size} tokens) "
+            f"holds less than one row at the max context ({max_context})")
 
 
 def row_resettable(shape: tuple[int, ...] | list[int], rows: int) -> bool:

@@ -45,6 +45,7 @@ import numpy as np
 
 from tvmpipe.bundle import Bundle, load_bundle
 from tvmpipe.bundle.decode_layout import FED, FEED_NEXT, FROM, STEP_NAME, no_step
+from tvmpipe.bundle.pool import resize_pool
 from tvmpipe.core.errors import TvmpipeError
 from tvmpipe.cluster.wire import cudaipc, shm
 from tvmpipe.cluster.wire.frames import DRIVER, Frame, FrameError, FrameLimits, contiguous, payload_bytes
@@ -55,7 +56,9 @@ from tvmpipe.cluster.status import Progress, WorkerStats, WorkerStatus
 from tvmpipe.cluster.topology import Edge, Topology, build_topology
 from tvmpipe.cluster.wire.tcp import Address, Link, Peer, PolledListener, tally
 from tvmpipe.cluster.worker import StageSpec, Wiring, inbound_limits
+from tvmpipe.executor import kvpool
 from tvmpipe.executor.checks import check_inputs
+from tvmpipe.executor.kvpool import PoolSize
 from tvmpipe.partition import Plan, checked_plan
 
 Outputs = list[np.ndarray]
@@ -144,7 +147,8 @@ class Pipeline:
                  launcher: str | Launcher = "ray", placement: Any = None, timeouts: Timeouts = Timeouts(),
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
                  ship_bundle: bool = False, replay: str | None = None, transport: str = "auto",
-                 slots: int | None = None, logits: bool = True, scores: bool = True):
+                 slots: int | None = None, logits: bool = True, scores: bool = True,
+                 kv_tokens: int | str | None = None):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = checked_plan(self.bundle, plan)  # K: equal cuts keeping state pairs whole
         self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits,
@@ -157,6 +161,18 @@ class Pipeline:
         self.slots = (self.window if slots is None else slots) if self.bundle.state else 0
         if self.bundle.state and self.slots < 1:
             raise TvmpipeError(f"slots must be >= 1, got {self.slots}")
+        # A paged step's pool at run time (executor/kvpool.py): kv_tokens tokens, or "auto" (sized by
+        # the stages' free memory); None keeps the compiled pool. Every stage and the scheduler
+        # (which reads self.bundle) get the same pages.
+        self.kv_pool: PoolSize | None = None
+        if kv_tokens is not None:
+            memories = _pool_memories(backend, launcher, placement, len(self.plan.stages))
+            needs = kvpool.stage_memory(self.bundle, self.plan.stages, memories)
+            self.kv_pool = kvpool.size_pool(self.bundle, self.slots * self.topology.batch, needs, kv_tokens,
+                                            kvpool.free_memory)
+            self.bundle = resize_pool(self.bundle, self.kv_pool.pages)
+            self.topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits,
+                                           scores=scores)
         self._state_losses = 0  # restarts of a stage that held state (state_losses)
         if replay is None:  # a decode step's draws are fed back: the generation layer replays its steps
             replay = "none" if self.topology.layout is not None else "upstream"
@@ -234,7 +250,8 @@ class Pipeline:
         self._listener = PolledListener(host or _node_ip(), self._accept_hello, self._on_frame, self._on_close,
                                         retains_frames=True, secret=self._secret)
         specs = [StageSpec(i, s, e, str(self.bundle.path), backend, dict(backend_opts or {}), host, warmup, seed,
-                           self.slots if i in self.topology.stateful else 0)
+                           self.slots if i in self.topology.stateful else 0,
+                           self.kv_pool.pages if self.kv_pool is not None else None)
                  for i, (s, e) in enumerate(self.plan.stages)]
         self._addresses: list[Address] = []
         try:
@@ -818,6 +835,23 @@ def _raise_first(results: list[Any]) -> None:
     for r in results:
         if isinstance(r, WorkerError):
             raise r
+
+
+def _pool_memories(backend: str, launcher: str | Launcher, placement: Any, k: int) -> list[str]:
+    """Which memory each of `k` stages holds its pool in, as executor/kvpool.py names them:
+    reference stages the host's (every stage on this host shares it; a remote node's cannot be read
+    from here), cuda stages their GPU's (a process launcher's `devices`, round robin; under Ray,
+    stage i on GPU i x its share: stages with a share of one GPU share it); the simulated backend
+    holds nothing."""
+    if backend == "simulated":
+        return ["none"] * k
+    if backend != "cuda":
+        return [kvpool.HOST] * k
+    devices = getattr(launcher, "devices", None)
+    if devices:
+        return [f"cuda:{devices[i % len(devices)].split(',')[0]}" for i in range(k)]
+    share = getattr(placement, "gpus", None) or 1.0
+    return [f"cuda:{int(i * min(share, 1.0))}" for i in range(k)]
 
 
 def _make_launcher(launcher: str | Launcher, placement: Any, timeouts: Timeouts, ship_bundle: bool) -> Launcher:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tvmpipe.bundle import load_bundle
+from tvmpipe.bundle.pool import resize_pool
 from tvmpipe.bundle.decode_layout import (FED, FEED_NEXT, FROM, SCORES_NAME, TOKEN_NAME, decode_layout, slot_layout,
                                           take_fed)
 from tvmpipe.core.errors import TvmpipeError
@@ -63,6 +64,9 @@ class StageSpec:
     warmup: int = 1
     seed: int = 0
     state_slots: int = 0  # > 0: keep the declared state of the node range resident, this many sequence slots
+    # a paged step's pool at run time (bundle.pool.resize_pool; the driver's choice, the same on every
+    # stage: one page table for the pipeline); None: the pool the bundle was compiled with
+    kv_pages: int | None = None
 
 
 @dataclass
@@ -148,6 +152,8 @@ class StageWorker:
         self.shipped_bytes = local.shipped_bytes if local is not None else 0  # what this worker was sent
         try:
             bundle = load_bundle(path, partial_weights=partial)
+            if spec.kv_pages is not None:
+                bundle = resize_pool(bundle, spec.kv_pages)
             self.stage = Stage(bundle, spec.start, spec.end, backend=spec.backend,
                                state_slots=spec.state_slots, **spec.backend_opts)
         except BaseException:

@@ -337,6 +337,19 @@ class _Current:
         return False
 
 
+def device_free_memory(ordinal: int) -> int:
+    """Free bytes of CUDA device `ordinal` now (cuMemGetInfo), read through its primary context,
+    retained and released again: what a stage placed there could still take (executor/kvpool.py
+    sizes a paged pool by it before the stages start). BackendUnavailable / DeviceError where it
+    cannot be read."""
+    dev = PyCudaDevice(ordinal)
+    try:
+        with dev.current():
+            return dev.free_memory()
+    finally:
+        dev.close()
+
+
 class PyCudaDevice:
     """The driver side: PyCUDA for memory, modules, launches and events; the driver API through
     ctypes for stream capture, which PyCUDA 2026.1 does not wrap.

@@ -91,14 +91,9 @@ class ReferenceBackend:
     def free_memory(self) -> int | None:
         """Host memory this process could still take (Linux MemAvailable), for SlotState's check
         that a stage's caches fit before any is allocated; None where it cannot be read."""
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return None
+        from tvmpipe.executor.kvpool import host_available
+
+        return host_available()
 
     def bind_state(self, entry: int, array: np.ndarray) -> None:
         """Point `entry` at `array` (a sequence slot's state buffer) for the next runs: the kernels

@@ -237,3 +237,20 @@ def test_cuda_kernels_build_for_sm90_and_take_their_launches_arguments(cuda_kern
                 assert len(k.params) == len(launch.args), (dtype, fn)
                 assert k.max_threads is None or launch.threads <= k.max_threads
                 assert (k.static_smem or 0) + launch.shared_mem <= 49152
+
+
+@pytest.mark.tvm
+def test_the_kernels_do_not_depend_on_the_pools_page_count(cuda_kernels):
+    """The pool's page count is the outermost axis of every pool index (a page's stride does not
+    depend on it): the kernels built for a pool of 20 pages and of 4096 are the same CUDA source and
+    the same launches, so a pool sized at run time (bundle/pool.py, `--kv-tokens`) runs the
+    compiled kernels."""
+    import dataclasses
+
+    from tvmpipe.compiler.pagedkv import build_paged_kernels
+
+    small = cuda_kernels["float16"]
+    big = build_paged_kernels(dataclasses.replace(small.shape, num_pages=4096))
+    assert big.cuda_source == small.cuda_source
+    assert big.functions == small.functions
+    assert big.args["paged_decode"][1][1][0] == 4096 and small.args["paged_decode"][1][1][0] == 20

@@ -185,6 +185,13 @@ class _Primary:
                 return buf[ptr - base:ptr - base + nbytes]
         _fail(routine, 1, f"[{ptr:#x}, +{nbytes}) is not inside one live allocation")
 
+    def span(self, ptr: int, routine: str) -> int:
+        """Bytes from `ptr` to the end of the live allocation holding it."""
+        for base, buf in self.allocs.items():
+            if base <= ptr < base + buf.size:
+                return base + buf.size - ptr
+        _fail(routine, 1, f"{ptr:#x} is not inside a live allocation")
+
     def drain(self) -> None:
         for s in list(self.streams):
             s._run()
@@ -975,6 +982,9 @@ class Function:
         s._enqueue(lambda: _run_kernel(s, info, emu, argbuf))
 
 
+POOL_ARG = {"paged_append": 0, "paged_decode": 1, "paged_prefill": 2}  # the pool's position among an op's inputs
+
+
 def _run_kernel(s: Stream, info, emu, argbuf: bytes) -> None:
     """Pointer operands must address live memory; the function's last launch computes it."""
     ptrs = [int.from_bytes(argbuf[o:o + 8], "little") for o, size, p in info.params if p]
@@ -997,17 +1007,31 @@ def _run_kernel(s: Stream, info, emu, argbuf: bytes) -> None:
     def arr(k):
         shape, dt = fe.arg_specs[k]
         d = np_dtype(dt)
+        if k in pools:  # a page pool: the kernels index pages by id at a fixed stride, whatever their
+            page = int(np.prod(shape[1:])) * d.itemsize  # count (sized at run time: bundle/pool.py),
+            shape = (s.prim.span(got[k], f"kernel {info.name}") // page, *shape[1:])  # so the allocation says
         n = int(np.prod(shape)) * d.itemsize
         return s.prim.memory(got[k], max(n, 1), f"kernel {info.name}")[:n].view(d).reshape(shape)
+
+    # the page-pool argument of each paged op (ops.json paged_append / paged_decode / paged_prefill)
+    pools = {r.index for op in fe.fn.ops if op.op in POOL_ARG for j, r in enumerate(op.inputs)
+             if j == POOL_ARG[op.op] and r.kind == "arg"}
 
     def unread(k):  # an input no launch passes (the paged kernels' rope offsets, rotary off): no kernel reads it
         shape, dt = fe.arg_specs[k]
         return np.zeros(shape, np_dtype(dt))
 
-    outs = run_function(fe.fn, [arr(k).copy() if k in got else unread(k) for k in range(fe.n_inputs)])
+    args = [arr(k).copy() if k in got else unread(k) for k in range(fe.n_inputs)]
     # an in-place function (a paged pool's append: ops.json attrs `inplace`) has no output
     # parameters: its kernel writes output j over input inplace[j]
     inplace = next((op.attrs["inplace"] for op in fe.fn.ops if "inplace" in op.attrs), None)
+    fn = fe.fn
+    sized = {args[k].shape[0] for k in pools if k < len(args)} - {fe.arg_specs[k][0][0] for k in pools}
+    if sized:  # the pool's size at run time: the function's records resized as the bundle's were
+        from tvmpipe.bundle.pool import resize_function
+
+        fn = resize_function(fn, pools, {j for j, k in enumerate(inplace or ()) if k in pools}, sized.pop())
+    outs = run_function(fn, args)
     for k, v in enumerate(outs, start=fe.n_inputs):
         np.copyto(arr(inplace[k - fe.n_inputs] if inplace else k), v)
     del s._emu_args[fe.name]

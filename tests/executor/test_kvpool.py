@@ -1,0 +1,242 @@
+"""A paged step's pool sized at run time (issue 53, `--kv-tokens`; bundle/pool.py, executor/kvpool.py).
+
+The zoo's GPT-2 compiled paged with a pool of 8 pages of 4 (max context 24, batch 3) is resized
+at load: every pool entry, the ops.json records reading or writing it and `generation.paged.pages`
+follow, the load's own check refuses a pool under one row, and a Stage over the resized bundle
+(reference backend; cuda on the strict fake PyCUDA, whose kernels read the pool's pages from the
+allocation as real ones do) gives the compiled bundle's logits with every row's pages at ids the
+compiled pool does not have. The default size: rows x max context, reduced to what fits in 90 %
+of the tightest memory's free bytes (faked where it is read), through a process pipeline too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm")
+pytestmark = pytest.mark.tvm
+
+T, B, P, POOL = 24, 3, 4, 8
+# per row: its prompt, tokens to generate, and its pages in the compiled pool and in a resized one
+# of 32 (ids past the compiled 8); row 2 stays idle
+ROWS = [([5, 17, 3, 60, 9], 6, [0, 1, 2], [29, 30, 31]), ([7, 8], 8, [3, 4, 5], [20, 21, 9])]
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory):
+    from tvmpipe.compiler.decoders import KvOptions
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+
+    out = tmp_path_factory.mktemp("kvpool") / "gpt2_paged"
+    export("gpt2", progress=Progress(stream=None), decode=T, batch=B, seed=1,
+           kv=KvOptions("paged", page_size=P, pages=POOL)).write(out)
+    return out
+
+
+def _table(lengths: list[int], pages: list[list[int]], capacity: int) -> dict[str, np.ndarray]:
+    """A step's page table: row b holds lengths[b] tokens (its newest written this step) on its
+    first pages; a row of 0 is idle."""
+    counts = [math.ceil(n / P) for n in lengths]
+    values = np.zeros(capacity, np.int32)
+    flat = [p for n, ps in zip(counts, pages) for p in ps[:n]]
+    values[:len(flat)] = flat
+    last = [n - (c - 1) * P if n else 0 for n, c in zip(lengths, counts)]
+    posmap = [ps[(n - 1) // P] * P + (n - 1) % P if n else -1 for n, ps in zip(lengths, pages)]
+    return {"page_table_indptr": np.array([0, *np.cumsum(counts)], np.int32), "page_table_values": values,
+            "last_page_len": np.array(last, np.int32), "position_map": np.array(posmap, np.int32)}
+
+
+def _drive(bundle, ids: int, backend: str = "reference", tokens: list[list[int]] | None = None):
+    """Greedy steps of ROWS through a Stage keeping the pools resident, each row's pages at its
+    compiled (`ids` 2) or resized (3) ids; `tokens`: feed these instead of the argmax (so two
+    runs compare logits step for step). Returns each row's tokens and every step's logits."""
+    from tvmpipe.executor.stage import Stage
+
+    stage = Stage(bundle, 0, len(bundle.graph.nodes), backend, state_slots=1)
+    feeds = stage.program.input_entries
+    capacity = bundle.graph.entry_of("page_table_values").shape[0]
+    seqs = [list(p) for p, _, _, _ in ROWS] if tokens is None else [list(t) for t in tokens]
+    pages = [r[ids] for r in ROWS] + [[]]
+    fed, logs = [0, 0], []
+    while any(fed[b] < len(ROWS[b][0]) + ROWS[b][1] - 1 for b in range(2)):
+        live = [fed[b] < len(ROWS[b][0]) + ROWS[b][1] - 1 for b in range(2)]
+        lengths = [fed[b] + 1 if live[b] else 0 for b in range(2)] + [0]
+        step = {"input_ids": np.array([[seqs[b][fed[b]] if b < 2 and live[b] else 0] for b in range(B)], np.int64),
+                "position": np.array([fed[b] if b < 2 else 0 for b in range(B)], np.int64),
+                **_table(lengths, pages, capacity)}
+        inputs = {e: step[n] for n, e in feeds.items() if e not in stage.state.inputs}
+        inputs[stage.slot_entry] = np.array([0] + [0] * B, np.int64)
+        out = stage.run(inputs)
+        logits = out[bundle.graph.head_entries[0]].reshape(B, -1)
+        logs.append(logits[:2].copy())
+        for b in range(2):
+            if not live[b]:
+                continue
+            fed[b] += 1
+            if fed[b] == len(seqs[b]):
+                seqs[b].append(int(logits[b].argmax()))
+    stage.close()
+    return seqs, logs
+
+
+def test_resizing_sets_every_pool_shape_and_the_load_check_stands(paged):
+    from tvmpipe.bundle import BundleError, load_bundle
+    from tvmpipe.bundle.pool import pool_entries, resize_pool
+
+    b = load_bundle(paged)
+    big = resize_pool(b, 32)
+    assert big.generation.paged.pages == 32 and b.generation.paged.pages == POOL  # the loaded one unchanged
+    pools = pool_entries(b.graph, b.state)
+    assert len(pools) == 2 * len(b.state)  # each layer's pool input and the append's output written over it
+    for e in pools:
+        assert big.graph.entries[e].shape == (32, *b.graph.entries[e].shape[1:])
+    others = [e.id for e in b.graph.entries if e.id not in pools]
+    assert all(big.graph.entries[e].shape == b.graph.entries[e].shape for e in others)
+    paged_ops = [r for f in big.ops.values() for r in f.ops if r.op.startswith("paged_")]
+    assert paged_ops and all(32 in [s[0] for s in r.input_shapes] for r in paged_ops)
+    assert all(r.output_shapes[0][0] == 32 for r in paged_ops if r.op == "paged_append")
+    assert big.params is b.params and big.kernels is b.kernels  # nothing else is copied
+    assert resize_pool(b, POOL) is b
+    with pytest.raises(BundleError, match="holds less than one row at the max context"):
+        resize_pool(b, T // P - 1)
+
+
+def test_a_resized_pool_gives_the_compiled_pools_logits(paged):
+    """The same steps, each row's pages at ids 20-31 of a pool of 32 (past the compiled 8): the
+    same logits at every step, and the same greedy tokens."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.pool import resize_pool
+
+    b = load_bundle(paged)
+    want, want_logs = _drive(b, 2)
+    got, logs = _drive(resize_pool(b, 32), 3, tokens=want)
+    assert len(logs) == len(want_logs) > 8
+    for a, c in zip(want_logs, logs):
+        np.testing.assert_allclose(c, a, rtol=1e-6, atol=1e-6)
+    assert got == want
+
+
+def test_the_cuda_backend_allocates_and_runs_the_run_time_pool(paged, monkeypatch, tmp_path):
+    """On the strict fake PyCUDA: a Stage over the bundle resized to 32 pages allocates each
+    layer's pool at 32 pages (its storage slot and its resident buffer) and its launches give the
+    reference backend's logits with the rows' pages past the compiled pool."""
+    from tests.support.fake_cuda import activate
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.pool import resize_pool
+
+    activate(monkeypatch, tmp_path / "cubins", [paged])
+    import pycuda.driver as drv
+
+    b = resize_pool(load_bundle(paged), 32)
+    pool_bytes = b.graph.entry_of(b.state[0].input).nbytes
+    want, want_logs = _drive(b, 3)
+    got, logs = _drive(b, 3, backend="cuda", tokens=want)
+    for a, c in zip(want_logs, logs):
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)
+    assert got == want and not drv.violations
+    # the device memory a stage holds for the pools, measured against the fake's allocations
+    from tvmpipe.executor.stage import Stage
+
+    stage = Stage(b, 0, len(b.graph.nodes), "cuda", state_slots=1)
+    before = {id(a) for prim in drv._primaries.values() for a in prim.allocs.values()}
+    stage.state.enter(0, False)  # the resident pools are made on first use
+    made = [a.size for prim in drv._primaries.values() for a in prim.allocs.values() if id(a) not in before]
+    assert sorted(made) == [pool_bytes] * len(b.state)
+    assert stage.state.stage_bytes == pool_bytes * len(b.state)
+    stage.close()
+
+
+# ---- the default size, memory faked where it is read ---------------------------------------------
+
+def _needs(fixed: int, page: int, memories: list[str]):
+    from tvmpipe.executor.kvpool import StageMemory
+
+    return [StageMemory(i, m, fixed, page) for i, m in enumerate(memories)]
+
+
+def test_the_default_is_rows_at_max_context_within_the_free_memory(paged):
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.core.errors import FieldError
+    from tvmpipe.executor.kvpool import AUTO, size_pool
+
+    b = load_bundle(paged)
+    one_row = T // P  # 6 pages
+    plenty = lambda m: 1 << 40  # noqa: E731
+    s = size_pool(b, 4, _needs(1000, 100, ["host", "host"]), AUTO, plenty)
+    assert (s.pages, s.cap_pages, s.requested) == (4 * one_row, 4 * one_row, None)
+    # 0.9 x 10_000 - 2 x 1000 of fixed bytes = 7000: 35 pages at 2 x 100 a page (both stages share it)
+    s = size_pool(b, 16, _needs(1000, 100, ["host", "host"]), AUTO, lambda m: 10_000)
+    assert (s.pages, s.fit_pages, s.limit) == (35, 35, "host")
+    # the tightest of two GPUs limits: each holds its own stage
+    free = {"cuda:0": 10_000, "cuda:1": 5_000}
+    s = size_pool(b, 16, _needs(1000, 100, ["cuda:0", "cuda:1"]), AUTO, free.get)
+    assert (s.pages, s.limit) == ((int(0.9 * 5000) - 1000) // 100, "cuda:1")
+    # a memory that cannot be read does not limit it
+    assert size_pool(b, 2, _needs(1000, 100, ["remote"]), AUTO, lambda m: None).pages == 2 * one_row
+    with pytest.raises(FieldError, match=r"\(default\): only 3 pages of 4 tokens fit, less than one row") as e:
+        size_pool(b, 16, _needs(1000, 100, ["host"]), AUTO, lambda m: 1500)
+    assert e.value.field == "kv_tokens"
+
+
+def test_tokens_asked_for_are_whole_pages_checked_against_a_row_and_the_memory(paged, tmp_path):
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.decoders import KvOptions
+    from tvmpipe.compiler.export import export
+    from tvmpipe.compiler.progress import Progress
+    from tvmpipe.core.errors import FieldError
+    from tvmpipe.executor.kvpool import size_pool
+
+    b = load_bundle(paged)
+    s = size_pool(b, 3, _needs(0, 10, ["host"]), 101, lambda m: 1 << 30)
+    assert (s.pages, s.tokens, s.requested) == (26, 104, 101)  # rounded up; more than rows x T is allowed
+    with pytest.raises(FieldError, match=r"^kv_tokens 20: a pool of 5 pages of 4 tokens \(20 tokens\) holds less "
+                                         r"than one row at the max context \(24\)$"):
+        size_pool(b, 3, _needs(0, 10, ["host"]), 20, lambda m: 1 << 30)
+    with pytest.raises(FieldError, match=r"kv_tokens 4000: 1000 pages of 4 tokens do not fit; 900 pages"):
+        size_pool(b, 3, _needs(0, 10, ["host"]), 4000, lambda m: 10_000)
+    export("gpt2", progress=Progress(stream=None), decode=T, seed=1, kv=KvOptions("static")).write(tmp_path / "static")
+    with pytest.raises(FieldError, match="keeps static caches"):
+        size_pool(load_bundle(tmp_path / "static"), 3, [], 100, lambda m: None)
+
+
+def test_free_memory_is_read_from_the_host_and_from_the_stages_gpu(monkeypatch, tmp_path, paged):
+    from tests.support.fake_cuda import activate
+    from tvmpipe.executor import kvpool
+
+    avail = kvpool.host_available()
+    with open("/proc/meminfo") as f:
+        assert avail is not None and abs(avail - int(next(l for l in f if l.startswith("MemAvailable")).split()[1])
+                                         * 1024) < 1 << 30
+    assert kvpool.free_memory("host") is not None and kvpool.free_memory("none") is None
+    activate(monkeypatch, tmp_path / "cubins", [paged])
+    monkeypatch.setenv("FAKE_PYCUDA_MEMORY_GIB", "0.5")
+    assert kvpool.free_memory("cuda:0") == 1 << 29  # cuMemGetInfo, nothing allocated
+    assert kvpool.free_memory("cuda:7") is None  # no such device
+
+
+def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
+    """A process pipeline sized "auto" with the host's free memory faked (the driver reads it):
+    10 pages fit where rows x max context would be 36; every stage and the scheduler get 10 (pages
+    8 and 9 are past the compiled pool: a stage without them would fail the step), and the tokens
+    equal the compiled pool's."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.executor import kvpool
+    from tvmpipe.generation import Generator
+
+    b = load_bundle(paged)
+    needs = kvpool.stage_memory(b, [(0, len(b.graph.nodes))], ["host"])
+    monkeypatch.setattr(kvpool, "host_available", lambda: int((needs[0].fixed_bytes + 10.5 * needs[0].page_bytes) / 0.9))
+    prompts = [p for p, _, _, _ in ROWS] + [[1, 2, 3]]
+    runs = {}
+    for kv in (None, kvpool.AUTO):
+        with Pipeline(paged, 1, launcher="process", logits=False, slots=2, kv_tokens=kv) as pipe:
+            runs[kv] = [r.tokens for r in Generator(pipe).generate_all(prompts, 8)]
+            if kv is not None:
+                assert (pipe.kv_pool.pages, pipe.kv_pool.cap_pages) == (10, 2 * B * T // P)
+                assert pipe.bundle.generation.paged.pages == 10
+    assert runs[None] == runs[kvpool.AUTO]
