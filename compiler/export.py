@@ -156,10 +156,6 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
         mod = _fold(imp.mod, names, imp.weights)
         imp.mod = None  # the import's module holds the unfolded constants
         want = dtype or imp.native_dtype or imp.dtype  # a bf16/fp16 torch program imports in float32
-        if want != imp.dtype and getattr(imp.generation, "paged", None) is not None:
-            raise CompileError(f"{imp.model}: --kv paged --dtype {want}: the paged kernels are built for the "
-                               f"{imp.dtype} step as imported; a converted step is not paged yet (a checkpoint "
-                               "builds in its --dtype directly)")
         if want != imp.dtype:
             mod = _convert(mod, imp, want, names)
             mod = materialize_folded(mod, names, imp.weights)  # casts the conversion added on weights

@@ -65,12 +65,20 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
     """The `target` (float16 or bfloat16) module; its weight constants are named like the float32
     ones they replace. Placeholder weights (lazyweights.py) get the rounding added to their recipe.
 
-    Only `main` is rewritten: it is all there is before legalization."""
+    Only `main` is rewritten: it is all there is before legalization, but for a paged decode
+    step's kernels (compiler/pagedkv.py), PrimFuncs TVM generates for one dtype: each is rebuilt
+    for pages of `target` (compiler/pagedops.py `in_dtype`), for the CUDA target the conversion
+    runs under (export converts inside the target the step's kernels were imported for; none:
+    their llvm variants). Pages of bfloat16 are not built: refused in one line."""
     from tvmpipe.bundle.dtypes import np_dtype
+    from tvmpipe.compiler import pagedops
+    from tvmpipe.compiler.opmap import paged_op
 
     low = np_dtype(target)
     import tvm
     from tvm import relax, tirx
+
+    paged_funcs: dict[Any, Any] = {}  # paged PrimFunc GlobalVar -> the function rebuilt in `target`
 
     def param(p: Any) -> Any:
         ty = p.ty
@@ -97,6 +105,9 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
         return arg
 
     def call(binding: Any, op: Any, args: list[Any]) -> Any:
+        if paged_op(binding.value) is not None:
+            return pagedops.in_dtype(binding.value, args, target, tvm.target.Target.current(allow_none=True),
+                                     paged_funcs)
         if target == BF16 and op.name in F32_ONLY_BF16:
             # TVM legalizes these norms for float32/float16 only: compute in float32 between casts,
             # what a bf16 kernel does anyway (load bf16, compute float32, round on store)
@@ -108,7 +119,10 @@ def to_float16(mod: Any, names: ConstNames, weights: LazyWeights | None = None, 
         return relax.Call(op, [scalar(a) for a in args], _convert_attrs(binding.value.attrs, target),
                           binding.value.ty_args)
 
-    return rewrite_main(mod, map_param=param, map_const=const, map_call=call)
+    out = rewrite_main(mod, map_param=param, map_const=const, map_call=call)
+    for gv, func in paged_funcs.items():
+        out[gv] = func
+    return out
 
 
 def _norm_in_float32(binding: Any, op: Any, args: list[Any], target: str, names: ConstNames,
