@@ -15,7 +15,10 @@ is the file's matrix as llama.cpp stores it (transposed from the checkpoint's; t
 loader transposes it back): its rows stay whole blocks. Gemma's files store each RMSNorm scale
 as 1 + w (llama.cpp's GemmaModel adds the 1 that GemmaRMSNorm's `x * (1 + w)` adds): the
 parameter is the file's value - 1, in float32; its packed embedding keeps Gemma's sqrt(hidden)
-scale (GemmaTextScaledWordEmbedding's `embed_scale`).
+scale (GemmaTextScaledWordEmbedding's `embed_scale`). A multi-query Falcon's fused qkv is the
+file's matrix as it is (llama.cpp's reorder of one KV group is the identity: ggufsource.check_falcon),
+and its LM head is `output.weight` where the file holds one, though transformers' config of a
+falcon file says tied (its load reads the head from the file then, as llama.cpp does).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
     import transformers
 
     cfg = {k: v for k, v in src.config.items() if k != "model_type"}
+    if "output.weight" in src.entries:  # a Falcon's config says tied (TIED_IN_CONFIG); its head is the file's
+        cfg["tie_word_embeddings"] = False
     try:
         config = transformers.AutoConfig.for_model(src.model_type, **cfg)
     except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, TypeError, ...

@@ -24,10 +24,16 @@ from tvmpipe.compiler.packed import FORMATS, PackedFormat
 
 # GGUF general.architecture -> the transformers CausalLM its decode step is built from
 # (gemma2/gemma3 files transformers reads, but the decode step has no Gemma 2/3: logit soft-capping,
-# sliding windows, four norms a layer)
+# sliding windows, four norms a layer). falcon: multi-query Falcon (7B-style) only; a file of the new
+# decoder architecture (Falcon-40B/180B, Falcon2: several KV heads) is refused (check_falcon)
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                                 "gpt2": "GPT2LMHeadModel", "gemma": "GemmaForCausalLM"}
+                                 "gpt2": "GPT2LMHeadModel", "gemma": "GemmaForCausalLM",
+                                 "falcon": "FalconForCausalLM"}
+# architectures whose config transformers' load_gguf_checkpoint marks tied whatever the file holds
+# (its `exceptions`); its load of a file that holds `output.weight` still reads the head from it
+# (both present with different values: not tied), as llama.cpp does, and so does build_gguf_model
+TIED_IN_CONFIG = ("falcon",)
 # metadata -> config keys for the architectures transformers' GGUF_CONFIG_MAPPING lacks. Gemma 1, as
 # llama.cpp's convert_hf_to_gguf (GemmaModel) writes it: no rope keys (GemmaConfig's rope_theta, as
 # llama.cpp's default, is 10000), head_dim as attention.key_length (Gemma's head_dim is not
@@ -206,6 +212,8 @@ def _read(path: Path, reader: Any) -> GGUFSource:
     except Exception as exc:  # noqa: BLE001 - a malformed field: ValueError, IndexError, UnicodeError, ...
         raise SourceError(f"{path}: its metadata does not read as a {arch} config ({type(exc).__name__}: "
                           f"{one_line(exc)})") from None
+    if arch == "falcon":
+        check_falcon(path, config, entries)
     has_tok = _field(reader, "tokenizer.ggml.model") is not None and _field(reader, "tokenizer.ggml.tokens") is not None
     model_type = config.get("model_type", model_type)
     return GGUFSource(path=path, arch=arch, model_type=model_type,
@@ -223,7 +231,7 @@ def _config(reader: Any, arch: str, model_type: str, entries: dict[str, GGUFEntr
     maps no keys for (Gemma 1) takes CONFIG_MAPPING's."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING, _gguf_parse_value
 
-    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in entries}
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in entries or arch in TIED_IN_CONFIG}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
         config.setdefault(key, value)
     for key, fld in reader.fields.items():
@@ -242,6 +250,23 @@ def _config(reader: Any, arch: str, model_type: str, entries: dict[str, GGUFEntr
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in reader.fields:
         config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     return config
+
+
+def check_falcon(path: Path, config: dict[str, Any], entries: dict[str, GGUFEntry]) -> None:
+    """A falcon file of multi-query Falcon (7B-style: one KV head, one norm a layer), or a one-line
+    refusal. llama.cpp's FalconModel converter reorders the fused query_key_value from per-KV-group
+    interleaving (each group's query heads, then its key, then its value) into all queries, all keys,
+    all values; with one group that is the order FalconForCausalLM's multi-query split reads (its
+    last two heads the key and value), so the file's matrix is the checkpoint's. With several KV
+    heads (the new decoder architecture: Falcon-40B/180B, Falcon2-11B; two norms a layer in 40B's
+    `attn_norm_2`) the order differs, transformers' GGUF loader builds a multi-query model it cannot
+    load, and the decode step covers multi-query Falcon only."""
+    kv = config.get("num_key_value_heads", 1)
+    norm2 = next((n for n in entries if ".attn_norm_2." in n), None)
+    if kv != 1 or norm2 is not None:
+        what = f"{kv} KV heads" if kv != 1 else f"a second norm a layer ('{norm2}')"
+        raise SourceError(f"{path}: falcon with {what} (the new decoder architecture: Falcon-40B/180B, Falcon2) is "
+                          "not supported; tvmpipe compiles multi-query Falcon (1 KV head, 7B-style)")
 
 
 def q_k_rows(rows: int, heads: int) -> tuple[int, ...]:

@@ -6,8 +6,10 @@ the k-quants, which gguf cannot write, as random blocks with sane scales), a tie
 head reads the packed Q8_0 embedding, a Qwen2 (q/k/v biases, no q/k permutation) in Q4_K_M's
 mix, a Qwen3 (q/k norms), a Phi-3 (fused qkv and gate-up matrices, packed whole) and a GPT-2
 (llama.cpp's transposed Conv1D matrices, fused qkv, LayerNorms, learned positions, a byte-level
-BPE tokenizer), untied and tied, and a Gemma 1 (norm scales stored as 1 + w, multi-query, heads of
-128, a tied packed embedding scaled by sqrt(hidden)). Each bundle, on the reference backend, gives
+BPE tokenizer), untied and tied, a Gemma 1 (norm scales stored as 1 + w, multi-query, heads of
+128, a tied packed embedding scaled by sqrt(hidden)) and a multi-query Falcon (fused qkv, parallel
+attention and MLP, LayerNorms, its head `output.weight` though transformers' config says tied; a
+Falcon-40B-style file, several KV heads, is refused). Each bundle, on the reference backend, gives
 the greedy tokens of transformers' own load of the same file (`from_pretrained(dir, gguf_file=...)`,
 which dequantizes with gguf's NumPy dequantizers), with every step's logits within 1e-4 x
 max|logits| of transformers'; and at K = 2 as a user runs it. transformers' GGUF loader reads no
@@ -47,6 +49,11 @@ GPT2 = {"token_embd.weight": "Q8_0", "position_embd.weight": "F16", "blk.0.attn_
         "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_up.weight": "Q6_K", "blk.0.ffn_down.weight": "Q4_1",
         "blk.1.attn_qkv.weight": "Q8_0", "blk.1.attn_output.weight": "Q5_1", "blk.1.ffn_up.weight": "Q4_0",
         "blk.1.ffn_down.weight": "Q5_K", "output.weight": "Q8_0"}
+# Falcon (multi-query): every listed type among its fused qkv, dense, MLP matrices, embedding and head
+FALCON = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K", "blk.0.attn_qkv.weight": "Q4_0",
+          "blk.0.attn_output.weight": "Q4_1", "blk.0.ffn_up.weight": "Q5_0", "blk.0.ffn_down.weight": "Q5_1",
+          "blk.1.attn_qkv.weight": "Q5_K", "blk.1.attn_output.weight": "BF16", "blk.1.ffn_up.weight": "F16",
+          "blk.1.ffn_down.weight": "Q8_0"}
 CASES = {
     "llama_mixed": dict(types=MIXED),
     "llama_tied_q8": dict(types={k: "Q8_0" for k in MIXED}, tied=True),
@@ -62,6 +69,9 @@ CASES = {
     # Gemma 1: every listed type among its matrices, the tied head reading the packed Q4_K embedding
     # (llama.cpp writes no output.weight for Gemma), norms stored as 1 + w, 1 KV head, heads of 128
     "gemma_mixed": dict(types={k: v for k, v in MIXED.items() if k != "output.weight"}, arch="gemma", seed=3),
+    # Falcon-7B-style: multi-query fused qkv, parallel attention, LayerNorms; its output.weight is the
+    # head though transformers' config of a falcon file says tied
+    "falcon_mixed": dict(types=FALCON, arch="falcon", seed=2),
 }
 
 
@@ -188,7 +198,8 @@ def test_the_config_is_the_one_transformers_reads(name, gguf_case):
 
 
 @pytest.mark.parametrize("name, linears", [("llama_mixed", 2 * 7 - 1 + 1), ("gpt2_mixed", 2 * 4 + 1),
-                                           ("gemma_mixed", 2 * 7 - 1 + 1)])  # the head: the Q4_K embedding's
+                                           ("gemma_mixed", 2 * 7 - 1 + 1),  # the head: the Q4_K embedding's
+                                           ("falcon_mixed", 2 * 4 + 1)])
 def test_quantized_matrices_stay_packed_and_unpack_inside_the_matmul_kernel(name, linears, gguf_case):
     """Every packed field is a uint8/int8/f16/bf16 param of the file's bytes; every function reading
     one either gathers embedding rows (take) or holds the matmul: one kernel, which reads the packed
@@ -588,6 +599,28 @@ def test_a_gemma_files_sentencepiece_becomes_the_bundle_tokenizer(gguf_case):
     assert codec.decode(want[1:]) == "the cat is"
 
 
+def test_a_falcon_steps_head_is_the_files_output_weight_though_its_config_says_tied(gguf_case):
+    """transformers' config of every falcon file says tied (load_gguf_checkpoint's `exceptions`), but
+    its load, as llama.cpp's, reads the head from `output.weight` where the file holds one: so does
+    the bundle (the Q6_K head beside the Q4_K embedding; tied to it, the tokens differ). The fused
+    qkv is the file's matrix whole: the 4 query heads, then the key and the value (llama.cpp's
+    reorder of one KV group is the identity)."""
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.inspect import build_report
+    from tvmpipe.compiler.ggufsource import open_gguf
+
+    f, bundle = gguf_case("falcon_mixed")
+    src = open_gguf(f)
+    assert src.architecture == "FalconForCausalLM" and src.config["tie_word_embeddings"] is True
+    ref = reference("falcon_mixed", f)
+    assert ref.lm_head.weight.data_ptr() != ref.transformer.word_embeddings.weight.data_ptr()
+    weights = {w["name"]: w for w in build_report(load_bundle(bundle))["weights"]}
+    assert weights["p_model_lm_head"]["format"] == "Q6_K"
+    assert weights["p_model_transformer_word_embeddings"]["format"] == "Q4_K"
+    qkv = weights["p_model_transformer_h_1_self_attention_query_key_value"]
+    assert qkv["format"] == "Q5_K" and qkv["shape"] == [HIDDEN + 2 * HIDDEN // 4, HIDDEN]
+
+
 def test_tokenizer_names_the_tokenizer_of_a_file_without_one(tmp_path):
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cli import main
@@ -630,6 +663,17 @@ def test_an_unsupported_architecture_is_refused(tmp_path, capsys):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     err = _compile(capsys, tmp_path / "rwkv.gguf", tmp_path / "b")
     assert "rwkv6" in err and "llama" in err
+
+
+def test_a_falcon_of_the_new_decoder_architecture_is_refused(tmp_path, capsys):
+    """A Falcon-40B-style file (2 KV heads, llama.cpp's qkv reorder of 2 groups, a second norm a layer):
+    refused in one line naming the file; transformers' GGUF loader cannot load it either (it builds a
+    multi-query model: when it can, hold the bundle to that load)."""
+    f = write_gguf(tmp_path / "falcon40b.gguf", {}, arch="falcon", falcon_kv_heads=2)
+    err = _compile(capsys, f, tmp_path / "b")
+    assert str(f) in err and "2 KV heads" in err and "new decoder architecture" in err
+    with pytest.raises(RuntimeError, match="mismatch"):
+        load_transformers(f)
 
 
 def test_a_truncated_or_corrupt_file_is_refused(tmp_path, capsys):

@@ -11,7 +11,12 @@ transposed (rows = output features, as a Linear's), and a byte-level BPE tokeniz
 tokens, merges, `<|endoftext|>`). A Gemma 1 (`arch="gemma"`) as llama.cpp's GemmaModel writes one:
 multi-query (1 KV head), heads of 128 (`attention.key_length`/`value_length`, not hidden / heads),
 no rope keys, each RMSNorm scale stored as 1 + w, no `output.weight` (the head is the embedding),
-no q/k permutation, and the SentencePiece tokenizer with `add_space_prefix` false.
+no q/k permutation, and the SentencePiece tokenizer with `add_space_prefix` false. A Falcon
+(`arch="falcon"`) as llama.cpp's FalconModel writes one: multi-query (its fused query_key_value
+reordered from per-KV-group interleaving into queries, keys, values: the identity at one KV head;
+`falcon_kv_heads` > 1 writes a Falcon-40B-style file), LayerNorms with biases, parallel attention and MLP
+from one norm, MLP 4 x hidden, no linear biases, context length 2048, `output.weight` unless tied,
+and GPT-2's byte-level BPE tokenizer (pre-tokenizer `falcon`).
 
 Each matrix takes the type `types` gives it (by GGUF name; others F32). Types gguf can quantize
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) are quantized by gguf.quants from the float weight;
@@ -68,6 +73,7 @@ def _kquant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: object
 
 GEMMA_HEAD_DIM, GEMMA_KV_HEADS = 128, 1
 GPT2_CONTEXT = 1024  # GPT2Config's n_positions (transformers reads no GGUF key into it)
+FALCON_CONTEXT = 2048  # what llama.cpp's FalconModel writes (its config.json has none)
 GPT2_WORDS = ("the", "cat", "is", "on", "mat", "of", "in", "at", "he", "she", "sat")
 
 
@@ -94,6 +100,15 @@ def _byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [1] * (VOCAB - 1) + [3]
 
 
+def _falcon_qkv(w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """llama.cpp's FalconModel.modify_tensors reorder of a checkpoint's query_key_value ([kv groups of
+    heads / kv query heads, a key, a value] x head_dim rows): all queries, then keys, then values."""
+    head_dim = w.shape[1] // heads
+    g = w.reshape(kv_heads, heads // kv_heads + 2, head_dim, w.shape[1])
+    return np.concatenate([g[:, :-2].reshape(-1, w.shape[1]), g[:, -2].reshape(-1, w.shape[1]),
+                           g[:, -1].reshape(-1, w.shape[1])])
+
+
 def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, qtype_name: str) -> None:
     from gguf import GGMLQuantizationType, quants
 
@@ -113,13 +128,14 @@ def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, 
 
 def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "llama", tied: bool = False,
                seed: int = 1, tokenizer: bool = True, embedding_scale: float | None = None,
-               name: str | None = None) -> Path:
+               name: str | None = None, falcon_kv_heads: int = 1) -> Path:
     """A tiny `arch` model (llama, qwen2, qwen3, phi3 or gpt2; a llama file `name`d mistral is Mistral,
     as llama.cpp writes one) as a GGUF file at `path`; `types` by GGUF tensor name. A tied
     embedding is drawn smaller (0.05 by default), else the head's product with the last token's
     own embedding wins and the model repeats its input. Qwen3 has q/k RMSNorms and heads of 128
     (transformers' GGUF reader takes Qwen3's default head_dim; real Qwen3 files have 128); Phi-3
-    its fused qkv and gate-up matrices; GPT-2 and Gemma: see above (Gemma is always tied)."""
+    its fused qkv and gate-up matrices; GPT-2, Gemma and Falcon (`falcon_kv_heads` its KV heads): see above
+    (Gemma is always tied)."""
     import gguf
 
     types = dict(MIXED if types is None else types)
@@ -129,14 +145,19 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
     kv_heads = GEMMA_KV_HEADS if gemma else KV_HEADS
     tied = tied or gemma  # llama.cpp writes no lm_head for Gemma
     gpt2 = arch == "gpt2"
+    falcon = arch == "falcon"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name or f"tiny {arch}")
-    w.add_context_length(GPT2_CONTEXT if gpt2 else CONTEXT)
+    w.add_context_length(GPT2_CONTEXT if gpt2 else FALCON_CONTEXT if falcon else CONTEXT)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(4 * HIDDEN if gpt2 else FFN)
+    w.add_feed_forward_length(4 * HIDDEN if gpt2 or falcon else FFN)
     w.add_head_count(HEADS)
     if gpt2:
+        w.add_layer_norm_eps(1e-5)
+    elif falcon:  # convert_hf_to_gguf's FalconModel.set_gguf_parameters: no rope keys, no vocab_size
+        w.add_tensor_data_layout("jploski")  # its qkv reorder
+        w.add_head_count_kv(falcon_kv_heads)
         w.add_layer_norm_eps(1e-5)
     elif gemma:  # convert_hf_to_gguf's GemmaModel.set_gguf_parameters: no rope keys, no vocab_size
         w.add_head_count_kv(kv_heads)
@@ -149,10 +170,10 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(10000.0)
         w.add_vocab_size(VOCAB)
-    if tokenizer and gpt2:
+    if tokenizer and (gpt2 or falcon):
         tokens, merges, token_types = _byte_level_vocab()
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
+        w.add_tokenizer_pre("falcon" if falcon else "gpt-2")
         w.add_token_list(tokens)
         w.add_token_types(token_types)
         w.add_token_merges(merges)
@@ -225,6 +246,23 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
                 else:
                     add(f"blk.{i}.{n}.weight", norm(cols))
                     add(f"blk.{i}.{n}.bias", bias(cols))
+        add("output_norm.weight", norm(HIDDEN))
+        add("output_norm.bias", bias(HIDDEN))
+        return finish()
+
+    if falcon:  # one LayerNorm a layer feeding attention and MLP; no linear biases (Falcon-7B's bias=False)
+        head_dim = HIDDEN // HEADS
+        for i in range(LAYERS):
+            add(f"blk.{i}.attn_norm.weight", norm(HIDDEN))
+            add(f"blk.{i}.attn_norm.bias", bias(HIDDEN))
+            if falcon_kv_heads > 1:  # Falcon-40B's second norm (ln_attn)
+                add(f"blk.{i}.attn_norm_2.weight", norm(HIDDEN))
+                add(f"blk.{i}.attn_norm_2.bias", bias(HIDDEN))
+            qkv = mat((HEADS + 2 * falcon_kv_heads) * head_dim, HIDDEN)  # the checkpoint's order, kv groups
+            add(f"blk.{i}.attn_qkv.weight", _falcon_qkv(qkv, HEADS, falcon_kv_heads))
+            add(f"blk.{i}.attn_output.weight", mat(HIDDEN, HIDDEN))
+            add(f"blk.{i}.ffn_up.weight", mat(4 * HIDDEN, HIDDEN))
+            add(f"blk.{i}.ffn_down.weight", mat(HIDDEN, 4 * HIDDEN, 0.04))
         add("output_norm.weight", norm(HIDDEN))
         add("output_norm.bias", bias(HIDDEN))
         return finish()
