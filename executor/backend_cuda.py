@@ -85,8 +85,11 @@ class CudaBackend:
         self.ptr = {e: self.ptrs[program.storage.entry_slot[e]] for e in program.entry_specs}
         self._upload_params(bundle, program)
         spec = program.entry_specs
-        self.host_in = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.feed_entries}
-        self.host_out = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.send_entries}
+        # a resident pool (program.resident: held by SlotState, on the device only) has no host staging
+        self.host_in = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.feed_entries
+                        if e not in program.resident}
+        self.host_out = {e: self.dev.host(spec[e].shape, np_dtype(spec[e].dtype)) for e in program.send_entries
+                         if e not in program.resident}
         self.params = {e: name for name, e in program.param_entries.items()}
         self.plan = build_launch_plan(program, self.ptrs)
         self._state_entry: dict[int, int] = {}  # state slot buffer -> its entry

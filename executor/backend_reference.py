@@ -107,6 +107,8 @@ class ReferenceBackend:
     def view(self, entry: int) -> np.ndarray:
         spec = self.program.entry_specs[entry]
         dt = np_dtype(spec.dtype)
+        if entry in self.program.resident:  # no bytes of its own: bound to the stage's state before any run
+            return np.broadcast_to(np.zeros((), dt), tuple(spec.shape))
         buf = self.slots[self.program.storage.entry_slot[entry]]
         return buf[:spec.nbytes].view(dt).reshape(spec.shape)
 

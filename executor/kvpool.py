@@ -22,9 +22,9 @@ for host memory, cuMemGetInfo for a GPU); where it cannot be read (a remote node
 not limit the default, and each stage still refuses at start, in one line, a pool that does not
 fit (executor/stage.py SlotState.check_fits).
 
-A page costs a stage its pools' bytes twice today: the stage's storage plan gives the pool input a
-slot of its own beside the resident state buffer that the kernels are pointed at
-(`StageMemory.page_bytes` counts both, as the backends allocate them).
+A page costs a stage its layers' pools' bytes once: a stage keeping the pools resident plans them no
+storage slot of its own (executor/program.py `resident_pools`), the state buffer the kernels are
+pointed at being the only copy; `stage_memory` reads the same program a stage builds.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ HOST = "host"
 @dataclass(frozen=True)
 class StageMemory:
     """What one stage holds in `memory` ("host", or "cuda:N"): `fixed_bytes` whatever the pool
-    (weights, activations: its storage plan without the pool's slots), `page_bytes` what each page
-    of the pool adds (its layers' pools, as the storage plan's slot and the resident buffer)."""
+    (weights, activations: its storage plan), `page_bytes` what each page of the pool adds (a page
+    of each of its layers' pools, resident)."""
 
     stage: int
     memory: str
@@ -100,14 +100,15 @@ def requested_pages(bundle: Bundle, tokens: int) -> int:
 
 
 def stage_memory(bundle: Bundle, stages: Sequence[tuple[int, int]], memories: Sequence[str]) -> list[StageMemory]:
-    """Each stage's bytes besides the pool and per page, from its program (the storage plan every
-    backend allocates) and its state pairs, at the bundle's compiled pool."""
+    """Each stage's bytes besides the pool and per page, from its program as a stage keeping its
+    state resident builds it (the storage plan every backend allocates) and its state pairs, at the
+    bundle's compiled pool."""
     paged = paged_spec(bundle)
     pools = pool_entries(bundle.graph, bundle.state)
     stage_inputs = {bundle.graph.entry_id(bundle.graph.node_index[p.input]) for p in bundle.state if p.scope == "stage"}
     out = []
     for i, ((start, end), memory) in enumerate(zip(stages, memories)):
-        program = build_stage_program(bundle, start, end)
+        program = build_stage_program(bundle, start, end, resident_pools=True)
         plan = program.storage
         pool_slots = {plan.entry_slot[e] for e in program.entry_specs if e in pools and e in plan.entry_slot}
         slot_bytes = sum(plan.slots[s].nbytes for s in pool_slots)

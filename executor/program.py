@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tvmpipe.bundle import Bundle, Graph
 from tvmpipe.bundle.graph import EntrySpec
+from tvmpipe.bundle.pool import pool_entries
 from tvmpipe.executor.errors import ExecutorError
 from tvmpipe.executor.storage import StepUse, StoragePlan, plan_storage
 
@@ -69,6 +70,9 @@ class StageProgram:
     entry_names: dict[int, str]  # "node 3 'dense_relu' output 0", for messages
     steps: list[Step]
     storage: StoragePlan
+    # entries whose memory the stage's resident state holds (a paged pool kept by SlotState, bound
+    # before every run): the storage plan gives them no bytes, backends no buffer of their own
+    resident: frozenset[int] = frozenset()
 
     @property
     def feed_entries(self) -> list[int]:
@@ -92,8 +96,12 @@ def entry_label(graph: Graph, eid: int) -> str:
     return node.label() if not node.is_op else f"{node.label()} output {e.index}"
 
 
-def build_stage_program(bundle: Bundle, start: int, end: int) -> StageProgram:
-    """Resolve graph nodes [start, end) of `bundle` into a runnable program."""
+def build_stage_program(bundle: Bundle, start: int, end: int, resident_pools: bool = False) -> StageProgram:
+    """Resolve graph nodes [start, end) of `bundle` into a runnable program. `resident_pools`: the
+    stage keeps its "stage"-scoped state (a paged step's page pools) resident (Stage with state
+    slots): those entries (each pool's input and the outputs written over it in place) get no
+    storage of their own, the state's buffer being the only copy of a pool; else a pool is an
+    ordinary input and output (a single-process loop that feeds it)."""
     g = bundle.graph
     if not (0 <= start < end <= len(g.nodes)):
         raise ExecutorError(f"node range [{start}, {end}) is not inside the graph's [0, {len(g.nodes)})")
@@ -146,13 +154,25 @@ def build_stage_program(bundle: Bundle, start: int, end: int) -> StageProgram:
     # an in-place call's output is its input's bytes (a paged pool's append): one slot, like a __nop's
     uses = [StepUse((s.inputs[s.inplace[0]],) + s.inputs if s.inplace else s.inputs, s.outputs,
                     alias=s.kind == NOP or bool(s.inplace)) for s in steps]
-    storage = plan_storage(uses, {e: sp.nbytes for e, sp in specs.items()}, list(param_entries.values()),
-                           list(input_entries.values()) + recv, sends, workspaces)
+    resident = frozenset(_resident_pools(bundle, input_entries, specs, start, end)) if resident_pools else frozenset()
+    storage = plan_storage(uses, {e: 0 if e in resident else sp.nbytes for e, sp in specs.items()},
+                           list(param_entries.values()), list(input_entries.values()) + recv, sends, workspaces)
     steps = [_bind(bundle, s, storage) for s in steps]
     return StageProgram(model=bundle.name, start=start, end=end, op_nodes=op_nodes,
                         param_names=list(param_entries), input_names=list(input_entries),
                         param_entries=param_entries, input_entries=input_entries, recv_entries=recv,
-                        send_entries=sends, entry_specs=specs, entry_names=names, steps=steps, storage=storage)
+                        send_entries=sends, entry_specs=specs, entry_names=names, steps=steps, storage=storage,
+                        resident=resident)
+
+
+def _resident_pools(bundle: Bundle, inputs: dict[str, int], specs: dict[int, EntrySpec], start: int,
+                    end: int) -> set[int]:
+    """The entries of the "stage"-scoped pairs whose both sides are in [start, end) (the pairs a
+    Stage keeps resident): each input and what is written over it in place (bundle.pool.pool_entries)."""
+    g = bundle.graph
+    held = [p for p in bundle.state if p.scope == "stage" and p.input in inputs
+            and start <= g.entries[g.head_entries[p.output]].node < end]
+    return {e for e in pool_entries(g, held) if e in specs}
 
 
 def _bind(bundle: Bundle, step: Step, storage: StoragePlan) -> Step:

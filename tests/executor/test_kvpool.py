@@ -122,7 +122,8 @@ def test_a_resized_pool_gives_the_compiled_pools_logits(paged):
 
 def test_the_cuda_backend_allocates_and_runs_the_run_time_pool(paged, monkeypatch, tmp_path):
     """On the strict fake PyCUDA: a Stage over the bundle resized to 32 pages allocates each
-    layer's pool at 32 pages (its storage slot and its resident buffer) and its launches give the
+    layer's pool at 32 pages, once (its resident buffer: the storage plan gives the pool no slot of
+    its own, and nothing is staged through the host for it), and its launches give the
     reference backend's logits with the rows' pages past the compiled pool."""
     from tests.support.fake_cuda import activate
     from tvmpipe.bundle import load_bundle
@@ -142,6 +143,10 @@ def test_the_cuda_backend_allocates_and_runs_the_run_time_pool(paged, monkeypatc
     from tvmpipe.executor.stage import Stage
 
     stage = Stage(b, 0, len(b.graph.nodes), "cuda", state_slots=1)
+    pools = stage.program.resident
+    assert len(pools) == 2 * len(b.state) and all(stage.program.storage.slots[stage.program.storage.entry_slot[e]]
+                                                  .nbytes == 0 for e in pools)
+    assert not pools & (set(stage.backend.host_in) | set(stage.backend.host_out))
     before = {id(a) for prim in drv._primaries.values() for a in prim.allocs.values()}
     stage.state.enter(0, False)  # the resident pools are made on first use
     made = [a.size for prim in drv._primaries.values() for a in prim.allocs.values() if id(a) not in before]
