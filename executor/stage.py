@@ -228,12 +228,17 @@ class SlotState:
         all of what is free."""
         have = self._free()
         need = self.max_slots * self.slot_bytes + self.stage_bytes
-        if have is not None and need > have:
-            raise InputError(f"stage [{self.program.start}, {self.program.end}): {self.max_slots} state slot(s) x "
-                             f"{format_bytes(self.slot_bytes)} of caches = {format_bytes(need)}, more than the "
-                             f"{format_bytes(have)} of {'device' if self.alloc is not None else 'host'} memory free; "
-                             + (f"use at most {have // self.slot_bytes} slots (--slots)" if have >= self.slot_bytes
-                                else "not one slot fits: use more stages or a shorter context"))
+        if have is None or need <= have:
+            return
+        where = f"{format_bytes(have)} of {'device' if self.alloc is not None else 'host'} memory free"
+        if not self.slot_bytes:  # only a paged step's pools, one per layer, sized by the run (executor/kvpool.py)
+            raise InputError(f"stage [{self.program.start}, {self.program.end}): its KV page pools take "
+                             f"{format_bytes(self.stage_bytes)}, more than the {where}; give a smaller pool "
+                             "(--kv-tokens) or use more stages")
+        raise InputError(f"stage [{self.program.start}, {self.program.end}): {self.max_slots} state slot(s) x "
+                         f"{format_bytes(self.slot_bytes)} of caches = {format_bytes(need)}, more than the {where}; "
+                         + (f"use at most {have // self.slot_bytes} slots (--slots)" if have >= self.slot_bytes
+                            else "not one slot fits: use more stages or a shorter context"))
 
     @property
     def resident_bytes(self) -> int:
@@ -290,10 +295,12 @@ class SlotState:
         bufs = self.buffers.get(slot)
         if bufs is None:
             have = self._free()  # stages sharing the memory may have taken what check_fits saw free
-            if have is not None and have < self.slot_bytes + SLOT_HEADROOM:
+            pools = self.stage_bytes if self.shared is None else 0  # a paged step's pools come with the first slot
+            if have is not None and have < self.slot_bytes + pools + SLOT_HEADROOM:
                 raise InputError(f"stage [{self.program.start}, {self.program.end}): no memory for slot {slot}'s "
-                                 f"caches ({format_bytes(self.slot_bytes)}, {format_bytes(have)} free, "
-                                 f"{format_bytes(SLOT_HEADROOM)} kept spare); use fewer --slots or more memory")
+                                 f"caches ({format_bytes(self.slot_bytes + pools)}, {format_bytes(have)} free, "
+                                 f"{format_bytes(SLOT_HEADROOM)} kept spare); use "
+                                 + ("a smaller pool (--kv-tokens)" if pools else "fewer --slots") + " or more memory")
             if self.shared is None:  # the stage-scoped pairs' buffers, one list each, shared by every slot
                 self.shared = {i: [self._new(self.pairs[i][1], self.pairs[i][0].fill) for _ in range(self.copies[i])]
                                for i in self.shared_pairs}

@@ -230,6 +230,7 @@ def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
     equal the compiled pool's."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.core.errors import FieldError
     from tvmpipe.executor import kvpool
     from tvmpipe.generation import Generator
 
@@ -245,3 +246,23 @@ def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
                 assert (pipe.kv_pool.pages, pipe.kv_pool.cap_pages) == (10, 2 * B * T // P)
                 assert pipe.bundle.generation.paged.pages == 10
     assert runs[None] == runs[kvpool.AUTO]
+    with pytest.raises(FieldError, match=r"^kv_tokens 1000: 250 pages of 4 tokens do not fit; 10 pages \(40 tokens\)"):
+        Pipeline(paged, 1, launcher="process", logits=False, slots=2, kv_tokens=1000)  # before any stage starts
+
+
+def test_a_stage_refuses_a_pool_its_memory_cannot_hold_in_one_line(paged, monkeypatch, tmp_path):
+    """Where the driver could not read a stage's memory (a remote node), the stage itself refuses
+    at start, before allocating it, a pool past its free memory (here 8 GiB of pools on a fake GPU
+    of 1 GiB): one line, no OOM."""
+    from tests.support.fake_cuda import activate
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.pool import resize_pool
+    from tvmpipe.executor.errors import InputError
+    from tvmpipe.executor.stage import Stage
+
+    activate(monkeypatch, tmp_path / "cubins", [paged])
+    monkeypatch.setenv("FAKE_PYCUDA_MEMORY_GIB", "1")
+    b = resize_pool(load_bundle(paged), 2_000_000)
+    with pytest.raises(InputError, match=r"^stage \[0, \d+\): its KV page pools take 7.6 GiB, more than the .* of "
+                                         r"device memory free; give a smaller pool \(--kv-tokens\) or use more stages$"):
+        Stage(b, 0, len(b.graph.nodes), "cuda", state_slots=1)
