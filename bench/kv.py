@@ -20,10 +20,15 @@ Through the scheduler (a one-stage process pipeline, the same Llama step; skippe
   static one computes every prompt token. TTFT (admission to first token) of the first against the
   median of the 7 (target: >= 3x lower), the pages shared while they run, the tokens of both
   layouts compared.
-* **Capacity at a fixed pool**: a max context of 2048, batch 8, a pool of 2048 tokens (128 pages).
-  16 requests of 8 prompt tokens and 32 to generate at once: the most rows busy at once (target
-  >= 8), the tokens against the static step's; the static caches those rows would take (rows x
-  2048 tokens) against the pool, and each layout's stage process's resident memory after the run.
+* **Capacity at a fixed pool**: a max context of 2048, batch 8, a pool of 2048 tokens (128 pages)
+  set at run time (`kv_tokens`, issue 53's `--kv-tokens`; the step is compiled with the default
+  pool of every row at 2048). 16 requests of 8 prompt tokens and 32 to generate at once: the most
+  rows busy at once (target >= 8), the tokens against the static step's; the static caches those
+  rows would take (rows x 2048 tokens) against the pool, and each layout's stage process's
+  resident memory after the run. Then the same through a server, as the issue asks:
+  `tvmpipe serve --kv-tokens 2048` (one stage, local processes), the 16 requests streamed at once,
+  the rows busy read from /metrics while they run, the texts against the static step's, the pool
+  /metrics reports and the stage process's resident memory.
 
 These times on a GPU: bench/paged_gpu.py.
 """
@@ -87,7 +92,7 @@ def run(contexts: tuple[int, int], repeat: int, work: Path) -> dict:
         for kv in ("static", "paged"):
             out = work / f"{kv}_{t}"
             export("llama", decode=t, batch=BATCH, seed=1, progress=Progress(stream=None),
-                   kv=KvOptions("paged", page_size=PAGE) if kv == "paged" else None).write(out, overwrite=True)
+                   kv=KvOptions("paged", page_size=PAGE) if kv == "paged" else "static").write(out, overwrite=True)
             times[kv][str(t)] = step_ms(out, repeat)
             print(f"{kv:6s} T = {t:5d}: {times[kv][str(t)]:.2f} ms a step ({HELD} tokens held a row)", flush=True)
     lo, hi = (str(c) for c in contexts)
@@ -131,7 +136,7 @@ def prefix_ttft(work: Path) -> dict:
     for kv in ("static", "paged"):
         path = work / f"ttft_{kv}"
         export("llama", decode=256, batch=BATCH, seed=1, progress=Progress(stream=None),
-               kv=KvOptions("paged", page_size=PAGE) if kv == "paged" else None).write(path, overwrite=True)
+               kv=KvOptions("paged", page_size=PAGE) if kv == "paged" else "static").write(path, overwrite=True)
         with Pipeline(path, 1, launcher="process", logits=False) as pipe:
             layout = layout_of(pipe.bundle)
             core = EngineCore(pipe, results={})
@@ -166,16 +171,16 @@ def capacity(work: Path) -> dict:
     from tvmpipe.generation import Request, layout_of
     from tvmpipe.generation.core import EngineCore
 
-    t, pages, new = 2048, 2048 // PAGE, 32
+    t, pool, new = 2048, 2048, 32
     prompts = [[(11 * i + 5 * j) % 120 + 4 for j in range(8)] for i in range(16)]
-    out: dict = {"max_context": t, "batch": BATCH, "pool_tokens": pages * PAGE, "requests": len(prompts),
+    out: dict = {"max_context": t, "batch": BATCH, "pool_tokens": pool, "requests": len(prompts),
                  "prompt_tokens": 8, "new_tokens": new}
     tokens = {}
     for kv in ("static", "paged"):
         path = work / f"cap_{kv}"
         export("llama", decode=t, batch=BATCH, seed=1, progress=Progress(stream=None),
-               kv=KvOptions("paged", page_size=PAGE, pages=pages) if kv == "paged" else None).write(path, overwrite=True)
-        with Pipeline(path, 1, launcher="process", logits=False) as pipe:
+               kv=KvOptions("paged", page_size=PAGE) if kv == "paged" else "static").write(path, overwrite=True)
+        with Pipeline(path, 1, launcher="process", logits=False, kv_tokens=pool if kv == "paged" else None) as pipe:
             layout = layout_of(pipe.bundle)
             core = EngineCore(pipe, results={})
             for i, p in enumerate(prompts):
@@ -192,10 +197,72 @@ def capacity(work: Path) -> dict:
         out[kv] = {"rows": rows, "rows_busy_max": max(busy), "kv_bytes": held, "stage_rss_bytes": rss}
         print(f"capacity, {kv}: {rows} rows, at most {max(busy)} busy at once; KV {held / 2**20:.1f} MiB, "
               f"the stage's RSS {rss / 2**20:.0f} MiB", flush=True)
-    out["same_tokens"] = tokens["static"] == tokens["paged"]
+    out["paged"]["compiled_pool_tokens"] = BATCH * t  # the pool compiled in, every row at the max context
+    out["server"] = served_capacity(work / "cap_paged", prompts, new, pool, tokens["static"])
+    out["same_tokens"] = tokens["static"] == tokens["paged"] and out["server"]["same_tokens"]
     out["target_rows_busy"] = BATCH
-    out["met"] = out["same_tokens"] and out["paged"]["rows_busy_max"] >= BATCH
+    out["met"] = out["same_tokens"] and min(out["paged"]["rows_busy_max"], out["server"]["rows_busy_max"]) >= BATCH
     return out
+
+
+def served_capacity(path: Path, prompts: list[list[int]], new: int, pool: int, want: list[list[int]]) -> dict:
+    """`tvmpipe serve PATH --kv-tokens POOL` (one stage, local processes): every prompt streamed at
+    once, /metrics polled while they run for the rows busy; the texts against `want`, the pool and
+    the stage process's resident memory after the run."""
+    import asyncio
+    import os
+    import threading
+
+    import httpx
+
+    from tests.serve.harness import MODEL, ServerProcess, metric, sse_events, stage_pids, streamed_tokens
+
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "tvmpipe-bench-kv-serve.log"
+    srv = ServerProcess(path, "--stages", "1", "--processes", "--kv-tokens", str(pool), log_path=log)
+    busy, done = [0], threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            while not done.is_set():
+                running = next(float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
+                               if line.startswith("tvmpipe_requests_running"))
+                busy[0] = max(busy[0], int(running))
+                time.sleep(0.01)
+
+    async def one(c: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": new, "stream": True, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            return streamed_tokens(sse_events([line async for line in r.aiter_lines()]))
+
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    try:
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        t0 = time.perf_counter()
+        runs = asyncio.run(run())
+        wall = time.perf_counter() - t0
+        done.set()
+        watcher.join(30)
+        m = srv.metrics()
+        pid = stage_pids(m)[0]
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+        result = {"rows": int(metric(m, "tvmpipe_rows")), "rows_busy_max": busy[0],
+                  "kv_tokens_total": int(metric(m, "tvmpipe_kv_tokens_total", stage=0)),
+                  "same_tokens": runs == want, "wall_s": wall, "stage_rss_bytes": rss}
+    finally:
+        done.set()
+        status = srv.stop()
+    if status != 0:
+        raise RuntimeError(f"the server exited with status {status}:\n{srv.log()[-2000:]}")
+    print(f"capacity, served with --kv-tokens {pool}: {result['rows']} rows, at most {result['rows_busy_max']} busy at "
+          f"once; pool {result['kv_tokens_total']} tokens; same tokens: {result['same_tokens']}; the stage's RSS "
+          f"{rss / 2**20:.0f} MiB", flush=True)
+    return result
 
 
 def main() -> int:

@@ -478,12 +478,23 @@ def _kv_scheduled(d: dict) -> list[Row]:
     cap = d.get("capacity")
     if cap is not None:
         pg, st = cap["paged"], cap["static"]
+        compiled = pg.get("compiled_pool_tokens")  # set at run time (kv_tokens) over the compiled pool
         rows.append(Row("KV caches", f"paged KV at max context {cap['max_context']}, batch {cap['batch']}, a pool of "
-                        f"{cap['pool_tokens']} tokens: {cap['requests']} requests of {cap['prompt_tokens']} + "
+                        f"{cap['pool_tokens']} tokens" + (f" set at run time (compiled: {compiled})" if compiled else "")
+                        + f": {cap['requests']} requests of {cap['prompt_tokens']} + "
                         f"{cap['new_tokens']} tokens at once, rows busy at most (tokens equal the static step's)",
                         f"{pg['rows_busy_max']} of {pg['rows']}; KV {pg['kv_bytes'] / MIB:.1f} MiB (static caches "
                         f"{st['kv_bytes'] / MIB:.1f} MiB); stage RSS {pg['stage_rss_bytes'] / MIB:.0f} MiB (static "
                         f"{st['stage_rss_bytes'] / MIB:.0f} MiB)", f">= {cap['target_rows_busy']} rows", cap["met"]))
+        sv = cap.get("server")
+        if sv is not None:  # the same through `tvmpipe serve --kv-tokens` (the pool set at run time)
+            rows.append(Row("KV caches", f"the same through `tvmpipe serve --kv-tokens {cap['pool_tokens']}` (a step "
+                            f"compiled with every row at {cap['max_context']}): rows busy at most, read from /metrics "
+                            "(texts equal the static step's)",
+                            f"{sv['rows_busy_max']} of {sv['rows']}; pool {sv['kv_tokens_total']} tokens (static caches "
+                            f"{sv['rows_busy_max']} x {cap['max_context']}); stage RSS {sv['stage_rss_bytes'] / MIB:.0f} "
+                            "MiB", f">= {cap['target_rows_busy']} rows", sv["rows_busy_max"] >= cap["target_rows_busy"]
+                            and sv["same_tokens"]))
     return rows
 
 
