@@ -223,6 +223,7 @@ def _print_summary(run) -> None:
     print(f"{tokens} tokens in {wall:.3f} s ({doc['tokens_per_s'] or 0:.1f} tokens/s), {doc['stages']} stage(s), "
           + (f"{run.batch} sequences a micro-batch, " if run.batch > 1 else "")
           + (f"prompts {run.chunk} tokens a step, " if run.chunk > 1 else "")
+          + (f"KV pool {run.kv_pool.tokens} tokens, " if run.kv_pool is not None else "")
           + f"backend {run.backend}, restarts {run.restarts}")
     if run.metrics is not None:
         print(run.metrics.table())

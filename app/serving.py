@@ -128,7 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
         def ready(url: str, rows: int) -> None:
             print(f"tvmpipe serve: {model} on {url}/v1 ({plan.num_stages} stage(s), backend {engine.backend}, "
                   f"{rows} sequence rows, max context {layout.max_context}, "
-                  f"{'a tokenizer' if codec is not None else 'token ids only (no tokenizer)'}"
+                  + (f"KV pool {engine.kv_tokens} tokens, " if engine.kv_tokens is not None else "")
+                  + f"{'a tokenizer' if codec is not None else 'token ids only (no tokenizer)'}"
                   f"{', API key required' if api_key else ''})", flush=True)
 
         return serve(engine, codec, settings, sock, on_ready=ready)

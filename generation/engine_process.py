@@ -42,7 +42,9 @@ def _child(conn: Any, opener: Opener) -> None:
         with opener() as engine:
             _ignore_signals()  # again: opening may have set its own (ray.init's SIGTERM handler exits)
             s = engine.core.scheduler
+            pool = getattr(engine.pipe, "kv_pool", None)  # a paged step's pool as the run sized it
             conn.send(("ready", {"rows": s.groups * s.batch, "backend": getattr(engine, "backend", None),
+                                 "kv_tokens": None if pool is None else pool.tokens,
                                  "restarts": tuple(engine.pipe.restarts)}))
             _serve(conn, engine)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which says it in one line
@@ -121,6 +123,7 @@ class EngineProcess(RequestBook):
             raise TvmpipeError(info)
         self.rows = info["rows"]
         self.backend = info["backend"]
+        self.kv_tokens = info["kv_tokens"]  # a paged step's KV pool in tokens (None: static caches)
         self._restarts = info["restarts"]
         self._reader = threading.Thread(target=self._read, daemon=True, name="tvmpipe-engine-reader")
         self._reader.start()

@@ -102,6 +102,7 @@ def test_a_served_pool_smaller_than_compiled_streams_the_static_tokens(server, o
             return [first, *await asyncio.gather(*(_stream(c, p, NEW) for p in PROMPTS[1:]))]
 
     assert asyncio.run(run()) == offline(PROMPTS, NEW)
+    assert f"max context {T}, KV pool {SERVED_TOKENS} tokens, " in server.stdout[0]  # the ready line
     m = server.metrics()
     for stage in (0, 1):
         assert metric(m, "tvmpipe_kv_tokens_total", stage=stage) == SERVED_TOKENS
