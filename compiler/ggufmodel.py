@@ -18,7 +18,9 @@ parameter is the file's value - 1, in float32; its packed embedding keeps Gemma'
 scale (GemmaTextScaledWordEmbedding's `embed_scale`). A multi-query Falcon's fused qkv is the
 file's matrix as it is (llama.cpp's reorder of one KV group is the identity: ggufsource.check_falcon),
 and its LM head is `output.weight` where the file holds one, though transformers' config of a
-falcon file says tied (its load reads the head from the file then, as llama.cpp does).
+falcon file says tied (its load reads the head from the file then, as llama.cpp does). A GPT-NeoX's
+fused qkv rows (weight and bias), which llama.cpp's converter reorders from per-head [q, k, v]
+into all queries, keys, values, are put back by a row permutation too (ggufsource.neox_qkv_rows).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from tvmpipe.compiler.errors import SourceError, one_line
-from tvmpipe.compiler.ggufsource import GGUFSource, GGUFTensor, q_k_rows
+from tvmpipe.compiler.ggufsource import GGUFSource, GGUFTensor, neox_qkv_rows, q_k_rows
 from tvmpipe.compiler.hfmodel import CheckpointModel, _set, meta_model
 from tvmpipe.compiler.packed import FORMATS, packed_modules
 
@@ -60,6 +62,8 @@ def build_gguf_model(src: GGUFSource, dtype: str = "float32") -> CheckpointModel
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
 
     def rows(gguf_name: str, n: int) -> tuple[int, ...] | None:
+        if src.arch == "gptneox" and ".attn_qkv." in gguf_name:  # llama.cpp's qkv reorder, weight and bias
+            return neox_qkv_rows(n, heads)
         if src.arch != "llama":  # llama.cpp permutes q/k of llama-architecture files only
             return None
         if ".attn_q." in gguf_name:

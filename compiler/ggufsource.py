@@ -25,11 +25,15 @@ from tvmpipe.compiler.packed import FORMATS, PackedFormat
 # GGUF general.architecture -> the transformers CausalLM its decode step is built from
 # (gemma2/gemma3 files transformers reads, but the decode step has no Gemma 2/3: logit soft-capping,
 # sliding windows, four norms a layer). falcon: multi-query Falcon (7B-style) only; a file of the new
-# decoder architecture (Falcon-40B/180B, Falcon2: several KV heads) is refused (check_falcon)
+# decoder architecture (Falcon-40B/180B, Falcon2: several KV heads) is refused (check_falcon).
+# gptneox: GPT-NeoX (Pythia), which transformers' GGUF loader does not read (CONFIG_MAPPING's keys,
+# its qkv rows put back by neox_qkv_rows, its tokenizer through TOKENIZER_CLASSES)
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                                  "gpt2": "GPT2LMHeadModel", "gemma": "GemmaForCausalLM",
-                                 "falcon": "FalconForCausalLM"}
+                                 "falcon": "FalconForCausalLM", "gptneox": "GPTNeoXForCausalLM"}
+# GGUF general.architecture -> transformers' model_type, where the two spell it differently
+MODEL_TYPES: dict[str, str] = {"gptneox": "gpt_neox"}
 # architectures whose config transformers' load_gguf_checkpoint marks tied whatever the file holds
 # (its `exceptions`); its load of a file that holds `output.weight` still reads the head from it
 # (both present with different values: not tied), as llama.cpp does, and so does build_gguf_model
@@ -45,7 +49,19 @@ CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
               "attention.value_length": None, "attention.head_count": "num_attention_heads",
               "attention.head_count_kv": "num_key_value_heads",
               "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"},
+    # GPT-NeoX (Pythia), as llama.cpp's GPTNeoXModel writes it: the rotary dimensions a head as
+    # rope.dimension_count (neox_config makes it rotary_pct), use_parallel_residual, LayerNorm eps; no
+    # rope theta (GPTNeoXConfig's 10000, llama.cpp's default), no vocab_size key
+    "gpt_neox": {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                 "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                 "rope.dimension_count": "rotary_ndims", "rope.freq_base": "rope_theta",
+                 "attention.head_count": "num_attention_heads", "attention.layer_norm_epsilon": "layer_norm_eps",
+                 "use_parallel_residual": "use_parallel_residual", "vocab_size": "vocab_size"},
 }
+# architectures whose tokenizer is converted through this class, not AutoTokenizer (which reads the
+# file's config first, and transformers' GGUF loader reads none of theirs): the class transformers
+# would pick for the model; its GGUF builder is picked by tokenizer.ggml.model and the architecture
+TOKENIZER_CLASSES: dict[str, str] = {"gemma": "GemmaTokenizer", "gptneox": "GPTNeoXTokenizer"}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -184,7 +200,7 @@ def _read(path: Path, reader: Any) -> GGUFSource:
                           f"{', '.join(ARCHITECTURES)}")
     # a llama-architecture file named "mistral" is Mistral, as transformers reads it (its test is
     # `"mistral" in [general.name]`: the whole name)
-    model_type = "mistral" if arch == "llama" and name == "mistral" else arch
+    model_type = "mistral" if arch == "llama" and name == "mistral" else MODEL_TYPES.get(arch, arch)
     entries: dict[str, GGUFEntry] = {}
     types: dict[str, int] = {}
     total = 0
@@ -249,7 +265,17 @@ def _config(reader: Any, arch: str, model_type: str, entries: dict[str, GGUFEntr
         config[target] = value
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in reader.fields:
         config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if model_type == "gpt_neox":
+        neox_config(config)
     return config
+
+
+def neox_config(config: dict[str, Any]) -> None:
+    """GPT-NeoX's rotary share of a head from the file's rotary dimensions (llama.cpp writes
+    int(rotary_pct x head_dim) as rope.dimension_count; GPTNeoXConfig takes the fraction)."""
+    dims = config.pop("rotary_ndims", None)
+    if dims is not None:
+        config["rotary_pct"] = dims / (config["hidden_size"] // config["num_attention_heads"])
 
 
 def check_falcon(path: Path, config: dict[str, Any], entries: dict[str, GGUFEntry]) -> None:
@@ -278,10 +304,20 @@ def q_k_rows(rows: int, heads: int) -> tuple[int, ...]:
     return tuple(int(i) for i in idx.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows))
 
 
+def neox_qkv_rows(rows: int, heads: int) -> tuple[int, ...]:
+    """The row order that undoes llama.cpp's GPT-NeoX qkv reorder (GPTNeoXModel.modify_tensors:
+    the checkpoint's per-head [query, key, value] rows made all queries, keys, values): row r of
+    the HF weight (or bias) is row out[r] of the file's. Whole rows: a packed matrix's blocks move
+    as they are."""
+    return tuple(int(i) for i in np.arange(rows).reshape(3, heads, rows // 3 // heads).swapaxes(0, 1).reshape(rows))
+
+
 def write_tokenizer(src: GGUFSource, out_dir: Path) -> list[Path]:
     """The file's tokenizer (tokenizer.ggml.*) and chat template as the tokenizer files text
     generation reads (tokenizer.json, tokenizer_config.json, ...), converted by transformers,
-    offline, into `out_dir`. A Gemma file's is GemmaTokenizer's conversion (transformers' GGUF
+    offline, into `out_dir`. A GPT-NeoX file's is converted through GPTNeoXTokenizer (AutoTokenizer
+    reads the config first, which transformers' GGUF loader does not read for "gptneox"); a Gemma
+    file's is GemmaTokenizer's conversion (transformers' GGUF
     tokenizer builder for "gemma": merges from the token order, no prefix space), which AutoTokenizer
     would pick but cannot reach: it reads the file's config first, and its GGUF loader reads no
     Gemma 1 config."""
@@ -291,7 +327,7 @@ def write_tokenizer(src: GGUFSource, out_dir: Path) -> list[Path]:
     zoo.ensure_torchvision()
     import transformers
 
-    cls = transformers.GemmaTokenizer if src.arch == "gemma" else transformers.AutoTokenizer
+    cls = getattr(transformers, TOKENIZER_CLASSES.get(src.arch, "AutoTokenizer"))
     try:
         tok = cls.from_pretrained(str(src.path.parent), gguf_file=src.path.name, local_files_only=True)
         tok.save_pretrained(str(out_dir))

@@ -9,13 +9,14 @@ mix, a Qwen3 (q/k norms), a Phi-3 (fused qkv and gate-up matrices, packed whole)
 BPE tokenizer), untied and tied, a Gemma 1 (norm scales stored as 1 + w, multi-query, heads of
 128, a tied packed embedding scaled by sqrt(hidden)) and a multi-query Falcon (fused qkv, parallel
 attention and MLP, LayerNorms, its head `output.weight` though transformers' config says tied; a
-Falcon-40B-style file, several KV heads, is refused). Each bundle, on the reference backend, gives
+Falcon-40B-style file, several KV heads, is refused) and a GPT-NeoX (llama.cpp's reordered qkv
+weight and bias, partial rotary, a sequential residual). Each bundle, on the reference backend, gives
 the greedy tokens of transformers' own load of the same file (`from_pretrained(dir, gguf_file=...)`,
 which dequantizes with gguf's NumPy dequantizers), with every step's logits within 1e-4 x
 max|logits| of transformers'; and at K = 2 as a user runs it. transformers' GGUF loader reads no
-Gemma 1 file (architecture "gemma"), so a Gemma's reference is transformers' GemmaForCausalLM
-holding the file's tensors dequantized by gguf with llama.cpp's conversion undone
-(tests/support/gguf_files.py gemma_reference).
+Gemma 1 file (architecture "gemma") and no GPT-NeoX file ("gptneox"), so their reference is
+transformers' GemmaForCausalLM / GPTNeoXForCausalLM holding the file's tensors dequantized by gguf
+with llama.cpp's conversion undone (tests/support/gguf_files.py gemma_reference, neox_reference).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.gguf_files import HIDDEN, MIXED, gemma_reference, load_transformers, tensor_bytes, write_gguf
+from tests.support.gguf_files import (HIDDEN, MIXED, gemma_reference, load_transformers, neox_reference, tensor_bytes,
+                                     write_gguf)
 
 pytest.importorskip("tvm")
 pytest.importorskip("gguf")
@@ -54,6 +56,11 @@ FALCON = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K", "blk.0.attn_qkv.
           "blk.0.attn_output.weight": "Q4_1", "blk.0.ffn_up.weight": "Q5_0", "blk.0.ffn_down.weight": "Q5_1",
           "blk.1.attn_qkv.weight": "Q5_K", "blk.1.attn_output.weight": "BF16", "blk.1.ffn_up.weight": "F16",
           "blk.1.ffn_down.weight": "Q8_0"}
+# GPT-NeoX: every listed type among its fused qkv (reordered by llama.cpp), dense, MLP, embedding, head
+NEOX = {"token_embd.weight": "Q5_K", "output.weight": "Q8_0", "blk.0.attn_qkv.weight": "Q4_K",
+        "blk.0.attn_output.weight": "Q5_1", "blk.0.ffn_up.weight": "Q4_0", "blk.0.ffn_down.weight": "Q6_K",
+        "blk.1.attn_qkv.weight": "Q5_0", "blk.1.attn_output.weight": "F16", "blk.1.ffn_up.weight": "Q4_1",
+        "blk.1.ffn_down.weight": "BF16"}
 CASES = {
     "llama_mixed": dict(types=MIXED),
     "llama_tied_q8": dict(types={k: "Q8_0" for k in MIXED}, tied=True),
@@ -72,14 +79,18 @@ CASES = {
     # Falcon-7B-style: multi-query fused qkv, parallel attention, LayerNorms; its output.weight is the
     # head though transformers' config of a falcon file says tied
     "falcon_mixed": dict(types=FALCON, arch="falcon", seed=2),
+    # GPT-NeoX (Pythia): qkv weight and bias rows put back from llama.cpp's reorder, rotary over a
+    # quarter of each head, a sequential residual, LayerNorms and biases
+    "gptneox_mixed": dict(types=NEOX, arch="gptneox", seed=2),
 }
+HAND_BUILT = {"gemma": gemma_reference, "gptneox": neox_reference}  # architectures transformers' GGUF loader does not read
 
 
 def reference(name: str, f: Path):
-    """transformers' model of case `name`'s file: its own GGUF load, or for a Gemma 1 (which that
-    loader does not read) GemmaForCausalLM holding the file's tensors as llama.cpp's converter
-    wrote them, undone."""
-    return gemma_reference(f) if CASES[name].get("arch") == "gemma" else load_transformers(f)
+    """transformers' model of case `name`'s file: its own GGUF load, or for a Gemma 1 or a GPT-NeoX
+    (which that loader does not read) GemmaForCausalLM / GPTNeoXForCausalLM holding the file's
+    tensors as llama.cpp's converter wrote them, undone."""
+    return HAND_BUILT.get(CASES[name].get("arch"), load_transformers)(f)
 
 
 unscheduled: dict[str, object] = {}  # the fixture's compiled functions before scheduling, by case
@@ -184,7 +195,7 @@ def test_a_paged_gguf_step_gives_the_static_steps_tokens_and_logits(name, batch,
             assert np.abs(got - ref[pos]).max() <= 1e-4 * np.abs(ref[pos]).max(), (i, pos)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].get("arch") != "gemma"])
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].get("arch") not in HAND_BUILT])
 def test_the_config_is_the_one_transformers_reads(name, gguf_case):
     """open_gguf maps the metadata itself (one reader, tokenizer arrays unparsed): the same config
     as transformers' load_gguf_checkpoint."""
@@ -618,6 +629,38 @@ def test_a_falcon_steps_head_is_the_files_output_weight_though_its_config_says_t
     assert weights["p_model_transformer_word_embeddings"]["format"] == "Q4_K"
     qkv = weights["p_model_transformer_h_1_self_attention_query_key_value"]
     assert qkv["format"] == "Q5_K" and qkv["shape"] == [HIDDEN + 2 * HIDDEN // 4, HIDDEN]
+
+
+def test_a_gptneox_files_metadata_and_tokenizer_read_as_the_model_it_was_converted_from(gguf_case):
+    """transformers reads no "gptneox" file (neither config nor tokenizer: AutoTokenizer reads the
+    config first): tvmpipe's map (ggufsource.CONFIG_MAPPING) gives the GPTNeoXConfig it was written
+    from, the rotary share a head from rope.dimension_count and the file's sequential residual; the
+    byte-level BPE converts through GPTNeoXTokenizer as a GPT-2 file's through AutoTokenizer."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tvmpipe.bundle import load_bundle
+    from tvmpipe.compiler.ggufsource import open_gguf
+    from tvmpipe.generation.text import load_text_codec
+
+    f, bundle = gguf_case("gptneox_mixed")
+    with pytest.raises(ValueError, match="gptneox"):  # when transformers reads it, hold it to that load
+        load_gguf_checkpoint(str(f), return_tensors=False)
+    src = open_gguf(f)
+    assert src.architecture == "GPTNeoXForCausalLM" and src.model_type == "gpt_neox"
+    got = transformers.AutoConfig.for_model("gpt_neox", **{k: v for k, v in src.config.items() if k != "model_type"})
+    want = neox_reference(f).config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings", "tie_word_embeddings", "use_parallel_residual", "hidden_act",
+                "attention_bias", "rope_parameters", "bos_token_id", "eos_token_id"):
+        assert getattr(got, key) == getattr(want, key), key
+    assert got.rope_parameters["partial_rotary_factor"] == 0.25 and got.use_parallel_residual is False
+    assert got.layer_norm_eps == pytest.approx(1e-5)
+    gpt2, _ = gguf_case("gpt2_mixed")  # the same byte-level vocabulary and merges
+    hf = transformers.AutoTokenizer.from_pretrained(str(gpt2.parent), gguf_file=gpt2.name)
+    codec = load_text_codec(load_bundle(bundle).tokenizer_dir)
+    text = "the cat sat on the mat, she is in it!"
+    assert codec.encode(text) == hf.encode(text) and codec.decode(hf.encode(text)) == text
 
 
 def test_tokenizer_names_the_tokenizer_of_a_file_without_one(tmp_path):

@@ -16,7 +16,11 @@ no q/k permutation, and the SentencePiece tokenizer with `add_space_prefix` fals
 reordered from per-KV-group interleaving into queries, keys, values: the identity at one KV head;
 `falcon_kv_heads` > 1 writes a Falcon-40B-style file), LayerNorms with biases, parallel attention and MLP
 from one norm, MLP 4 x hidden, no linear biases, context length 2048, `output.weight` unless tied,
-and GPT-2's byte-level BPE tokenizer (pre-tokenizer `falcon`).
+and GPT-2's byte-level BPE tokenizer (pre-tokenizer `falcon`). A GPT-NeoX (`arch="gptneox"`) as
+llama.cpp's GPTNeoXModel writes one: its per-head interleaved query_key_value weight and bias
+reordered into queries, keys, values, rotary over a quarter of each head (`rope.dimension_count`),
+a sequential residual (`use_parallel_residual` false: not transformers' default), LayerNorms and
+linears with biases, MLP 4 x hidden, `output.weight` (the LM head), and the byte-level BPE tokenizer.
 
 Each matrix takes the type `types` gives it (by GGUF name; others F32). Types gguf can quantize
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) are quantized by gguf.quants from the float weight;
@@ -74,6 +78,7 @@ def _kquant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: object
 GEMMA_HEAD_DIM, GEMMA_KV_HEADS = 128, 1
 GPT2_CONTEXT = 1024  # GPT2Config's n_positions (transformers reads no GGUF key into it)
 FALCON_CONTEXT = 2048  # what llama.cpp's FalconModel writes (its config.json has none)
+NEOX_ROTARY_PCT = 0.25  # Pythia's: rotary over a quarter of each head
 GPT2_WORDS = ("the", "cat", "is", "on", "mat", "of", "in", "at", "he", "she", "sat")
 
 
@@ -107,6 +112,14 @@ def _falcon_qkv(w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     g = w.reshape(kv_heads, heads // kv_heads + 2, head_dim, w.shape[1])
     return np.concatenate([g[:, :-2].reshape(-1, w.shape[1]), g[:, -2].reshape(-1, w.shape[1]),
                            g[:, -1].reshape(-1, w.shape[1])])
+
+
+def _neox_qkv(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's GPTNeoXModel.modify_tensors reorder of a checkpoint's query_key_value weight or bias
+    (per head: its query, key, value rows): all queries, then keys, then values."""
+    g = w.reshape(heads, 3, -1, *w.shape[1:])
+    return np.concatenate([g[:, 0].reshape(-1, *w.shape[1:]), g[:, 1].reshape(-1, *w.shape[1:]),
+                           g[:, 2].reshape(-1, *w.shape[1:])])
 
 
 def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, qtype_name: str) -> None:
@@ -146,14 +159,19 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
     tied = tied or gemma  # llama.cpp writes no lm_head for Gemma
     gpt2 = arch == "gpt2"
     falcon = arch == "falcon"
+    neox = arch == "gptneox"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name or f"tiny {arch}")
     w.add_context_length(GPT2_CONTEXT if gpt2 else FALCON_CONTEXT if falcon else CONTEXT)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(4 * HIDDEN if gpt2 or falcon else FFN)
+    w.add_feed_forward_length(4 * HIDDEN if gpt2 or falcon or neox else FFN)
     w.add_head_count(HEADS)
     if gpt2:
+        w.add_layer_norm_eps(1e-5)
+    elif neox:  # convert_hf_to_gguf's GPTNeoXModel.set_gguf_parameters: no rope theta, no vocab_size
+        w.add_rope_dimension_count(int(NEOX_ROTARY_PCT * (HIDDEN // HEADS)))
+        w.add_parallel_residual(False)
         w.add_layer_norm_eps(1e-5)
     elif falcon:  # convert_hf_to_gguf's FalconModel.set_gguf_parameters: no rope keys, no vocab_size
         w.add_tensor_data_layout("jploski")  # its qkv reorder
@@ -170,7 +188,7 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(10000.0)
         w.add_vocab_size(VOCAB)
-    if tokenizer and (gpt2 or falcon):
+    if tokenizer and (gpt2 or falcon or neox):
         tokens, merges, token_types = _byte_level_vocab()
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("falcon" if falcon else "gpt-2")
@@ -239,6 +257,24 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         for i in range(LAYERS):
             for n, rows, cols in (("attn_norm", 0, HIDDEN), ("attn_qkv", 3 * HIDDEN, HIDDEN),
                                   ("attn_output", HIDDEN, HIDDEN), ("ffn_norm", 0, HIDDEN),
+                                  ("ffn_up", 4 * HIDDEN, HIDDEN), ("ffn_down", HIDDEN, 4 * HIDDEN)):
+                if rows:
+                    add(f"blk.{i}.{n}.weight", mat(rows, cols, 0.04 if n == "ffn_down" else 0.08))
+                    add(f"blk.{i}.{n}.bias", bias(rows))
+                else:
+                    add(f"blk.{i}.{n}.weight", norm(cols))
+                    add(f"blk.{i}.{n}.bias", bias(cols))
+        add("output_norm.weight", norm(HIDDEN))
+        add("output_norm.bias", bias(HIDDEN))
+        return finish()
+
+    if neox:  # LayerNorms and linears with biases; the fused qkv (weight and bias) reordered
+        for i in range(LAYERS):
+            add(f"blk.{i}.attn_norm.weight", norm(HIDDEN))
+            add(f"blk.{i}.attn_norm.bias", bias(HIDDEN))
+            add(f"blk.{i}.attn_qkv.weight", _neox_qkv(mat(3 * HIDDEN, HIDDEN), HEADS))
+            add(f"blk.{i}.attn_qkv.bias", _neox_qkv(bias(3 * HIDDEN), HEADS))
+            for n, rows, cols in (("attn_output", HIDDEN, HIDDEN), ("ffn_norm", 0, HIDDEN),
                                   ("ffn_up", 4 * HIDDEN, HIDDEN), ("ffn_down", HIDDEN, 4 * HIDDEN)):
                 if rows:
                     add(f"blk.{i}.{n}.weight", mat(rows, cols, 0.04 if n == "ffn_down" else 0.08))
@@ -369,4 +405,47 @@ def gemma_reference(path: Path, dtype: str = "float32"):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+# GGUF name -> GPTNeoXForCausalLM's, as llama.cpp's tensor map names GPT-NeoX's (gguf/tensor_mapping.py)
+NEOX_NAMES = {"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm", "output": "lm_head",
+              "attn_norm": "input_layernorm", "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
+              "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+
+
+def neox_reference(path: Path):
+    """transformers' own GPTNeoXForCausalLM (float32, eager) of the config write_gguf's GPT-NeoX was
+    written from, holding the file's weights with llama.cpp's conversion undone: every tensor
+    dequantized by gguf's NumPy dequantizer, the fused qkv weight and bias put back from all
+    queries, keys, values into per-head [query, key, value] rows. (transformers' GGUF loader reads
+    no architecture "gptneox" file, so this is the load it would make.)"""
+    import gguf
+    import torch
+    import transformers
+
+    from tvmpipe.compiler import zoo
+
+    zoo.ensure_torchvision()
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=4 * HIDDEN, max_position_embeddings=CONTEXT, rotary_pct=NEOX_ROTARY_PCT,
+        use_parallel_residual=False, layer_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    config._attn_implementation = "eager"
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    state = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        value = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        value = value.reshape(tuple(reversed([int(d) for d in t.shape])))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"gpt_neox.layers.{parts[1]}.{NEOX_NAMES[parts[2]]}.{parts[3]}"
+            if parts[2] == "attn_qkv":  # [3, heads, head_dim, ...] -> [heads, 3, head_dim, ...]
+                value = value.reshape(3, HEADS, -1, *value.shape[1:]).swapaxes(0, 1).reshape(value.shape)
+        else:
+            name = f"{NEOX_NAMES[parts[0]]}.{parts[1]}"
+        state[name] = torch.from_numpy(np.array(value, np.float32))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
     return model
