@@ -83,7 +83,8 @@ CASES = {
     # quarter of each head, a sequential residual, LayerNorms and biases
     "gptneox_mixed": dict(types=NEOX, arch="gptneox", seed=2),
 }
-HAND_BUILT = {"gemma": gemma_reference, "gptneox": neox_reference}  # architectures transformers' GGUF loader does not read
+# the architectures transformers' GGUF loader does not read: their reference built by hand
+HAND_BUILT = {"gemma": gemma_reference, "gptneox": neox_reference}
 
 
 def reference(name: str, f: Path):
