@@ -1,6 +1,7 @@
 """A paged step's pool sized at run time (issue 53, `--kv-tokens`; bundle/pool.py, executor/kvpool.py).
 
-The zoo's GPT-2 compiled paged with a pool of 8 pages of 4 (max context 24, batch 3) is resized
+The zoo's GPT-2 compiled paged (tests/conftest.py zoo_decoder: max context 20, pages of 4, batch 2,
+its default pool of 10 pages) is resized
 at load: every pool entry, the ops.json records reading or writing it and `generation.paged.pages`
 follow, the load's own check refuses a pool under one row, and a Stage over the resized bundle
 (reference backend; cuda on the strict fake PyCUDA, whose kernels read the pool's pages from the
@@ -19,21 +20,19 @@ import pytest
 pytest.importorskip("tvm")
 pytestmark = pytest.mark.tvm
 
-T, B, P, POOL = 24, 3, 4, 8
+T, B, P, POOL = 20, 2, 4, 10  # zoo_decoder's paged GPT-2 at batch 2: the default pool, B x T / P
 # per row: its prompt, tokens to generate, and its pages in the compiled pool and in a resized one
-# of 32 (ids past the compiled 8); row 2 stays idle
+# of 32 (ids past the compiled 10)
 ROWS = [([5, 17, 3, 60, 9], 6, [0, 1, 2], [29, 30, 31]), ([7, 8], 8, [3, 4, 5], [20, 21, 9])]
 
 
 @pytest.fixture(scope="module")
-def paged(tmp_path_factory):
-    from tvmpipe.compiler.decoders import KvOptions
-    from tvmpipe.compiler.export import export
-    from tvmpipe.compiler.progress import Progress
+def paged(zoo_decoder):
+    out = zoo_decoder("gpt2", B, kv="paged")[0]
+    from tvmpipe.bundle import load_bundle
 
-    out = tmp_path_factory.mktemp("kvpool") / "gpt2_paged"
-    export("gpt2", progress=Progress(stream=None), decode=T, batch=B, seed=1,
-           kv=KvOptions("paged", page_size=P, pages=POOL)).write(out)
+    g = load_bundle(out).generation
+    assert (g.max_context, g.paged.page_size, g.paged.pages) == (T, P, POOL)
     return out
 
 
@@ -60,19 +59,19 @@ def _drive(bundle, ids: int, backend: str = "reference", tokens: list[list[int]]
     feeds = stage.program.input_entries
     capacity = bundle.graph.entry_of("page_table_values").shape[0]
     seqs = [list(p) for p, _, _, _ in ROWS] if tokens is None else [list(t) for t in tokens]
-    pages = [r[ids] for r in ROWS] + [[]]
+    pages = [r[ids] for r in ROWS]
     fed, logs = [0, 0], []
     while any(fed[b] < len(ROWS[b][0]) + ROWS[b][1] - 1 for b in range(2)):
         live = [fed[b] < len(ROWS[b][0]) + ROWS[b][1] - 1 for b in range(2)]
-        lengths = [fed[b] + 1 if live[b] else 0 for b in range(2)] + [0]
-        step = {"input_ids": np.array([[seqs[b][fed[b]] if b < 2 and live[b] else 0] for b in range(B)], np.int64),
-                "position": np.array([fed[b] if b < 2 else 0 for b in range(B)], np.int64),
+        lengths = [fed[b] + 1 if live[b] else 0 for b in range(B)]
+        step = {"input_ids": np.array([[seqs[b][fed[b]] if live[b] else 0] for b in range(B)], np.int64),
+                "position": np.array(fed, np.int64),
                 **_table(lengths, pages, capacity)}
         inputs = {e: step[n] for n, e in feeds.items() if e not in stage.state.inputs}
         inputs[stage.slot_entry] = np.array([0] + [0] * B, np.int64)
         out = stage.run(inputs)
         logits = out[bundle.graph.head_entries[0]].reshape(B, -1)
-        logs.append(logits[:2].copy())
+        logs.append(logits.copy())
         for b in range(2):
             if not live[b]:
                 continue
@@ -169,7 +168,7 @@ def test_the_default_is_rows_at_max_context_within_the_free_memory(paged):
     from tvmpipe.executor.kvpool import AUTO, size_pool
 
     b = load_bundle(paged)
-    one_row = T // P  # 6 pages
+    one_row = T // P  # 5 pages
     plenty = lambda m: 1 << 40  # noqa: E731
     s = size_pool(b, 4, _needs(1000, 100, ["host", "host"]), AUTO, plenty)
     assert (s.pages, s.cap_pages, s.requested) == (4 * one_row, 4 * one_row, None)
@@ -187,25 +186,21 @@ def test_the_default_is_rows_at_max_context_within_the_free_memory(paged):
     assert e.value.field == "kv_tokens"
 
 
-def test_tokens_asked_for_are_whole_pages_checked_against_a_row_and_the_memory(paged, tmp_path):
+def test_tokens_asked_for_are_whole_pages_checked_against_a_row_and_the_memory(paged, zoo_decoder):
     from tvmpipe.bundle import load_bundle
-    from tvmpipe.compiler.decoders import KvOptions
-    from tvmpipe.compiler.export import export
-    from tvmpipe.compiler.progress import Progress
     from tvmpipe.core.errors import FieldError
     from tvmpipe.executor.kvpool import size_pool
 
     b = load_bundle(paged)
     s = size_pool(b, 3, _needs(0, 10, ["host"]), 101, lambda m: 1 << 30)
     assert (s.pages, s.tokens, s.requested) == (26, 104, 101)  # rounded up; more than rows x T is allowed
-    with pytest.raises(FieldError, match=r"^kv_tokens 20: a pool of 5 pages of 4 tokens \(20 tokens\) holds less "
-                                         r"than one row at the max context \(24\)$"):
-        size_pool(b, 3, _needs(0, 10, ["host"]), 20, lambda m: 1 << 30)
+    with pytest.raises(FieldError, match=r"^kv_tokens 16: a pool of 4 pages of 4 tokens \(16 tokens\) holds less "
+                                         r"than one row at the max context \(20\)$"):
+        size_pool(b, 3, _needs(0, 10, ["host"]), 16, lambda m: 1 << 30)
     with pytest.raises(FieldError, match=r"kv_tokens 4000: 1000 pages of 4 tokens do not fit; 900 pages"):
         size_pool(b, 3, _needs(0, 10, ["host"]), 4000, lambda m: 10_000)
-    export("gpt2", progress=Progress(stream=None), decode=T, seed=1, kv=KvOptions("static")).write(tmp_path / "static")
     with pytest.raises(FieldError, match="keeps static caches"):
-        size_pool(load_bundle(tmp_path / "static"), 3, [], 100, lambda m: None)
+        size_pool(load_bundle(zoo_decoder("gpt2", B, kv="static")[0]), 3, [], 100, lambda m: None)
 
 
 def test_free_memory_is_read_from_the_host_and_from_the_stages_gpu(monkeypatch, tmp_path, paged):
@@ -225,9 +220,8 @@ def test_free_memory_is_read_from_the_host_and_from_the_stages_gpu(monkeypatch, 
 
 def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
     """A process pipeline sized "auto" with the host's free memory faked (the driver reads it):
-    10 pages fit where rows x max context would be 36; every stage and the scheduler get 10 (pages
-    8 and 9 are past the compiled pool: a stage without them would fail the step), and the tokens
-    equal the compiled pool's."""
+    7 pages fit where rows x max context would be 20; every stage and the scheduler get 7 (fewer
+    than compiled: the pool fills and preempts), and the tokens equal the compiled pool's."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.core.errors import FieldError
@@ -236,17 +230,17 @@ def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
 
     b = load_bundle(paged)
     needs = kvpool.stage_memory(b, [(0, len(b.graph.nodes))], ["host"])
-    monkeypatch.setattr(kvpool, "host_available", lambda: int((needs[0].fixed_bytes + 10.5 * needs[0].page_bytes) / 0.9))
+    monkeypatch.setattr(kvpool, "host_available", lambda: int((needs[0].fixed_bytes + 7.5 * needs[0].page_bytes) / 0.9))
     prompts = [p for p, _, _, _ in ROWS] + [[1, 2, 3]]
     runs = {}
     for kv in (None, kvpool.AUTO):
         with Pipeline(paged, 1, launcher="process", logits=False, slots=2, kv_tokens=kv) as pipe:
             runs[kv] = [r.tokens for r in Generator(pipe).generate_all(prompts, 8)]
             if kv is not None:
-                assert (pipe.kv_pool.pages, pipe.kv_pool.cap_pages) == (10, 2 * B * T // P)
-                assert pipe.bundle.generation.paged.pages == 10
+                assert (pipe.kv_pool.pages, pipe.kv_pool.cap_pages) == (7, 2 * B * T // P)
+                assert pipe.bundle.generation.paged.pages == 7
     assert runs[None] == runs[kvpool.AUTO]
-    with pytest.raises(FieldError, match=r"^kv_tokens 1000: 250 pages of 4 tokens do not fit; 10 pages \(40 tokens\)"):
+    with pytest.raises(FieldError, match=r"^kv_tokens 1000: 250 pages of 4 tokens do not fit; 7 pages \(28 tokens\)"):
         Pipeline(paged, 1, launcher="process", logits=False, slots=2, kv_tokens=1000)  # before any stage starts
 
 
