@@ -839,12 +839,15 @@ def _raise_first(results: list[Any]) -> None:
 
 def _pool_memories(backend: str, launcher: str | Launcher, placement: Any, k: int) -> list[str]:
     """Which memory each of `k` stages holds its pool in, as executor/kvpool.py names them:
-    reference stages the host's (every stage on this host shares it; a remote node's cannot be read
-    from here), cuda stages their GPU's (a process launcher's `devices`, round robin; under Ray,
-    stage i on GPU i x its share: stages with a share of one GPU share it); the simulated backend
-    holds nothing."""
+    reference stages the host's (every stage on this host shares it), cuda stages their GPU's (a
+    process launcher's `devices`, round robin; under a local Ray, stage i on GPU i x its share:
+    stages with a share of one GPU share it). On a Ray cluster we joined (`placement.grows`) a
+    stage may run on another node, whose memory this process cannot read ("remote": it does not
+    limit the default; the stage checks its own when it starts). The simulated backend holds none."""
     if backend == "simulated":
         return ["none"] * k
+    if getattr(placement, "grows", False):
+        return [f"remote:{i}" for i in range(k)]
     if backend != "cuda":
         return [kvpool.HOST] * k
     devices = getattr(launcher, "devices", None)

@@ -260,3 +260,20 @@ def test_a_stage_refuses_a_pool_its_memory_cannot_hold_in_one_line(paged, monkey
     with pytest.raises(InputError, match=r"^stage \[0, \d+\): its KV page pools take 7.6 GiB, more than the .* of "
                                          r"device memory free; give a smaller pool \(--kv-tokens\) or use more stages$"):
         Stage(b, 0, len(b.graph.nodes), "cuda", state_slots=1)
+
+
+def test_which_memory_each_stage_is_sized_against():
+    """The driver's map of stages to memories (cluster/driver.py): reference stages share this
+    host's; cuda stages their GPUs' (a process launcher's devices, round robin; a Ray share of one
+    GPU packs stages on it); a joined Ray cluster's stages may be on nodes this process cannot read."""
+    from tvmpipe.cluster.control.launchers import ProcessLauncher
+    from tvmpipe.cluster.control.placement import Placement
+    from tvmpipe.cluster.driver import _pool_memories
+
+    assert _pool_memories("reference", "process", None, 3) == ["host"] * 3
+    assert _pool_memories("cuda", ProcessLauncher(devices=["0", "1"]), None, 3) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert _pool_memories("cuda", "ray", Placement(gpus=1.0, grows=False), 2) == ["cuda:0", "cuda:1"]  # --local
+    assert _pool_memories("cuda", "ray", Placement(gpus=0.5, grows=False), 2) == ["cuda:0", "cuda:0"]
+    assert _pool_memories("reference", "ray", Placement(grows=True), 2) == ["remote:0", "remote:1"]
+    assert _pool_memories("simulated", "process", None, 1) == ["none"]
+
