@@ -320,7 +320,7 @@ def transformers_side_by_side(cache: Path, prompts: int) -> list[dict]:
     out = []
     rng = __import__("random").Random(0)
     for name in HF_DECODERS:
-        bdir = cache / f"{name}-T{HF_MAX_CONTEXT}-s{HF_SEED}"
+        bdir = cache / f"{name}-T{HF_MAX_CONTEXT}-s{HF_SEED}-paged"  # the default layout
         if not (bdir / "bundle.json").is_file():
             export(name, progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED).write(bdir)
         b = load_bundle(bdir)
@@ -352,14 +352,15 @@ BATCHES = (1, 2, 4)
 
 def batch_bundle(cache: Path, b: int, chunk: int = 1) -> Path:
     """GPT-2's decode step at batch `b` (the zoo's tiny config), up to `chunk` tokens a row a step,
-    compiled once under `cache`."""
+    with static caches (`--kv static`: the static batches' slots and row resets are what these
+    benches measure), compiled once under `cache`."""
     from tvmpipe.compiler.export import export
     from tvmpipe.compiler.progress import Progress
 
-    out = cache / (f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}" + (f"-c{chunk}" if chunk > 1 else ""))
+    out = cache / (f"gpt2-T{HF_MAX_CONTEXT}-s{HF_SEED}-b{b}" + (f"-c{chunk}" if chunk > 1 else "") + "-static")
     if not (out / "bundle.json").is_file():
         export("gpt2", progress=Progress(stream=None), decode=HF_MAX_CONTEXT, seed=HF_SEED, batch=b,
-               chunk=chunk).write(out)
+               chunk=chunk, kv="static").write(out)
     return out
 
 

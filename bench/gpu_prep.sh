@@ -99,12 +99,14 @@ rm -rf .gpu/bundles/decode_fixture
 "$PY" -c 'import shutil, sys; sys.path.insert(0, "."); from tests.support.decode_bundle import decode_bundle
 shutil.copytree(decode_bundle(sys.argv[1]), ".gpu/bundles/decode_fixture/bundle")' "$tmp/decode_fixture"
 # Each bundle must load, use generated weights, and give finite outputs on the reference backend.
-say "compiling gpt2 --decode -> .gpu/bundles/gpt2_decode (max context 64, seeded weights)"
-"$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
-say "compiling gpt2 --decode --batch 4 -> .gpu/bundles/gpt2_decode_b4 (the same weights, 4 sequences a micro-batch)"
-"$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --batch 4 -o .gpu/bundles/gpt2_decode_b4 --force --quiet
-say "compiling gpt2 --decode --chunk 8 -> .gpu/bundles/gpt2_decode_c8 (the same weights, prompts 8 tokens a step)"
-"$PY" -m tvmpipe compile gpt2 --decode --max-context 64 --seed 1 --chunk 8 -o .gpu/bundles/gpt2_decode_c8 --force --quiet
+# The decode step measures static caches (bytes a slot, on the device): --kv static, not the
+# default paged layout (paged kernels on a GPU: bench/paged_gpu.py).
+say "compiling gpt2 --decode --kv static -> .gpu/bundles/gpt2_decode (max context 64, seeded weights)"
+"$PY" -m tvmpipe compile gpt2 --decode --kv static --max-context 64 --seed 1 -o .gpu/bundles/gpt2_decode --force --quiet
+say "compiling gpt2 --decode --kv static --batch 4 -> .gpu/bundles/gpt2_decode_b4 (the same weights, 4 sequences a micro-batch)"
+"$PY" -m tvmpipe compile gpt2 --decode --kv static --max-context 64 --seed 1 --batch 4 -o .gpu/bundles/gpt2_decode_b4 --force --quiet
+say "compiling gpt2 --decode --kv static --chunk 8 -> .gpu/bundles/gpt2_decode_c8 (the same weights, prompts 8 tokens a step)"
+"$PY" -m tvmpipe compile gpt2 --decode --kv static --max-context 64 --seed 1 --chunk 8 -o .gpu/bundles/gpt2_decode_c8 --force --quiet
 # The real-size decode steps (issue 47): checkpoints in $tmp (not carried), bundles without weights
 REAL_MODELS=${GPU_PREP_REAL_MODELS-135m,1.1b}
 if [ -n "$REAL_MODELS" ]; then

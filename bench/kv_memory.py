@@ -5,8 +5,9 @@
 Each stage keeps the caches of its own layers only, allocated when a slot is first used: one
 buffer a pair and slot where the step writes the new value over the old (a decode step's cache
 update), else two (it reads one and writes the other, then they swap: docs/generation.md). The
-bench compiles the zoo's Llama decode step with a 1024-token context (`tvmpipe compile llama
---decode --max-context 1024`: 2 layers, 512 KiB of caches per slot; compiled once into --bundle),
+bench compiles the zoo's Llama decode step with a 1024-token context and static caches (`tvmpipe
+compile llama --decode --max-context 1024 --kv static`: 2 layers, 512 KiB of caches per slot;
+compiled once into --bundle; bench/kv.py measures the paged layout),
 runs it at K = 1, 2, 4 stages (stage processes, reference backend) with S = 1, 8, 32 slots, all in
 use (S one-token prompts, S in flight), and records per stage:
 - the state bytes the stage reports (`WorkerStats.state_bytes`, the `state resident` column of
@@ -48,11 +49,12 @@ def rss(pid: int) -> int:
 
 
 def bundle_at(path: Path) -> Path:
-    """The Llama decode step at MAX_CONTEXT, compiled once (TVM: the project's dev install)."""
+    """The Llama decode step at MAX_CONTEXT with static caches (per slot: what this bench measures),
+    compiled once (TVM: the project's dev install)."""
     if not (path / "bundle.json").is_file():
         from tvmpipe.compiler.export import compile_model
 
-        compile_model("llama", path, decode=MAX_CONTEXT, overwrite=True)
+        compile_model("llama", path, decode=MAX_CONTEXT, overwrite=True, kv="static")
     return path
 
 

@@ -10,7 +10,7 @@ checkpoint is written by transformers' `save_pretrained` (LlamaForCausalLM of th
 configuration, bench/checkpoint.py's MODELS, random init, float16) into --work, which is not
 carried; its config.json is copied to OUT/<model>/config.json, so that the GPU host builds the
 transformers model of the same configuration. Each context x batch combination is compiled
-(`tvmpipe compile DIR --decode --max-context T --batch B`, the checkpoint's float16) in a child
+(`tvmpipe compile DIR --decode --kv static --max-context T --batch B`, the checkpoint's float16) in a child
 process, which reports its wall time and peak RSS, and written without its weights (generated
 from seed 0 on load, as `--omit-params` writes a bundle) to OUT/<model>/T<T>_b<B>. Beside it,
 T<T>_b<B>.constants.npz holds the compiled values of the params that are not weight matrices
@@ -104,7 +104,9 @@ def export_bundle(ckpt: str | Path, out: str | Path, max_context: int, batch: in
     from tvmpipe.compiler.progress import Progress
     from tvmpipe.core.files import atomic_path
 
-    ex = export(str(ckpt), decode=max_context, batch=batch, progress=Progress(stream=None), quantize=quantize)
+    # static caches: the step's profile (cache updates, attention over T) and floors are the static layout's
+    ex = export(str(ckpt), decode=max_context, batch=batch, progress=Progress(stream=None), quantize=quantize,
+                kv="static")
     ex.write(out, params_seed=SEED, overwrite=True)
     specs = ex.params.specs()
     packed = packed_params(ex.source)

@@ -270,8 +270,13 @@ def _summary(r: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
         rows.append(("generation", f"token {gen['token']}{chunked}, position {gen['position']}, logits output "
                                    f"{gen['logits']}, max context {gen['max_context']}, vocab {gen['vocab_size']}"))
         pg = gen.get("paged")
+        decode = (r["source"] or {}).get("decode")
+        why = decode.get("kv", {}).get("reason") if isinstance(decode, dict) and isinstance(decode.get("kv"), dict) \
+            else None  # the compiler's reason a step compiled without --kv is not paged
         rows.append(("kv cache", "static, [B, H_kv, T, D] per layer and sequence slot" if pg is None else
                      f"paged, page size {pg['page_size']}, pool {pg['pages']} pages shared by the stage's rows"))
+        if pg is None and why:
+            rows.append(("not paged", why))
         if pg is not None:
             rows.append(("page table", ", ".join(pg[k] for k in ("indptr", "values", "last_page_len", "position_map",
                                                                  "q_indptr") if pg.get(k))))

@@ -44,8 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="store_true",
                    help=f"compile one decode step of the decoder SOURCE ({', '.join(DECODERS)}: tiny "
                         "transformers configs, weights from --seed; or a checkpoint directory of one of these "
-                        "families): inputs input_ids [B,1], position [B] and per-layer K/V caches, outputs logits "
-                        "[B,1,V] and the updated caches, declared as state. A .pt2 whose caches are buffers updated "
+                        "families): inputs input_ids [B,1], position [B] and the KV cache (--kv: a page pool a layer and "
+                        "the page table, or per-layer K/V caches), outputs logits [B,1,V] and the updated cache, "
+                        "declared as state. A .pt2 whose caches are buffers updated "
                         "in place gets its generation section declared (--token-input ...)")
     p.add_argument("--max-context", type=int, default=None, metavar="T",
                    help="with --decode: the caches' static length, prompt included (default 64; a .pt2's must be "
@@ -64,13 +65,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --decode: up to C tokens a row per step (input_ids [B,C], count [B]): prompts go "
                         "in C tokens a step (chunked prefill), generated tokens one, in the same graph (default 1)")
     p.add_argument("--kv", choices=["static", "paged"], default=None,
-                   help="with --decode: the KV cache's layout (default static): static caches [B, H_kv, T, D] per "
-                        "layer and sequence slot, or paged: one pool of pages a layer shared by the stage's rows, "
-                        "read and written through a page table the step takes as inputs (docs/paged-kv.md)")
+                   help="with --decode: the KV cache's layout: paged, one pool of pages a layer shared by the "
+                        "stage's rows, read and written through a page table the step takes as inputs "
+                        "(docs/paged-kv.md), or static caches [B, H_kv, T, D] per layer and sequence slot. Default: "
+                        "paged for built-in decoders, checkpoint directories and GGUF files; static, with the reason in "
+                        "the log and bundle.json, where a paged step is not built (a .pt2's own step, pages of "
+                        "bfloat16)")
     p.add_argument("--page-size", type=int, default=None, metavar="P",
-                   help="with --kv paged: tokens a page (default 16)")
+                   help="with a paged cache: tokens a page (default 16)")
     p.add_argument("--kv-pages", type=int, default=None, metavar="N",
-                   help="with --kv paged: pages in each layer's pool (default: every row at the max context, "
+                   help="with a paged cache: pages in each layer's pool (default: every row at the max context, "
                         "batch x ceil(T / P))")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="a GGUF file's tokenizer directory (tokenizer.json, ...), for a file without tokenizer.ggml.* "
@@ -100,13 +104,18 @@ def run(args: argparse.Namespace) -> int:
         raise SourceError("--chunk needs --decode")
     if args.kv is not None and not args.decode:
         raise SourceError("--kv needs --decode")
-    if (args.page_size is not None or args.kv_pages is not None) and args.kv != "paged":
-        raise SourceError("--page-size and --kv-pages size a paged KV cache: pass --kv paged")
-    kv = None
-    if args.kv == "paged":
+    sized = args.page_size is not None or args.kv_pages is not None
+    if sized and not args.decode:
+        raise SourceError("--page-size and --kv-pages need --decode")
+    if sized and args.kv == "static":
+        raise SourceError("--page-size and --kv-pages size a paged KV cache: not with --kv static")
+    kv = None  # the default: paged wherever it is built (export.default_kv)
+    if args.kv == "paged" or sized:  # sizing the pool asks for one: refused where it cannot be built
         from tvmpipe.compiler.decoders import DEFAULT_PAGE_SIZE, KvOptions
 
         kv = KvOptions("paged", DEFAULT_PAGE_SIZE if args.page_size is None else args.page_size, args.kv_pages)
+    elif args.kv == "static":
+        kv = "static"
     flags = {"--token-input": args.token_input, "--position-input": args.position_input,
              "--count-input": args.count_input, "--logits-output": args.logits_output}
     given = [f for f, v in flags.items() if v is not None]

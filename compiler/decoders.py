@@ -431,12 +431,14 @@ INDPTR, VALUES, LAST, POSITION_MAP, Q_INDPTR = (
 class KvOptions:
     """`tvmpipe compile --decode`'s KV layout: `layout` static or paged; a paged step's page size
     and pool pages (None: every row at the max context), and the CUDA arch its kernels are built
-    for (compiler/pagedops.py)."""
+    for (compiler/pagedops.py). `reason`: why a step that asked for no layout is static
+    (export.default_kv), recorded in bundle.json's source.decode.kv and said in the compile log."""
 
     layout: str = "static"
     page_size: int = DEFAULT_PAGE_SIZE
     pages: int | None = None
     arch: str = "sm_90"
+    reason: str | None = None
 
     def step_args(self) -> dict[str, Any]:
         """decode_step_module's keywords."""

@@ -131,7 +131,8 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
     checkpoint of one and the bundle is its decode step, taking up to `chunk` tokens a row; or a
     stateful .pt2 whose generation inputs and logits `generation` (genspec.Declared) names or
     leaves to inference. A checkpoint's forward pass takes `seq_len` tokens. `kv`: a decode step's
-    KV layout (decoders.KvOptions, or "static" / "paged" with the default page size and pool)."""
+    KV layout (decoders.KvOptions, or "static" / "paged" with the default page size and pool;
+    None: default_kv's, paged wherever it is built)."""
     from tvmpipe.compiler import launches
 
     progress = progress or Progress()
@@ -144,10 +145,14 @@ def export(source: str, *, arch: str = DEFAULT_ARCH, batch: int | None = None, d
 
     from tvmpipe.compiler import frontend
 
+    if kv is not None or decode is not None or generation is not None:
+        kv = _kv_options(kv, arch, source, dtype)
     with _step(progress, "import", source):
         imp = frontend.load_source(source, batch, seed, decode=decode, chunk=chunk, dtype=dtype, seq_len=seq_len,
                                    generation=generation, tokenizer=tokenizer, quantize=quantize,
-                                   group_size=group_size, kv=_kv_options(kv, arch))
+                                   group_size=group_size, kv=kv)
+    if kv is not None:
+        _record_kv(imp, kv, progress)
     if name:
         imp.model = name
     target = launches.cuda_target(arch)
@@ -196,16 +201,52 @@ def _for_cpu(prims: dict[str, Any], ops: dict[str, FusedFunction]) -> dict[str, 
     return out
 
 
-def _kv_options(kv: Any, arch: str) -> Any:
-    """export's `kv` as decoders.KvOptions built for `arch` (None: the static layout)."""
+def _kv_options(kv: Any, arch: str, source: str, dtype: str | None) -> Any:
+    """A decode step's `kv` as decoders.KvOptions built for `arch` (None: default_kv's)."""
     import dataclasses
 
     from tvmpipe.compiler.decoders import KvOptions
 
     if kv is None:
-        return None
-    opts = KvOptions(layout=kv) if isinstance(kv, str) else kv
+        opts = default_kv(source, dtype)
+    else:
+        opts = KvOptions(layout=kv) if isinstance(kv, str) else kv
     return dataclasses.replace(opts, arch=arch)
+
+
+def default_kv(source: str, dtype: str | None) -> Any:
+    """The KV layout (decoders.KvOptions) of a decode step compiled without `--kv` (issue 53):
+    paged (the default page size and pool) wherever a paged step is built, else static with the
+    reason. The one place that decides; an explicit `--kv paged` that cannot be built is refused
+    where it is built (frontend.load_source, pagedkv.check_page_dtype), in one line."""
+    from tvmpipe.compiler.decoders import DECODERS, KvOptions
+    from tvmpipe.compiler.pagedkv import PAGE_DTYPES
+
+    path = Path(source)
+    if path.suffix == ".pt2":
+        return KvOptions("static", reason="a .pt2 program's decode step keeps the caches it declares")
+    if path.is_dir():
+        from tvmpipe.compiler.checkpoint import open_checkpoint
+
+        pages = dtype or open_checkpoint(path, True).dtype  # a checkpoint builds in its --dtype directly
+    elif path.suffix == ".gguf" or source in DECODERS:
+        pages = dtype or "float32"  # built in float32, or converted to --dtype
+    else:  # not a decode step at all: frontend.load_source says what it is
+        return KvOptions("static", reason=f"{source} is not a built-in decoder, a checkpoint directory or a GGUF file")
+    if pages not in PAGE_DTYPES:
+        return KvOptions("static", reason=f"pages of {pages} are not built ({' and '.join(PAGE_DTYPES)} are)")
+    return KvOptions("paged")
+
+
+def _record_kv(imp: Any, kv: Any, progress: Progress) -> None:
+    """bundle.json's source.decode.kv says a static step's layout too (a paged one's is the
+    frontend's: page size and pool), with the reason a step compiled without --kv is not paged;
+    the compile log says that reason."""
+    if kv.reason is not None:
+        progress.note(f"kv cache static: {kv.reason} (the default is paged where it is built)")
+    decode = imp.source.get("decode") if isinstance(imp.source, dict) else None
+    if isinstance(decode, dict) and "kv" not in decode:
+        decode["kv"] = {"layout": "static", **({"reason": kv.reason} if kv.reason is not None else {})}
 
 
 def _check_state(imp: Any, inputs: list[str]) -> list[Any]:

@@ -41,22 +41,23 @@ def decode_bundle(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def zoo_decoder(tmp_path_factory):
-    """`zoo_decoder(name, batch=1, chunk=1, kv=None)`: the zoo decoder's `tvmpipe compile NAME
+    """`zoo_decoder(name, batch=1, chunk=1, kv="paged")`: the zoo decoder's `tvmpipe compile NAME
     --decode` bundle (max context 20, seed 1: seed 0's GPT-2 and Llama repeat one token; `--batch`,
-    `--chunk`; `kv="paged"`: `--kv paged --page-size 4`, the default pool) with the transformers
-    model of the same weights, compiled once per session and batch: the generation tests and the
-    GPU kit's CPU run share them."""
-    cache: dict[tuple[str, int, int, str | None], tuple[Path, object]] = {}
+    `--chunk`; the default layout, paged, with `--page-size 4`: 5 pages a row at the max context,
+    in the default pool; `kv="static"`: `--kv static`) with the transformers model of the same
+    weights, compiled once per session and batch: the generation tests and the GPU kit's CPU run
+    share them."""
+    cache: dict[tuple[str, int, int, str], tuple[Path, object]] = {}
 
-    def get(name: str, batch: int = 1, chunk: int = 1, kv: str | None = None) -> tuple[Path, object]:
+    def get(name: str, batch: int = 1, chunk: int = 1, kv: str = "paged") -> tuple[Path, object]:
         if (name, batch, chunk, kv) not in cache:
             from tvmpipe.compiler.decoders import KvOptions, build_decoder
             from tvmpipe.compiler.export import export
             from tvmpipe.compiler.progress import Progress
 
-            out = tmp_path_factory.mktemp(f"decoder_{name}_{batch}_{chunk}_{kv or 'static'}") / "b"
+            out = tmp_path_factory.mktemp(f"decoder_{name}_{batch}_{chunk}_{kv}") / "b"
             export(name, progress=Progress(stream=None), decode=20, seed=1, batch=batch, chunk=chunk,
-                   kv=KvOptions("paged", page_size=4) if kv == "paged" else None).write(out)
+                   kv=KvOptions(kv, page_size=4)).write(out)
             cache[name, batch, chunk, kv] = (out, build_decoder(name, 1))
         return cache[name, batch, chunk, kv]
 

@@ -74,9 +74,9 @@ def test_gpu_check_ipc_upload_and_decode_steps_on_fake_cuda(tmp_path, decode_bun
     reference backend's tokens, static batches too (its step at batch 2, as gpu_prep.sh carries it
     at batch 4; rows admitted one by one), and chunked prefill (--chunk 4; gpu_prep.sh: 8) beside a
     token a step, and the generation sweep runs from the carried fixture alone."""
-    gpt2, _ = zoo_decoder("gpt2")
-    batched, _ = zoo_decoder("gpt2", 2)
-    chunked, _ = zoo_decoder("gpt2", 1, 4)
+    gpt2, _ = zoo_decoder("gpt2", kv="static")  # as gpu_prep.sh compiles them: --kv static
+    batched, _ = zoo_decoder("gpt2", 2, kv="static")
+    chunked, _ = zoo_decoder("gpt2", 1, 4, kv="static")
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".pytest_cache", ".gpu", ".whl", "*.egg-info"))

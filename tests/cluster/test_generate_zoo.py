@@ -7,10 +7,11 @@ Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2; each with static caches and as 
 tokens equal transformers' `generate(do_sample=False)` on the same weights, and every step's logits
 are within 1e-4 x max|ref| of transformers' logits for the same prefix.
 
-Static batches (`--batch 2` bundles of GPT-2 and Llama, two sequences per micro-batch): each
-sequence's tokens and logits equal transformers' whatever row and group it runs in, with queued
-prompts taking rows as they free (and, for comparison, whole groups), rows that stop early, and a
-stage killed mid-generation; seeded sampling gives the streams of the batch-1 bundle.
+Static batches (`--batch 2` bundles of GPT-2 and Llama, two sequences per micro-batch, paged, the
+default): each sequence's tokens and logits equal transformers' whatever row and group it runs in,
+with queued prompts taking rows as they free (and, with static caches, for comparison, whole
+groups), rows that stop early, and a stage killed mid-generation; seeded sampling gives the
+streams of the batch-1 bundle.
 
 Chunked prefill (`--chunk 4` bundles of GPT-2 and Llama, GPT-2 at batch 2 too): prompts go in up to
 4 tokens a step; tokens and every step's logits (its last token's) are transformers', in fewer
@@ -37,7 +38,7 @@ def decoder(zoo_decoder):
     return zoo_decoder
 
 
-@pytest.mark.parametrize("kv", [None, "paged"])
+@pytest.mark.parametrize("kv", ["static", "paged"])
 @pytest.mark.parametrize("name,ks", [("gpt2", (1, 2, 3)), ("llama", (1, 2, 3)), ("qwen2", (1, 2, 3)),
                                      ("mistral", (2,)), ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)),
                                      ("gpt_neox", (2,)), ("opt", (2,)), ("falcon", (2,))])
@@ -191,12 +192,13 @@ def test_a_queued_sequence_takes_a_finished_row_while_its_row_mate_runs_on(decod
     prompt takes its row while the long one goes on (its first token comes before the long one's
     last), in fewer micro-batches than admitting the rows together (18 steps and 24, wasted ones
     apart); the tokens and every step's
-    logits are transformers' either way, at K = 1 and 2."""
+    logits are transformers' either way, at K = 1 and 2. Static caches (`--kv static`): the row's caches
+    are reset alone in its slot (`topology.row_reset`; a paged row resets nothing)."""
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.generation import Generator
     from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
 
-    bundle, model = decoder("gpt2", 2)
+    bundle, model = decoder("gpt2", 2, kv="static")
     prompts = [[5, 17, 3, 60, 9, 1, 2], [60], [1], [7], [8]]  # 12 steps for sequence 0, 6 for each other
     want = [transformers_generate(model, p, NEW) for p in prompts]
     for k in (1, 2):
@@ -227,7 +229,7 @@ def _chunk_ends(n: int, chunk: int, new: int) -> list[int]:
     return sorted({min(i + chunk, n) - 1 for i in range(0, n, chunk)} | set(range(n, n + new - 1)))
 
 
-@pytest.mark.parametrize("kv", [None, "paged"])
+@pytest.mark.parametrize("kv", ["static", "paged"])
 @pytest.mark.parametrize("name,batch", [("gpt2", 1), ("llama", 1), ("gpt2", 2)])
 def test_chunked_prefill_equals_transformers(decoder, name, batch, kv):
     """A --chunk 4 decode step: each prompt goes in 4 tokens a step (its last chunk shorter), then

@@ -45,6 +45,11 @@ def test_a_checkpoint_decode_step_gives_transformers_tokens(family, checkpoint, 
     case, ckpt, bundle = COVER[family], checkpoint(family), checkpoint_bundle(family)
     b = load_bundle(bundle)
     assert b.manifest.dtype == case.dtype and b.manifest.source["kind"] == "checkpoint"
+    # compiled without --kv: paged where pages of its dtype are built, else static saying why
+    kv = b.manifest.source["decode"]["kv"]
+    assert (kv["layout"], b.generation.paged is not None) == (("paged", True) if case.dtype == "float32" else
+                                                              ("static", False)), kv
+    assert case.dtype == "float32" or "pages of bfloat16 are not built" in kv["reason"]
     assert b.manifest.source["architecture"] == json.loads((ckpt / "config.json").read_text())["architectures"][0]
     assert ((ckpt / "model.safetensors.index.json").is_file(), (ckpt / "model.safetensors").is_file()) == \
         (case.shards, not case.shards)
@@ -65,15 +70,16 @@ def test_a_checkpoint_decode_step_gives_transformers_tokens(family, checkpoint, 
 
 
 def test_batch_and_chunk_apply_to_a_checkpoint_decode_step(checkpoint, checkpoint_bundle):
-    """--batch 2 --chunk 3 on qwen2's checkpoint: two prompts a micro-batch, 3 prompt tokens a step;
-    each row gives transformers' tokens."""
+    """--batch 2 --chunk 3 on qwen2's checkpoint: two prompts a micro-batch, 3 prompt tokens a step
+    (paged, the default: packed by q_indptr); each row gives transformers' tokens."""
     from tvmpipe.bundle import load_bundle
+    from tvmpipe.bundle.decode_layout import step_rows
     from tvmpipe.compiler.decoders import transformers_generate
     from tvmpipe.executor.decode_loop import greedy_decode
 
     bundle = checkpoint_bundle("qwen2", batch=2, chunk=3)
     b = load_bundle(bundle)
-    assert b.graph.entry_of("input_ids").shape == (2, 3) and b.generation.count == "count"
+    assert step_rows(b) == (2, 3) and b.generation.paged.q_indptr == "q_indptr"
     prompts = [PROMPT, [60, 2, 100, 7, 41]]
     model = load_transformers(checkpoint("qwen2"), "float32")
     assert greedy_decode(bundle, prompts, NEW).tokens == [transformers_generate(model, p, NEW) for p in prompts]

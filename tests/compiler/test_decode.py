@@ -40,20 +40,22 @@ def _export(source: str, **kw):
 
 @pytest.fixture(scope="module")
 def decode_bundle(tmp_path_factory):
-    cache: dict[tuple[str, int], Path] = {}
+    """decode_bundle(name, batch=1, kv=None): `tvmpipe compile NAME --decode` in the default
+    layout (paged), or `--kv static`."""
+    cache: dict[tuple[str, int, str | None], Path] = {}
 
-    def get(name: str, batch: int = 1) -> Path:
-        if (name, batch) not in cache:
-            out = tmp_path_factory.mktemp(f"decode_{name}_{batch}") / "b"
+    def get(name: str, batch: int = 1, kv: str | None = None) -> Path:
+        if (name, batch, kv) not in cache:
+            out = tmp_path_factory.mktemp(f"decode_{name}_{batch}_{kv}") / "b"
             if name == "gpt2":  # one of them through the command line, in process
                 from tvmpipe.cli import main
 
                 assert main(["compile", name, "--decode", "--max-context", str(MAX_CONTEXT), "--seed", str(SEED),
-                             "--batch", str(batch), "-o", str(out)]) == 0
+                             "--batch", str(batch), *(["--kv", kv] if kv else []), "-o", str(out)]) == 0
             else:
-                _export(name, decode=MAX_CONTEXT, seed=seed_of(name), batch=batch).write(out)
-            cache[name, batch] = out
-        return cache[name, batch]
+                _export(name, decode=MAX_CONTEXT, seed=seed_of(name), batch=batch, kv=kv).write(out)
+            cache[name, batch, kv] = out
+        return cache[name, batch, kv]
 
     return get
 
@@ -102,12 +104,15 @@ def test_batch_of_two_sequences_matches_each_alone(decode_bundle):
 
 
 def test_decode_bundle_declares_its_caches_as_state(decode_bundle):
+    """A `--kv static` step: per-layer K and V caches [B, H_kv, T, D] as slot state pairs, each
+    updated in place; bundle.json records the layout."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.bundle.inspect import build_report, render_text
 
-    b = load_bundle(decode_bundle("qwen2"))
+    b = load_bundle(decode_bundle("qwen2", kv="static"))
     assert b.name == "qwen2_decode" and b.manifest.source == {
-        "kind": "decode", "name": "qwen2", "sha256": None, "seed": SEED, "decode": {"max_context": MAX_CONTEXT}}
+        "kind": "decode", "name": "qwen2", "sha256": None, "seed": SEED,
+        "decode": {"max_context": MAX_CONTEXT, "kv": {"layout": "static"}}}
     assert b.input_names[:2] == ["input_ids", "position"]
     assert [(p.name, p.input, p.output, p.fill) for p in b.state] == [
         ("layer0.k", "k_cache_0", 1, 0.0), ("layer0.v", "v_cache_0", 2, 0.0),

@@ -397,13 +397,14 @@ def test_inspect_says_which_layout(bundles, capsys):
 
 
 def test_the_command_line_checks_its_kv_flags(tmp_path, capsys):
-    """--kv needs --decode; --page-size and --kv-pages need --kv paged; a pool smaller than one row
-    at the max context is refused; each in one line, and no bundle is written."""
+    """--kv needs --decode; --page-size and --kv-pages size a paged cache, not with --kv static; a
+    pool smaller than one row at the max context is refused; each in one line, and no bundle is
+    written."""
     from tvmpipe.cli import main
 
     base = ["compile", "gpt2", "-o", str(tmp_path / "b"), "--quiet"]
     for flags, says in ((["--kv", "paged"], "--kv needs --decode"),
-                        (["--decode", "--page-size", "8"], "pass --kv paged"),
+                        (["--decode", "--kv", "static", "--page-size", "8"], "not with --kv static"),
                         (["--decode", "--max-context", "32", "--kv", "paged", "--page-size", "8", "--kv-pages", "3"],
                          "smaller than one row at the max context (4 pages of 8)")):
         assert main(base + flags) == 2

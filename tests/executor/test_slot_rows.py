@@ -1,7 +1,7 @@
 """One row of a static batch's state slot reset alone (issue 24: a queued sequence takes the row of a
 group whose sequence finished while its row-mates run on; docs/generation.md, "Static batches").
 
-A batch-2 GPT-2 decode step (`tvmpipe compile gpt2 --decode --batch 2`) as one stateful stage: a
+A batch-2 GPT-2 decode step (`tvmpipe compile gpt2 --decode --batch 2 --kv static`) as one stateful stage: a
 step whose `__slot__` tag marks one row fresh resets that row of every cache and leaves the other
 row's as it was, on the reference backend (NumPy buffers) and on the strict fake CUDA driver
 (device buffers, reset by copies at the row's offset); a state whose leading axis is not the rows
@@ -66,7 +66,7 @@ def _check_row_reset(stage) -> None:
 
 
 def test_a_fresh_row_resets_that_row_only_on_the_reference_backend(zoo_decoder):
-    bundle, _ = zoo_decoder("gpt2", 2)
+    bundle, _ = zoo_decoder("gpt2", 2, kv="static")
     _check_row_reset(_stage(bundle, "reference"))
 
 
@@ -75,7 +75,7 @@ def test_a_fresh_row_resets_that_row_only_on_the_strict_fake_cuda_driver(zoo_dec
 
     from tests.support.fake_cuda import activate
 
-    bundle, _ = zoo_decoder("gpt2", 2)
+    bundle, _ = zoo_decoder("gpt2", 2, kv="static")
     activate(monkeypatch, tmp_path, [bundle])
     import pycuda.driver as drv
 
@@ -94,8 +94,8 @@ def test_a_row_reset_needs_the_rows_on_the_state_s_leading_axis(zoo_decoder):
     from tvmpipe.bundle.decode_layout import slot_layout
     from tvmpipe.executor.errors import InputError
 
-    two, _ = zoo_decoder("gpt2", 2)
-    one, _ = zoo_decoder("gpt2")
+    two, _ = zoo_decoder("gpt2", 2, kv="static")
+    one, _ = zoo_decoder("gpt2", kv="static")
     assert slot_layout(load_bundle(two)).row_reset and not slot_layout(load_bundle(one)).row_reset
     assert slot_layout(load_bundle(two)).spec.shape == (3,) and slot_layout(load_bundle(one)).spec.shape == (2,)
     stage = _stage(two, "reference")
