@@ -23,7 +23,7 @@ not limit the default, and each stage still refuses at start, in one line, a poo
 fit (executor/stage.py SlotState.check_fits).
 
 A page costs a stage its layers' pools' bytes once: a stage keeping the pools resident plans them no
-storage slot of its own (executor/program.py `resident_pools`), the state buffer the kernels are
+storage slot of its own (executor/program.py `resident_state`), the state buffer the kernels are
 pointed at being the only copy; `stage_memory` reads the same program a stage builds.
 """
 
@@ -108,7 +108,7 @@ def stage_memory(bundle: Bundle, stages: Sequence[tuple[int, int]], memories: Se
     stage_inputs = {bundle.graph.entry_id(bundle.graph.node_index[p.input]) for p in bundle.state if p.scope == "stage"}
     out = []
     for i, ((start, end), memory) in enumerate(zip(stages, memories)):
-        program = build_stage_program(bundle, start, end, resident_pools=True)
+        program = build_stage_program(bundle, start, end, resident_state=True)
         plan = program.storage
         pool_slots = {plan.entry_slot[e] for e in program.entry_specs if e in pools and e in plan.entry_slot}
         slot_bytes = sum(plan.slots[s].nbytes for s in pool_slots)

@@ -96,12 +96,14 @@ def entry_label(graph: Graph, eid: int) -> str:
     return node.label() if not node.is_op else f"{node.label()} output {e.index}"
 
 
-def build_stage_program(bundle: Bundle, start: int, end: int, resident_pools: bool = False) -> StageProgram:
-    """Resolve graph nodes [start, end) of `bundle` into a runnable program. `resident_pools`: the
-    stage keeps its "stage"-scoped state (a paged step's page pools) resident (Stage with state
-    slots): those entries (each pool's input and the outputs written over it in place) get no
-    storage of their own, the state's buffer being the only copy of a pool; else a pool is an
-    ordinary input and output (a single-process loop that feeds it)."""
+def build_stage_program(bundle: Bundle, start: int, end: int, resident_state: bool = False) -> StageProgram:
+    """Resolve graph nodes [start, end) of `bundle` into a runnable program. `resident_state`: the
+    stage keeps its state resident (a Stage with state slots: executor/stage.py SlotState, which
+    points these entries at its own buffers before every run), so the state's entries get no
+    storage of their own, SlotState's buffers being the only copy: a paged step's pools (each
+    pool's input and the outputs written over it in place) and a static cache pair's input and
+    output (not one sent to a later stage, which is read back from the bound buffer). Without it
+    state is an ordinary input and output (a single-process loop that feeds it)."""
     g = bundle.graph
     if not (0 <= start < end <= len(g.nodes)):
         raise ExecutorError(f"node range [{start}, {end}) is not inside the graph's [0, {len(g.nodes)})")
@@ -154,7 +156,7 @@ def build_stage_program(bundle: Bundle, start: int, end: int, resident_pools: bo
     # an in-place call's output is its input's bytes (a paged pool's append): one slot, like a __nop's
     uses = [StepUse((s.inputs[s.inplace[0]],) + s.inputs if s.inplace else s.inputs, s.outputs,
                     alias=s.kind == NOP or bool(s.inplace)) for s in steps]
-    resident = frozenset(_resident_pools(bundle, input_entries, specs, start, end)) if resident_pools else frozenset()
+    resident = frozenset(_resident_state(bundle, input_entries, specs, start, end)) if resident_state else frozenset()
     storage = plan_storage(uses, {e: 0 if e in resident else sp.nbytes for e, sp in specs.items()},
                            list(param_entries.values()), list(input_entries.values()) + recv, sends, workspaces)
     steps = [_bind(bundle, s, storage) for s in steps]
@@ -165,14 +167,24 @@ def build_stage_program(bundle: Bundle, start: int, end: int, resident_pools: bo
                         resident=resident)
 
 
-def _resident_pools(bundle: Bundle, inputs: dict[str, int], specs: dict[int, EntrySpec], start: int,
+def _resident_state(bundle: Bundle, inputs: dict[str, int], specs: dict[int, EntrySpec], start: int,
                     end: int) -> set[int]:
-    """The entries of the "stage"-scoped pairs whose both sides are in [start, end) (the pairs a
-    Stage keeps resident): each input and what is written over it in place (bundle.pool.pool_entries)."""
+    """The entries of the state pairs whose both sides are in [start, end) (the pairs a Stage keeps
+    resident, SlotState binding each pair's input and output to its buffers): a "stage"-scoped
+    pool's input and what is written over it in place (bundle.pool.pool_entries); a slot pair's
+    input and output, unless a later stage reads the output (it is sent, through its own bytes).
+    A `__nop` view of either keeps its bytes: backends that copy into a view of a bound entry need
+    them, and the plan sizes an alias group by its largest member."""
     g = bundle.graph
-    held = [p for p in bundle.state if p.scope == "stage" and p.input in inputs
-            and start <= g.entries[g.head_entries[p.output]].node < end]
-    return {e for e in pool_entries(g, held) if e in specs}
+    held = [p for p in bundle.state if p.input in inputs and start <= g.entries[g.head_entries[p.output]].node < end]
+    out = pool_entries(g, [p for p in held if p.scope == "stage"])
+    for p in held:
+        if p.scope != "stage":
+            e_out = g.head_entries[p.output]
+            out.add(inputs[p.input])
+            if not any(c >= end for c in g.consumers[e_out]):
+                out.add(e_out)
+    return {e for e in out if e in specs}
 
 
 def _bind(bundle: Bundle, step: Step, storage: StoragePlan) -> Step:

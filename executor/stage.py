@@ -39,8 +39,8 @@ class Stage:
     def __init__(self, bundle: Bundle | str | Path, start: int, end: int, backend: str = "reference",
                  state_slots: int = 0, **opts: Any):
         self.bundle = as_bundle(bundle)
-        # resident pools (a paged step's, held by SlotState) get no storage slot: one copy of each
-        self.program: StageProgram = build_stage_program(self.bundle, start, end, resident_pools=state_slots > 0)
+        # state held by SlotState (static caches, a paged step's pools) gets no storage slot: one copy of it
+        self.program: StageProgram = build_stage_program(self.bundle, start, end, resident_state=state_slots > 0)
         self.backend = make_backend(backend, self.bundle, self.program, **opts)
         self.backend_name = backend
         self.state = SlotState(self.bundle, self.program, self.backend, state_slots) if state_slots else None

@@ -6,6 +6,8 @@ stage from liveness: a slot is reused once the last reader of its tensor has run
 shares its input's slot (same bytes, new shape), so liveness is tracked per alias group. Params get
 slots of their own (uploaded once, never overwritten); workspaces get one slot per (function, index),
 allocated once and shared by every node that calls the function, since steps run one at a time.
+An entry of no bytes (state the stage holds resident: executor/program.py `resident_state`) takes
+no slot's room: every such entry shares one empty slot.
 """
 
 from __future__ import annotations
@@ -85,8 +87,16 @@ def plan_storage(steps: Sequence[StepUse], nbytes: dict[int, int], params: Seque
         slots.append([nbytes[e], PARAM])
     free: list[int] = []
 
+    empty: list[int] = []  # the one slot of no bytes that every empty entry shares (never freed, never grown)
+
     def place(e: int) -> None:
         need = size[e]
+        if need == 0:  # no bytes of its own (state a stage holds resident): it takes no slot's room
+            if not empty:
+                empty.append(len(slots))
+                slots.append([0, ACTIVATION])
+            entry_slot[e] = empty[0]
+            return
         fits = [k for k in free if slots[k][0] >= need]
         if fits:
             k = min(fits, key=lambda k: (slots[k][0], k))
@@ -105,7 +115,7 @@ def plan_storage(steps: Sequence[StepUse], nbytes: dict[int, int], params: Seque
         dies.setdefault(last.get(e, b), []).append(e)
 
     def release(step: int) -> None:
-        free.extend(entry_slot[e] for e in dies.get(step, ()))
+        free.extend(entry_slot[e] for e in dies.get(step, ()) if size[e])
 
     for e in feeds:
         place(e)
