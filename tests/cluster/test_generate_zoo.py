@@ -2,7 +2,8 @@
 
 `tvmpipe compile NAME --decode` bundles of GPT-2, Llama and Qwen2 (tiny configs, seeded random
 weights) run as K = 1, 2, 3 stateful stages in processes on the reference backend; Mistral, Qwen3,
-Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2; each with static caches and as a paged step
+Gemma, Phi-3, GPT-NeoX, OPT and Falcon as K = 2 in processes and K = 1, 3 with the stages in this
+process; each with static caches and as a paged step
 (`--kv paged`, the scheduler driving its page table). Every sequence's
 tokens equal transformers' `generate(do_sample=False)` on the same weights, and every step's logits
 are within 1e-4 x max|ref| of transformers' logits for the same prefix.
@@ -39,33 +40,35 @@ def decoder(zoo_decoder):
 
 
 @pytest.mark.parametrize("kv", ["static", "paged"])
-@pytest.mark.parametrize("name,ks", [("gpt2", (1, 2, 3)), ("llama", (1, 2, 3)), ("qwen2", (1, 2, 3)),
-                                     ("mistral", (2,)), ("qwen3", (2,)), ("gemma", (2,)), ("phi3", (2,)),
-                                     ("gpt_neox", (2,)), ("opt", (2,)), ("falcon", (2,))])
-def test_pipelined_generation_equals_transformers(decoder, name, ks, kv):
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "gpt_neox", "opt",
+                                  "falcon"])
+def test_pipelined_generation_equals_transformers(decoder, name, kv):
     """Static caches, and a paged step (`--kv paged`, pages of 4 in the default pool: one row at
-    the max context, so the two sequences in flight preempt each other) through the scheduler."""
-    from tvmpipe.cluster.driver import Pipeline
-    from tvmpipe.generation import Generator
-    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
-
+    the max context, so the two sequences in flight preempt each other) through the scheduler, at
+    K = 1, 2 and 3: stage processes for GPT-2, Llama and Qwen2 and every family's K = 2; the other
+    families' K = 1 and 3 with the stages in this process (tests/support/pipeline_harness.py
+    ThreadLauncher: the same workers and wire, no process start-up)."""
+    from tests.support.pipeline_harness import ThreadLauncher
     from tvmpipe.bundle import load_bundle
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.compiler.decoders import transformers_generate, transformers_logits
+    from tvmpipe.generation import Generator
 
     bundle, model = decoder(name, kv=kv)
     assert set(load_bundle(bundle).state_buffers.values()) == {1}  # its caches are updated in place
     want = [transformers_generate(model, p, NEW) for p in PROMPTS]
     assert any(len(set(w)) > 1 for w in want)  # not one repeated token: the check can fail
-    for k in ks:
-        with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
+    refs = [transformers_logits(model, (p + w)[:-1]) for p, w in zip(PROMPTS, want)]  # [positions, vocab]
+    for k in (1, 2, 3):
+        launcher = "process" if name in ("gpt2", "llama", "qwen2") or k == 2 else ThreadLauncher()
+        with Pipeline(bundle, k, launcher=launcher, slots=2) as pipe:
             assert pipe.plan.num_stages == k
             results, logs = {}, {}
             list(Generator(pipe).generate(PROMPTS, NEW, results=results, logits_log=logs))
-        for i, p in enumerate(PROMPTS):
+        for i in range(len(PROMPTS)):
             assert results[i].tokens == want[i], (name, k, i)
-            seq = p + want[i]
-            ref = transformers_logits(model, seq[:-1])  # [positions, vocab]: logits after each prefix
             for pos, got in logs[i].items():
-                r = ref[pos]
+                r = refs[i][pos]
                 assert np.abs(np.asarray(got).reshape(-1)[-r.size:] - r).max() <= 1e-4 * np.abs(r).max(), (name, k, i, pos)
 
 

@@ -142,13 +142,13 @@ def _tensor(writer: object, rng: np.random.Generator, name: str, w: np.ndarray, 
 def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "llama", tied: bool = False,
                seed: int = 1, tokenizer: bool = True, embedding_scale: float | None = None,
                name: str | None = None, falcon_kv_heads: int = 1) -> Path:
-    """A tiny `arch` model (llama, qwen2, qwen3, phi3 or gpt2; a llama file `name`d mistral is Mistral,
-    as llama.cpp writes one) as a GGUF file at `path`; `types` by GGUF tensor name. A tied
-    embedding is drawn smaller (0.05 by default), else the head's product with the last token's
+    """A tiny `arch` model (llama, qwen2, qwen3, phi3, gpt2, gemma, falcon or gptneox; a llama file
+    `name`d mistral is Mistral, as llama.cpp writes one) as a GGUF file at `path`; `types` by GGUF
+    tensor name. A tied embedding is drawn smaller (0.05 by default), else the head's product with the last token's
     own embedding wins and the model repeats its input. Qwen3 has q/k RMSNorms and heads of 128
     (transformers' GGUF reader takes Qwen3's default head_dim; real Qwen3 files have 128); Phi-3
-    its fused qkv and gate-up matrices; GPT-2, Gemma and Falcon (`falcon_kv_heads` its KV heads): see above
-    (Gemma is always tied)."""
+    its fused qkv and gate-up matrices; GPT-2, GPT-NeoX, Gemma and Falcon (`falcon_kv_heads` its KV
+    heads): see above (Gemma is always tied)."""
     import gguf
 
     types = dict(MIXED if types is None else types)
@@ -252,18 +252,23 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
         w.close()
         return path
 
+    def biased(i: int, tensors: tuple[tuple[str, int, int], ...]) -> None:
+        """Layer i's LayerNorms (rows 0) and linears [rows, cols], each with its bias."""
+        for n, rows, cols in tensors:
+            if rows:
+                add(f"blk.{i}.{n}.weight", mat(rows, cols, 0.04 if n == "ffn_down" else 0.08))
+                add(f"blk.{i}.{n}.bias", bias(rows))
+            else:
+                add(f"blk.{i}.{n}.weight", norm(cols))
+                add(f"blk.{i}.{n}.bias", bias(cols))
+
+    tail = (("attn_output", HIDDEN, HIDDEN), ("ffn_norm", 0, HIDDEN), ("ffn_up", 4 * HIDDEN, HIDDEN),
+            ("ffn_down", HIDDEN, 4 * HIDDEN))  # GPT-2's and GPT-NeoX's layers after the fused qkv
+
     if gpt2:  # every matrix as a Linear's [out, in]: llama.cpp transposes GPT-2's Conv1D weights
         add("position_embd.weight", mat(GPT2_CONTEXT, HIDDEN, 0.3))
         for i in range(LAYERS):
-            for n, rows, cols in (("attn_norm", 0, HIDDEN), ("attn_qkv", 3 * HIDDEN, HIDDEN),
-                                  ("attn_output", HIDDEN, HIDDEN), ("ffn_norm", 0, HIDDEN),
-                                  ("ffn_up", 4 * HIDDEN, HIDDEN), ("ffn_down", HIDDEN, 4 * HIDDEN)):
-                if rows:
-                    add(f"blk.{i}.{n}.weight", mat(rows, cols, 0.04 if n == "ffn_down" else 0.08))
-                    add(f"blk.{i}.{n}.bias", bias(rows))
-                else:
-                    add(f"blk.{i}.{n}.weight", norm(cols))
-                    add(f"blk.{i}.{n}.bias", bias(cols))
+            biased(i, (("attn_norm", 0, HIDDEN), ("attn_qkv", 3 * HIDDEN, HIDDEN), *tail))
         add("output_norm.weight", norm(HIDDEN))
         add("output_norm.bias", bias(HIDDEN))
         return finish()
@@ -274,14 +279,7 @@ def write_gguf(path: Path, types: dict[str, str] | None = None, *, arch: str = "
             add(f"blk.{i}.attn_norm.bias", bias(HIDDEN))
             add(f"blk.{i}.attn_qkv.weight", _neox_qkv(mat(3 * HIDDEN, HIDDEN), HEADS))
             add(f"blk.{i}.attn_qkv.bias", _neox_qkv(bias(3 * HIDDEN), HEADS))
-            for n, rows, cols in (("attn_output", HIDDEN, HIDDEN), ("ffn_norm", 0, HIDDEN),
-                                  ("ffn_up", 4 * HIDDEN, HIDDEN), ("ffn_down", HIDDEN, 4 * HIDDEN)):
-                if rows:
-                    add(f"blk.{i}.{n}.weight", mat(rows, cols, 0.04 if n == "ffn_down" else 0.08))
-                    add(f"blk.{i}.{n}.bias", bias(rows))
-                else:
-                    add(f"blk.{i}.{n}.weight", norm(cols))
-                    add(f"blk.{i}.{n}.bias", bias(cols))
+            biased(i, tail)
         add("output_norm.weight", norm(HIDDEN))
         add("output_norm.bias", bias(HIDDEN))
         return finish()
