@@ -57,8 +57,7 @@ def open_decode_pipeline(options: ClusterOptions, bundle: "Bundle", plan: "Plan"
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.executor.kvpool import AUTO
 
-    paged = bundle.generation is not None and bundle.generation.paged is not None
-    kv = kv_tokens if kv_tokens is not None or not paged else AUTO
+    kv = kv_tokens if kv_tokens is not None else AUTO  # a step without a pool: nothing to size
     with open_cluster(options, plan.num_stages) as cluster:
         backend = pick_backend(options.backend, cluster.gpus)
         kw = pipeline_kwargs(options, cluster, backend, plan.num_stages)

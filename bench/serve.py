@@ -280,7 +280,8 @@ def main() -> int:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "tvmpipe-bench-serve.log"
     results: dict = {"decoder": "gpt2", "bundle": str(bundle), "max_context": MAX_CONTEXT, "stages": 2,
                      "backend": "reference", "new_tokens": new, "levels": []}
-    with Pipeline(bundle, 2, launcher="process", logits=False) as pipe:
+    # a paged step's pool sized as tvmpipe generate sizes it (the compiled one holds one row)
+    with Pipeline(bundle, 2, launcher="process", logits=False, kv_tokens="auto") as pipe:
         results["rows"] = pipe.slots * pipe.topology.batch
         srv = ServerProcess(bundle, "--stages", "2", "--processes", "--max-waiting", "64", log_path=log)
         try:

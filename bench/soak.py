@@ -56,7 +56,8 @@ def offline_reference(bundle: Path, cases: list) -> dict:
     from tvmpipe.generation import Generator, layout_of
     from tvmpipe.generation.requests import Request
 
-    with Pipeline(bundle, 2, launcher="process", logits=False) as pipe:
+    # a paged step's pool sized as tvmpipe generate sizes it (the compiled one holds one row)
+    with Pipeline(bundle, 2, launcher="process", logits=False, kv_tokens="auto") as pipe:
         layout = layout_of(pipe.bundle)
         requests = [Request.checked(list(p), layout.max_context - len(p), layout, sampling=s, key=0) for p, s in cases]
         results = Generator(pipe).generate_all(requests)

@@ -162,10 +162,13 @@ class Pipeline:
         if self.bundle.state and self.slots < 1:
             raise TvmpipeError(f"slots must be >= 1, got {self.slots}")
         # A paged step's pool at run time (executor/kvpool.py): kv_tokens tokens, or "auto" (sized by
-        # the stages' free memory); None keeps the compiled pool. Every stage and the scheduler
-        # (which reads self.bundle) get the same pages.
+        # the stages' free memory, as tvmpipe generate and serve do; nothing for a step without a
+        # pool); None keeps the compiled pool (--kv-pages; by default one per compiled row, so a
+        # pipeline of more slots than that preempts). Every stage and the scheduler (which reads
+        # self.bundle) get the same pages.
         self.kv_pool: PoolSize | None = None
-        if kv_tokens is not None:
+        paged = self.bundle.generation is not None and self.bundle.generation.paged is not None
+        if kv_tokens is not None and (paged or kv_tokens != kvpool.AUTO):
             memories = _pool_memories(backend, launcher, placement, len(self.plan.stages))
             needs = kvpool.stage_memory(self.bundle, self.plan.stages, memories)
             self.kv_pool = kvpool.size_pool(self.bundle, self.slots * self.topology.batch, needs, kv_tokens,

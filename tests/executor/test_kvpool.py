@@ -244,6 +244,22 @@ def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
         Pipeline(paged, 1, launcher="process", logits=False, slots=2, kv_tokens=1000)  # before any stage starts
 
 
+
+def test_auto_sizes_nothing_for_a_step_without_a_pool(zoo_decoder):
+    """kv_tokens "auto" (what tvmpipe generate and serve pass whatever the bundle) on a static step:
+    no pool to size, the bundle as loaded; a number of tokens for it stays a one-line refusal."""
+    from tests.support.pipeline_harness import ThreadLauncher
+    from tvmpipe.cluster.driver import Pipeline
+    from tvmpipe.core.errors import TvmpipeError
+    from tvmpipe.executor import kvpool
+
+    static = zoo_decoder("gpt2", B, kv="static")[0]
+    with Pipeline(static, 1, launcher=ThreadLauncher(), logits=False, slots=1, kv_tokens=kvpool.AUTO) as pipe:
+        assert pipe.kv_pool is None and pipe.bundle.generation.paged is None
+    with pytest.raises(TvmpipeError, match="kv-tokens|paged"):
+        Pipeline(static, 1, launcher=ThreadLauncher(), logits=False, slots=1, kv_tokens=64)
+
+
 def test_a_stage_refuses_a_pool_its_memory_cannot_hold_in_one_line(paged, monkeypatch, tmp_path):
     """Where the driver could not read a stage's memory (a remote node), the stage itself refuses
     at start, before allocating it, a pool past its free memory (here 8 GiB of pools on a fake GPU
