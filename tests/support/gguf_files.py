@@ -361,6 +361,22 @@ GEMMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                "ffn_down": "mlp.down_proj"}
 
 
+def _dequantized(path: Path, names: dict[str, str], layers: str):
+    """(transformers name, GGUF tensor kind, float32 value) of each tensor of the file at `path`,
+    dequantized by gguf's NumPy dequantizer in the module's [out, in] shape; `names` maps GGUF's
+    tensor kinds to the model's, a layer's under `layers`.N."""
+    import gguf
+
+    for t in gguf.GGUFReader(str(path)).tensors:
+        value = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        value = value.reshape(tuple(reversed([int(d) for d in t.shape])))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            yield f"{layers}.{parts[1]}.{names[parts[2]]}.{parts[3]}", parts[2], value
+        else:
+            yield f"{names[parts[0]]}.{parts[1]}", parts[0], value
+
+
 def gemma_reference(path: Path, dtype: str = "float32"):
     """transformers' own GemmaForCausalLM (float32, eager) of the config write_gguf's Gemma was
     written from, holding the file's weights with llama.cpp's conversion undone: every tensor
@@ -369,7 +385,6 @@ def gemma_reference(path: Path, dtype: str = "float32"):
     model (constructed under that default dtype, the float32 weights cast when loaded).
     (transformers' GGUF loader reads no architecture "gemma" file, so this is the load it would
     make.)"""
-    import gguf
     import torch
     import transformers
 
@@ -389,14 +404,7 @@ def gemma_reference(path: Path, dtype: str = "float32"):
     finally:
         torch.set_default_dtype(default)
     state = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        value = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-        value = value.reshape(tuple(reversed([int(d) for d in t.shape])))
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{GEMMA_NAMES[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{GEMMA_NAMES[parts[0]]}.{parts[1]}"
+    for name, _, value in _dequantized(path, GEMMA_NAMES, "model.layers"):
         if name.endswith("norm.weight"):
             value = value - np.float32(1)
         state[name] = torch.from_numpy(np.array(value, np.float32))
@@ -418,7 +426,6 @@ def neox_reference(path: Path):
     dequantized by gguf's NumPy dequantizer, the fused qkv weight and bias put back from all
     queries, keys, values into per-head [query, key, value] rows. (transformers' GGUF loader reads
     no architecture "gptneox" file, so this is the load it would make.)"""
-    import gguf
     import torch
     import transformers
 
@@ -433,16 +440,9 @@ def neox_reference(path: Path):
     config._attn_implementation = "eager"
     model = transformers.GPTNeoXForCausalLM(config).eval()
     state = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        value = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-        value = value.reshape(tuple(reversed([int(d) for d in t.shape])))
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            name = f"gpt_neox.layers.{parts[1]}.{NEOX_NAMES[parts[2]]}.{parts[3]}"
-            if parts[2] == "attn_qkv":  # [3, heads, head_dim, ...] -> [heads, 3, head_dim, ...]
-                value = value.reshape(3, HEADS, -1, *value.shape[1:]).swapaxes(0, 1).reshape(value.shape)
-        else:
-            name = f"{NEOX_NAMES[parts[0]]}.{parts[1]}"
+    for name, part, value in _dequantized(path, NEOX_NAMES, "gpt_neox.layers"):
+        if part == "attn_qkv":  # [3, heads, head_dim, ...] -> [heads, 3, head_dim, ...]
+            value = value.reshape(3, HEADS, -1, *value.shape[1:]).swapaxes(0, 1).reshape(value.shape)
         state[name] = torch.from_numpy(np.array(value, np.float32))
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
