@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tvmpipe.bundle import Bundle
-from tvmpipe.bundle.pool import pages_for, pool_entries
+from tvmpipe.bundle.pool import pages_for
 from tvmpipe.bundle.state import PagedSpec, pool_shortfall
 from tvmpipe.core.errors import FieldError, TvmpipeError
 from tvmpipe.core.units import format_bytes
@@ -104,17 +104,13 @@ def stage_memory(bundle: Bundle, stages: Sequence[tuple[int, int]], memories: Se
     state resident builds it (the storage plan every backend allocates) and its state pairs, at the
     bundle's compiled pool."""
     paged = paged_spec(bundle)
-    pools = pool_entries(bundle.graph, bundle.state)
     stage_inputs = {bundle.graph.entry_id(bundle.graph.node_index[p.input]) for p in bundle.state if p.scope == "stage"}
     out = []
     for i, ((start, end), memory) in enumerate(zip(stages, memories)):
+        # resident, the pools take no bytes of the plan: it is all the stage holds besides them
         program = build_stage_program(bundle, start, end, resident_state=True)
-        plan = program.storage
-        pool_slots = {plan.entry_slot[e] for e in program.entry_specs if e in pools and e in plan.entry_slot}
-        slot_bytes = sum(plan.slots[s].nbytes for s in pool_slots)
-        state_bytes = sum(program.entry_specs[e].nbytes for e in program.input_entries.values() if e in stage_inputs)
-        out.append(StageMemory(i, memory, plan.total_bytes() - slot_bytes,
-                               -(-(slot_bytes + state_bytes) // paged.pages)))
+        pool_bytes = sum(program.entry_specs[e].nbytes for e in program.input_entries.values() if e in stage_inputs)
+        out.append(StageMemory(i, memory, program.storage.total_bytes(), -(-pool_bytes // paged.pages)))
     return out
 
 
@@ -129,12 +125,12 @@ def fit_pages(needs: Sequence[StageMemory], read: Callable[[str], int | None],
         free = read(memory)
         if free is None:
             continue
-        budget = int(fraction * free) - sum(n.fixed_bytes for n in on)
+        fixed = sum(n.fixed_bytes for n in on)
         per_page = max(1, sum(n.page_bytes for n in on))
-        pages = max(0, budget // per_page)
+        pages = max(0, (int(fraction * free) - fixed) // per_page)
         if best[0] is None or pages < best[0]:
             why = (f"{memory} memory: {fraction:.0%} of its {format_bytes(free)} free, less "
-                   f"{format_bytes(sum(n.fixed_bytes for n in on))} of weights and activations of "
+                   f"{format_bytes(fixed)} of weights and activations of "
                    f"{len(on)} stage(s), at {format_bytes(per_page)} a page")
             best = (pages, memory, why)
     return best
