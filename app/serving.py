@@ -34,6 +34,14 @@ def port(text: str) -> int:
     return value
 
 
+def _nice(text: str) -> int:
+    """An argparse type: a nice increment 0..19."""
+    value = NON_NEGATIVE_INT(text)
+    if value > 19:
+        raise argparse.ArgumentTypeError(f"must be <= 19, got {text}")
+    return value
+
+
 DEFAULT_MAX_BODY = 1 << 20
 
 
@@ -73,6 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "arrive after its headers before it is answered 408 (default 30)")
     h.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0, help="seconds an idle connection is kept "
                    "open between requests (default 5)")
+    h.add_argument("--http-nice", type=_nice, default=10, help="the HTTP process's CPU priority below the engine's "
+                   "and the stages' (a nice increment, 0..19; default 10; 0: the same): where they share cores, the "
+                   "pipeline's next step runs before the HTTP process relays the last one's tokens")
     add_cluster_args(s)
     s.set_defaults(func=serve_command)
 
@@ -113,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                              drain_timeout=args.drain_timeout, in_flight=args.in_flight,
                              header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                             keep_alive_timeout=args.keep_alive_timeout)
+                             keep_alive_timeout=args.keep_alive_timeout, http_nice=args.http_nice)
     plan = choose_plan(bundle, args.plan, args.stages, "equal")  # equal cuts, moved off the state pairs
     if api_key is None and not _loopback(args.host):
         print(f"tvmpipe serve: warning: listening on {args.host} without an API key: anyone who reaches this port "

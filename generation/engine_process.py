@@ -6,6 +6,8 @@ So `tvmpipe serve` runs the Engine (scheduler, driver, output processor) in a ch
 vLLM's API server runs its EngineCore, and talks to it over a pipe: requests and cancels go in,
 each step's RequestOutputs come back in one message. The client here has EngineThread's verbs
 (`submit` -> Stream, `cancel`, `stats`, `drain`, `close`), so the server cannot tell them apart.
+The server's event loop reads the pipe (`attach`, before the first submit): the outputs reach the
+streams on the loop's thread, with no thread here to take the GIL from the loop.
 
 The child opens the pipeline itself, with `opener` (a picklable callable returning a context
 manager that yields an Engine: the application layer knows how to open a cluster). It ignores
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import select
 import signal
 import sys
 import threading
@@ -66,12 +69,17 @@ def _serve(conn: Any, engine: Any) -> None:
     """Step the engine and send what it made; take commands between steps. Outputs of steps that
     complete back to back go in one message (a step that is complete already is taken before the
     message is sent: no client waits for it), each as a plain tuple (pickled several times faster
-    than the dataclass); commands are looked for before every step that would wait."""
+    than the dataclass), with the engine's figures where they changed since the last message (the
+    pool's stats are a dataclass to pickle); commands are looked for before every step that would
+    wait."""
     pipe = engine.pipe
     pending: list[tuple] = []
+    figures: tuple = ()  # the engine's figures as last sent: sent again only when they change
+    poller = select.poll()  # one, not Connection.poll's selector built a call
+    poller.register(conn.fileno(), select.POLLIN)
     while True:
         if not (engine.has_work and pipe.ready):  # about to wait for a step, or idle: commands first
-            while conn.poll(0 if engine.has_work or pending else 0.5):
+            while poller.poll(0 if engine.has_work or pending else 500):
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
@@ -88,8 +96,9 @@ def _serve(conn: Any, engine: Any) -> None:
         for o in engine.step() if engine.has_work else engine.collect():
             pending.append((o.index, o.text, o.token_ids, o.finish, o.error, o.result, o.logprobs, o.prompt_logprobs))
         if pending and not (engine.has_work and pipe.ready):
-            conn.send(("out", pending, *engine.figures()))
-            pending = []
+            now = engine.figures()
+            conn.send(("out", pending) if now == figures else ("out", pending, *now))
+            pending, figures = [], now
 
 
 def _call(engine: Any, what: str) -> Any:
@@ -125,8 +134,20 @@ class EngineProcess(RequestBook):
         self.backend = info["backend"]
         self.kv_tokens = info["kv_tokens"]  # a paged step's KV pool in tokens (None: static caches)
         self._restarts = info["restarts"]
-        self._reader = threading.Thread(target=self._read, daemon=True, name="tvmpipe-engine-reader")
-        self._reader.start()
+        self._figures: tuple = (0, self._restarts, 0, None)  # the engine's, as last sent (_serve)
+        self._loop: Any = None  # the event loop that reads the pipe (attach)
+
+    def attach(self, loop: Any) -> None:
+        """Read the engine's messages on `loop` (an asyncio event loop on this thread, running until
+        close): each step's outputs reach their streams on the loop's own thread, with no second
+        thread taking the GIL from the loop and no wake-up of the loop from outside (a system call
+        a step). Before anything is submitted."""
+        if self._loop is not None:
+            raise TvmpipeError("the engine process is attached to an event loop already")
+        self._loop = loop
+        self._poller = select.poll()  # one, not Connection.poll's selector built a call
+        self._poller.register(self._conn.fileno(), select.POLLIN)
+        loop.add_reader(self._conn.fileno(), self._readable)
 
     def _first_message(self) -> tuple[str, Any]:
         deadline = time.time() + START_TIMEOUT_S
@@ -142,7 +163,10 @@ class EngineProcess(RequestBook):
             return "failed", f"the engine process exited while starting (exit code {self._proc.exitcode})"
 
     def _send(self, msg: tuple) -> bool:
-        """Whether it went (a child that is gone is noticed by the reader: EOF)."""
+        """Whether it went (a child that is gone is noticed by the reader: EOF). Nothing answers
+        before an event loop reads the pipe: refused until then."""
+        if self._loop is None:
+            raise TvmpipeError("attach the engine process to an event loop before using it")
         try:
             with self._send_lock:
                 self._conn.send(msg)
@@ -171,7 +195,11 @@ class EngineProcess(RequestBook):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._send(("close",))
+        try:
+            with self._send_lock:
+                self._conn.send(("close",))
+        except (OSError, ValueError):
+            pass
         self._proc.join(timeout=60)
         if self._proc.is_alive():
             self._proc.kill()
@@ -179,24 +207,34 @@ class EngineProcess(RequestBook):
         self._fail_all("the engine was closed")
         self._conn.close()
 
-    # ---- the reader thread ---------------------------------------------------------------------------
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                code = self._proc.exitcode
-                self._fail_all("the engine process exited" + (f" (exit code {code})" if code is not None else ""))
-                return
-            kind = msg[0]
-            if kind == "out":
-                self._deliver([RequestOutput(*fields) for fields in msg[1]], *msg[2:])
-            elif kind == "reply":
-                future = self._calls.get(msg[1])
-                if future is not None:
-                    future.set_result(msg[2])
-            elif kind == "failed":
-                self._fail_all(msg[1])
+    # ---- reading the pipe, on the attached event loop ----------------------------------------------------
+    def _readable(self) -> None:
+        """The event loop's callback when the pipe has data: every message there now. (A message is
+        one write of the engine's, or two past 16 KiB: recv may wait for the second, microseconds.)"""
+        try:
+            while True:
+                self._handle(self._conn.recv())
+                if not self._poller.poll(0):
+                    return
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            self._gone()
+
+    def _gone(self) -> None:
+        code = self._proc.exitcode
+        self._fail_all("the engine process exited" + (f" (exit code {code})" if code is not None else ""))
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":  # with the engine's figures, or without where they have not changed
+            self._deliver([RequestOutput(*fields) for fields in msg[1]], *(msg[2:] or self._figures))
+            self._figures = msg[2:] or self._figures
+        elif kind == "reply":
+            future = self._calls.get(msg[1])
+            if future is not None:
+                future.set_result(msg[2])
+        elif kind == "failed":
+            self._fail_all(msg[1])
 
     def _fail_all(self, why: str) -> None:
         super()._fail_all(why)

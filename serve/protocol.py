@@ -706,8 +706,8 @@ class Reply:
             head, tail = flat.split(json.dumps(_TEXT_PROBE), 1)  # the text comes after id, model, ...
             self._template = (f"data: {head}", tail.split(f"[{_IDS_PROBE}]", 1))  # two parts with token ids
         head, tail = self._template
-        ids = json.dumps(token_ids, separators=(",", ":")) if len(tail) == 2 else ""
-        return f"{head}{json.dumps(text, ensure_ascii=False)}{ids.join(tail)}\n\n".encode()
+        ids = f"[{','.join(map(str, token_ids))}]" if len(tail) == 2 else ""  # json.dumps' bytes, without an encoder a call
+        return f"{head}{_json_str(text)}{ids.join(tail)}\n\n".encode()
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
@@ -715,6 +715,7 @@ class Reply:
 
 
 _TEXT_PROBE = "\u0000text\u0000"  # placeholders of Reply.token_event's template
+_json_str = json.encoder.encode_basestring  # json.dumps(s, ensure_ascii=False) of a str, C, no encoder made
 _IDS_PROBE = -987654321
 
 

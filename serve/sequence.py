@@ -1,10 +1,10 @@
 """One request's outputs, read from the server's event loop.
 
 The engine (`tvmpipe serve`: generation.engine_process.EngineProcess, an Engine in its own
-process whose outputs a reader thread here receives; a library or test: EngineThread) runs the
+process whose pipe the event loop reads; a library or test: EngineThread) runs the
 request, its output processor turning tokens into text (stop strings held back and never sent, a
 stop string ending the sequence at once), and calls the stream's callback with each RequestOutput
-on that thread. `ServedSequence` hands
+on that thread (the loop's, or the engine thread). `ServedSequence` hands
 them to the event loop through the loop's `Bridge` (into the sequence's asyncio.Queue). A reader
 that goes away (a client that disconnected) closes the sequence, which cancels it in the engine.
 """
@@ -25,18 +25,24 @@ if TYPE_CHECKING:
 
 
 class Bridge:
-    """Outputs from the engine thread into one event loop's queues, with one wake-up of the loop
-    for all the outputs that arrive before it runs (a step's tokens for every sequence in it), not
-    one each: waking a loop writes to its self-pipe, a system call on the engine thread, between
-    the steps it submits."""
+    """Outputs into one event loop's queues. From the loop's own thread (an EngineProcess the loop
+    reads: attach) straight in; from another (an EngineThread's) with one
+    wake-up of the loop for all the outputs that arrive before it runs (a step's tokens for every
+    sequence in it), not one each: waking a loop writes to its self-pipe, a system call on that
+    thread, between the steps it submits. Made on the loop's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._pending: deque[tuple[asyncio.Queue, RequestOutput | None]] = deque()
         self._woken = False
 
     def put(self, queue: asyncio.Queue, output: RequestOutput | None) -> None:  # any thread
+        if threading.get_ident() == self._loop_thread:
+            if not self.loop.is_closed():  # (the engine closed after the loop: nobody reads)
+                queue.put_nowait(output)
+            return
         with self._lock:
             self._pending.append((queue, output))
             if self._woken:

@@ -8,6 +8,14 @@ its own, a second placement around the first, for a single driver that cannot be
 anyway (the stages keep each sequence's KV cache). uvicorn serves the one event loop the routes
 need; the engine process does the stepping.
 
+Priority: the HTTP process runs `http_nice` (`--http-nice`, 10 by default) below the engine process
+and the stages. Where they share cores (local mode, the reference backend, a busy head node), a
+step's outputs reaching this process would otherwise preempt the stage that runs the next step
+(the scheduler favours a process waking from sleep): bench/serve.py measured the server's
+tokens/s over offline ~10 % higher at 16 clients on the 2-core VM (nice 10 or 19 against 0, paired
+runs). This process then takes the cores the pipeline leaves, and falls behind rather than
+holding it up: outputs that arrive meanwhile go out as one event (ServedSequence.outputs).
+
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes at once (new connections are refused),
 requests on open connections get 503, the sequences in flight run on for up to `drain_timeout`
 seconds and are cancelled after it (their streams end with an error event), then uvicorn closes
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -41,9 +50,9 @@ if TYPE_CHECKING:
     from tvmpipe.generation.text import TextCodec
 
 API_KEY_ENV = "TVMPIPE_API_KEY"
-# The thread reading the engine process's outputs and the event loop share this process's GIL: a
-# step's outputs wait for the loop to let go of it, up to the switch interval (5 ms by default),
-# before they are handed to the streams. 0.5 ms keeps that wait short and the switching cheap.
+# An EngineThread (the engine on a thread of this process: a library's server) and the event loop
+# share this process's GIL: a step's outputs wait for the loop to let go of it, up to the switch
+# interval (5 ms by default). 0.5 ms keeps that wait short. (An EngineProcess is read by the loop.)
 SWITCH_INTERVAL_S = 0.0005
 CLOSE_GRACE_S = 5.0  # after the drain: for the last chunks to reach their clients
 
@@ -63,6 +72,7 @@ class ServeSettings:
     header_timeout: float = 10.0  # a request's line and headers must arrive within it, or the connection is closed
     body_timeout: float = 30.0  # a request's body must arrive within it of the headers, or it is answered 408
     keep_alive_timeout: float = 5.0  # an idle connection is closed after it (uvicorn's timeout_keep_alive)
+    http_nice: int = 0  # this process's nice increment once the engine runs in its own process (Runner.run)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -196,7 +206,10 @@ class Runner:
         """Serve until a signal and the drain, or a pipeline failure; the exit status (0, or 1 when
         the pipeline failed)."""
         interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        if not hasattr(self.engine, "attach"):
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+        elif self.settings.http_nice:  # the engine and its stages, started already, keep their priority
+            os.nice(self.settings.http_nice)
         factory = self.server.config.get_loop_factory()  # uvloop where installed, as uvicorn picks it
         try:
             if factory is None or not hasattr(asyncio, "Runner"):  # asyncio.Runner: Python 3.11+
@@ -211,6 +224,8 @@ class Runner:
 
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if hasattr(self.engine, "attach"):  # an EngineProcess: its outputs read on this loop
+            self.engine.attach(self.loop)
         watch = asyncio.ensure_future(self._watch_pipeline())
         try:
             await self.server.serve(sockets=[self.sock])

@@ -47,7 +47,8 @@ def test_a_stage_killed_mid_stream_leaves_every_stream_unchanged(serve_bundle, p
     restarts it and replays, and every stream's tokens equal the offline run's, none lost or
     repeated; /metrics shows the restart and the new process. A tokenizer without a chat
     template answers chat with a 400 saying so. Ctrl-C (SIGINT to the process group) stops it
-    cleanly: the stage processes ignore it and the server drains."""
+    cleanly: the stage processes ignore it and the server drains. The HTTP process runs 10 below
+    the stages in CPU priority (--http-nice), the restarted stage as the others."""
     srv = ServerProcess(serve_bundle, "--stages", "2", "--processes", "--tokenizer", str(plain_tokenizer),
                         log_path=tmp_path / "stderr.txt")
     try:
@@ -64,6 +65,9 @@ def test_a_stage_killed_mid_stream_leaves_every_stream_unchanged(serve_bundle, p
         before = srv.metrics()
         pids = stage_pids(before)
         assert sorted(pids) == [0, 1] and metric(before, "tvmpipe_stage_restarts_total", stage=1) == 0
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, srv.proc.pid) == min(19, mine + 10)
+        assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids.values()] == [mine, mine]
 
         async def run():
             got = [[] for _ in bodies]
@@ -88,6 +92,7 @@ def test_a_stage_killed_mid_stream_leaves_every_stream_unchanged(serve_bundle, p
         assert metric(after, "tvmpipe_stage_restarts_total", stage=1) == 1
         assert metric(after, "tvmpipe_stage_restarts_total", stage=0) == 0
         assert stage_pids(after)[1] != pids[1] and stage_pids(after)[0] == pids[0]
+        assert os.getpriority(os.PRIO_PROCESS, stage_pids(after)[1]) == mine  # restarted by the engine process
         assert metric(after, "tvmpipe_requests_finished_total") == 4
         assert metric(after, "tvmpipe_requests_cancelled_total") == 0
     finally:  # Ctrl-C in a terminal: SIGINT to the server and its stage processes; it drains, they wait
@@ -194,7 +199,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_0(serve_bundle, tmp_path,
     daemons are in that group's way (they ignore it, or run in a session of their own), so the
     server drains: the stream running when the signal came ends with its tokens or the shutdown
     error, and the process exits 0 within the drain bound. A second SIGTERM during the drain exits
-    at once."""
+    at once (that server with --http-nice 0: at the stages' CPU priority)."""
     drain = 3.0
     srv = ServerProcess(serve_bundle, "--stages", "2", where, "--drain-timeout", str(drain),
                         log_path=tmp_path / "stderr.txt", env=slowed(0.02))
@@ -228,9 +233,10 @@ def test_sigterm_to_the_process_group_drains_and_exits_0(serve_bundle, tmp_path,
         assert "Traceback" not in srv.log(), srv.log()[-3000:]  # the engine process drained, not killed by it
     finally:
         srv.kill()
-    srv = ServerProcess(serve_bundle, "--stages", "2", where, "--drain-timeout", "60",
+    srv = ServerProcess(serve_bundle, "--stages", "2", where, "--drain-timeout", "60", "--http-nice", "0",
                         log_path=tmp_path / "stderr2.txt", env=slowed(0.05))
     try:
+        assert os.getpriority(os.PRIO_PROCESS, srv.proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)
         got, t0 = asyncio.run(run(second=True))
         srv.proc.wait(60)
         assert time.time() - t0 < 30  # not the 60 s drain: the second signal cut it short
@@ -258,5 +264,6 @@ def test_command_errors_are_one_line(serve_bundle, tmp_path, capsys):
             assert main(["serve", *argv]) == 2, argv
             err = capsys.readouterr().err
             assert message in err and len(err.strip().splitlines()) == 1, err
-    assert main(["serve", str(serve_bundle), "--processes", "--port", "70000"]) == 2
-    assert "--port" in capsys.readouterr().err
+    for flag, value in (("--port", "70000"), ("--http-nice", "20"), ("--http-nice", "-1")):
+        assert main(["serve", str(serve_bundle), "--processes", flag, value]) == 2
+        assert flag in capsys.readouterr().err

@@ -202,8 +202,9 @@ def test_token_events_are_the_chunks_json(chat, ids, usage):
         body["stream_options"] = {"include_usage": True}
     for model in ('m"odel [-987654321]', "gpt2-step"):
         reply = Reply(read_ask(body, chat=chat), model, [1, 2])
-        for text in ('hé "q" \\n [0] \u0000', "\u0000text\u0000", "plain", " "):
-            assert reply.token_event(text, [5, 6]) == sse(reply.chunk(text, [5, 6], None))
+        for text in ('hé "q" \\n [0] \u0000', "\u0000text\u0000", "plain", " ", "\t\x1f\u2028\U0001f600"):
+            for token_ids in ([5, 6], [7], []):
+                assert reply.token_event(text, token_ids) == sse(reply.chunk(text, token_ids, None))
 
 
 # --- issue 50, item 5: bodies json.loads cannot take, or that failed later (500s before) ---
