@@ -331,6 +331,15 @@ def serve_cost(d: dict) -> list[Row]:
                 f"{span(d[runs])} vs {span(d['plain_tokens_per_s_runs'])} tokens/s ({d['ratio']:.2f}x)")]
 
 
+def serve_http_nice(d: dict) -> list[Row]:
+    """bench/serve.py --http-nice: the default --http-nice 10 against 0, two servers side by side,
+    paired rounds (issue 50)."""
+    return [Row("Serving", f"`tvmpipe serve` (--http-nice 10, the default) against --http-nice 0, {d['clients']} "
+                           f"{d['client']} clients, {d['rounds']} paired rounds",
+                f"{span(d['nice10_tokens_per_s_runs'])} vs {span(d['nice0_tokens_per_s_runs'])} tokens/s "
+                f"({d['ratio']:.2f}x; higher in {d['rounds_higher']} of {d['rounds']})")]
+
+
 def grammar(d: dict) -> list[Row]:
     """bench/grammar.py: llguidance's token mask of a JSON schema, a token, at a published
     vocabulary's size (issue 51)."""
@@ -745,6 +754,7 @@ EXTRACTORS = (
     Extractor("serve.json", serve),
     Extractor("serve_logprobs.json", serve_cost),
     Extractor("serve_json_schema.json", serve_cost),
+    Extractor("serve_http_nice.json", serve_http_nice),
     Extractor("grammar.json", grammar),
     Extractor("soak.json", soak),
     Extractor("checkpoint.json", checkpoint),

@@ -17,7 +17,7 @@ Per level (1, 4, 16 clients): requests/s and tokens/s over the level's wall time
 sent -> first token chunk) and inter-token latency (gaps between a stream's token chunks), p50 and
 p99, over every request; each request's tokens checked against an offline run of the same prompts.
 
-At 16 clients, side by side in one run, alternating (offline, server, server, offline, ...; 9 rounds
+At 16 clients, side by side in one run, alternating (offline, server, server, offline, ...; 15 rounds
 of 32 requests): the offline run of the same prompts (Generator on a 2-stage pipeline of its own,
 every prompt queued at once, as `tvmpipe generate` does) and the server's; each server run is set
 against the mean of the offline runs just before and after it, and the median of these ratios is
@@ -285,7 +285,7 @@ def main() -> int:
     bundle = ensure_bundle(args.bundle)
     new = args.new_tokens
     per_client = 2 if args.quick else 4
-    rounds = 2 if args.quick else 9
+    rounds = 2 if args.quick else 15  # the machine drifts between runs: more rounds, a steadier median
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "tvmpipe-bench-serve.log"
     results: dict = {"decoder": "gpt2", "bundle": str(bundle), "max_context": MAX_CONTEXT, "stages": 2,
                      "backend": "reference", "new_tokens": new, "levels": []}

@@ -11,9 +11,9 @@ need; the engine process does the stepping.
 Priority: the HTTP process runs `http_nice` (`--http-nice`, 10 by default) below the engine process
 and the stages. Where they share cores (local mode, the reference backend, a busy head node), a
 step's outputs reaching this process would otherwise preempt the stage that runs the next step
-(the scheduler favours a process waking from sleep): bench/serve.py measured the server's
-tokens/s over offline ~10 % higher at 16 clients on the 2-core VM (nice 10 or 19 against 0, paired
-runs). This process then takes the cores the pipeline leaves, and falls behind rather than
+(the scheduler favours a process waking from sleep): `bench/serve.py --http-nice` measured 1.10x
+the tokens/s at 16 httpx clients on the 2-core VM against --http-nice 0, two servers side by side,
+higher in 11 of 14 paired rounds (bench/results/serve_http_nice.json). This process then takes the cores the pipeline leaves, and falls behind rather than
 holding it up: outputs that arrive meanwhile go out as one event (ServedSequence.outputs).
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes at once (new connections are refused),
