@@ -148,7 +148,7 @@ class Pipeline:
                  max_restarts: int = 3, host: str | None = "127.0.0.1", warmup: int = 1, seed: int = 0,
                  ship_bundle: bool = False, replay: str | None = None, transport: str = "auto",
                  slots: int | None = None, logits: bool = True, scores: bool = True,
-                 kv_tokens: int | str | None = None):
+                 kv_tokens: int | str | None = kvpool.AUTO):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.plan = checked_plan(self.bundle, plan)  # K: equal cuts keeping state pairs whole
         self.topology: Topology = build_topology(self.bundle, self.plan, relay=backend != "cuda", logits=logits,
@@ -161,11 +161,12 @@ class Pipeline:
         self.slots = (self.window if slots is None else slots) if self.bundle.state else 0
         if self.bundle.state and self.slots < 1:
             raise TvmpipeError(f"slots must be >= 1, got {self.slots}")
-        # A paged step's pool at run time (executor/kvpool.py): kv_tokens tokens, or "auto" (sized by
-        # the stages' free memory, as tvmpipe generate and serve do; nothing for a step without a
-        # pool); None keeps the compiled pool (--kv-pages; by default one per compiled row, so a
-        # pipeline of more slots than that preempts). Every stage and the scheduler (which reads
-        # self.bundle) get the same pages.
+        # A paged step's pool at run time (executor/kvpool.py): kv_tokens tokens, or "auto" (the
+        # default: every row at the max context, reduced to the stages' free memory, as tvmpipe
+        # generate and serve size it; nothing for a step without a pool); None keeps the compiled
+        # pool (--kv-pages; by default one row at the max context per compiled row, so a pipeline of
+        # more slots than that preempts: what a test of preemption asks for). Every stage and the
+        # scheduler (which reads self.bundle) get the same pages.
         self.kv_pool: PoolSize | None = None
         paged = self.bundle.generation is not None and self.bundle.generation.paged is not None
         if kv_tokens is not None and (paged or kv_tokens != kvpool.AUTO):

@@ -61,7 +61,7 @@ def test_pipelined_generation_equals_transformers(decoder, name, kv):
     refs = [transformers_logits(model, (p + w)[:-1]) for p, w in zip(PROMPTS, want)]  # [positions, vocab]
     for k in (1, 2, 3):
         launcher = "process" if name in ("gpt2", "llama", "qwen2") or k == 2 else ThreadLauncher()
-        with Pipeline(bundle, k, launcher=launcher, slots=2) as pipe:
+        with Pipeline(bundle, k, launcher=launcher, slots=2, kv_tokens=None) as pipe:  # the compiled pool: preempts
             assert pipe.plan.num_stages == k
             results, logs = {}, {}
             list(Generator(pipe).generate(PROMPTS, NEW, results=results, logits_log=logs))
@@ -98,7 +98,7 @@ def test_static_batches_equal_transformers_per_sequence(decoder, name):
     want = [_until_stop(w, stop) for w in full]
     assert 1 < len(want[1]) < NEW and len(want[0]) > len(want[1]), want
     for k in (1, 2):
-        with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
+        with Pipeline(bundle, k, launcher="process", slots=2, kv_tokens=None) as pipe:  # the compiled pool
             assert pipe.topology.batch == 2
             results, logs = {}, {}
             events = list(Generator(pipe).generate(BATCH_PROMPTS, NEW, stop_tokens=[stop], results=results, logits_log=logs))
@@ -251,7 +251,7 @@ def test_chunked_prefill_equals_transformers(decoder, name, batch, kv):
         Generator(pipe).generate_all(CHUNK_PROMPTS, NEW)
         unchunked = pipe.submitted
     for k in (1, 2):
-        with Pipeline(bundle, k, launcher="process", slots=2) as pipe:
+        with Pipeline(bundle, k, launcher="process", slots=2, kv_tokens=None) as pipe:  # the compiled pool
             results, logs = {}, {}
             events = list(Generator(pipe).generate(CHUNK_PROMPTS, NEW, results=results, logits_log=logs))
             steps = pipe.submitted

@@ -158,7 +158,7 @@ def _scheduled(bundle: Path, prompts: list[list[int]], stages: int = 1) -> tuple
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.generation import Generator
 
-    with Pipeline(bundle, stages, launcher=ThreadLauncher(), slots=2) as pipe:
+    with Pipeline(bundle, stages, launcher=ThreadLauncher(), slots=2, kv_tokens=None) as pipe:  # the compiled pool
         results, logs = {}, {}
         list(Generator(pipe).generate(prompts, NEW, results=results, logits_log=logs))
     return [results[i].tokens for i in range(len(prompts))], logs

@@ -219,9 +219,10 @@ def test_free_memory_is_read_from_the_host_and_from_the_stages_gpu(monkeypatch, 
 
 
 def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
-    """A process pipeline sized "auto" with the host's free memory faked (the driver reads it):
-    7 pages fit where rows x max context would be 20; every stage and the scheduler get 7 (fewer
-    than compiled: the pool fills and preempts), and the tokens equal the compiled pool's."""
+    """A process pipeline opened without kv_tokens (the default, "auto") with the host's free
+    memory faked (the driver reads it): 7 pages fit where rows x max context would be 20; every
+    stage and the scheduler get 7 (fewer than compiled: the pool fills and preempts), and the
+    tokens equal the compiled pool's (kv_tokens=None)."""
     from tvmpipe.bundle import load_bundle
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.core.errors import FieldError
@@ -234,7 +235,8 @@ def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
     prompts = [p for p, _, _, _ in ROWS] + [[1, 2, 3]]
     runs = {}
     for kv in (None, kvpool.AUTO):
-        with Pipeline(paged, 1, launcher="process", logits=False, slots=2, kv_tokens=kv) as pipe:
+        kw = {} if kv == kvpool.AUTO else {"kv_tokens": kv}  # the default, or the compiled pool
+        with Pipeline(paged, 1, launcher="process", logits=False, slots=2, **kw) as pipe:
             runs[kv] = [r.tokens for r in Generator(pipe).generate_all(prompts, 8)]
             if kv is not None:
                 assert (pipe.kv_pool.pages, pipe.kv_pool.cap_pages) == (7, 2 * B * T // P)
@@ -246,15 +248,15 @@ def test_a_pipelines_default_pool_follows_the_free_memory(paged, monkeypatch):
 
 
 def test_auto_sizes_nothing_for_a_step_without_a_pool(zoo_decoder):
-    """kv_tokens "auto" (what tvmpipe generate and serve pass whatever the bundle) on a static step:
-    no pool to size, the bundle as loaded; a number of tokens for it stays a one-line refusal."""
+    """kv_tokens "auto" (a Pipeline's default, what tvmpipe generate and serve pass whatever the
+    bundle) on a static step: no pool to size, the bundle as loaded; a number of tokens for it stays
+    a one-line refusal."""
     from tests.support.pipeline_harness import ThreadLauncher
     from tvmpipe.cluster.driver import Pipeline
     from tvmpipe.core.errors import TvmpipeError
-    from tvmpipe.executor import kvpool
 
     static = zoo_decoder("gpt2", B, kv="static")[0]
-    with Pipeline(static, 1, launcher=ThreadLauncher(), logits=False, slots=1, kv_tokens=kvpool.AUTO) as pipe:
+    with Pipeline(static, 1, launcher=ThreadLauncher(), logits=False, slots=1) as pipe:
         assert pipe.kv_pool is None and pipe.bundle.generation.paged is None
     with pytest.raises(TvmpipeError, match="kv-tokens|paged"):
         Pipeline(static, 1, launcher=ThreadLauncher(), logits=False, slots=1, kv_tokens=64)

@@ -62,7 +62,7 @@ def test_paged_steps_give_the_static_tokens(bundles, static_tokens, stages):
     static step's; at the end no page is held (the full pages stay cached for later prompts)."""
     from tvmpipe.cluster import Pipeline
 
-    with Pipeline(bundles[40], stages, launcher="process") as pipe:
+    with Pipeline(bundles[40], stages, launcher="process", kv_tokens=None) as pipe:
         greedy, results, sched = generate(pipe)
         assert sched.pool is not None and sched.pool.num_pages == 40
         seeded, _, sched2 = generate(pipe, temperature=0.8, top_k=20, seed=3)
@@ -79,7 +79,7 @@ def test_a_full_pool_preempts_the_newest_and_recomputes_it(bundles, static_token
     free; every sequence still gets exactly the static step's tokens."""
     from tvmpipe.cluster import Pipeline
 
-    with Pipeline(bundles[9], 2, launcher="process") as pipe:
+    with Pipeline(bundles[9], 2, launcher="process", kv_tokens=None) as pipe:
         greedy, results, sched = generate(pipe)
     assert greedy == static_tokens[0]
     assert sum(r.replays for r in results) >= 1, "the pool never filled: the test proves nothing"
@@ -94,7 +94,7 @@ def test_a_shared_prompt_prefix_is_computed_once(bundles, static_tokens):
     from tvmpipe.generation import Request, layout_of
     from tvmpipe.generation.core import EngineCore
 
-    with Pipeline(bundles[40], 2, launcher="process") as pipe:
+    with Pipeline(bundles[40], 2, launcher="process", kv_tokens=None) as pipe:
         layout = layout_of(pipe.bundle)
         core = EngineCore(pipe, results={})
         core.add(Request.checked(PROMPTS[0], NEW, layout), 0)
@@ -118,7 +118,7 @@ def test_a_cancel_frees_its_pages(bundles, static_tokens):
     from tvmpipe.generation import FinishReason, Request, layout_of
     from tvmpipe.generation.core import EngineCore
 
-    with Pipeline(bundles[40], 2, launcher="process") as pipe:
+    with Pipeline(bundles[40], 2, launcher="process", kv_tokens=None) as pipe:
         layout = layout_of(pipe.bundle)
         core = EngineCore(pipe, results={})
         for i in (2, 3, 4):
@@ -144,7 +144,7 @@ def test_a_stage_killed_mid_way_is_rebuilt_into_the_held_pages(bundles, static_t
     from tvmpipe.cluster import Pipeline, Timeouts
     from tvmpipe.generation import Generator
 
-    with Pipeline(bundles[40], 2, launcher="process", timeouts=Timeouts(progress=20)) as pipe:
+    with Pipeline(bundles[40], 2, launcher="process", timeouts=Timeouts(progress=20), kv_tokens=None) as pipe:
         results = {}
         for n, _ in enumerate(Generator(pipe).generate(PROMPTS, NEW, results=results)):
             if n == 8:
@@ -181,7 +181,7 @@ def test_seeded_mixes_of_prefixes_cancels_preemption_and_a_kill(bundles, seed):
         layout = layout_of(pipe.bundle)
         want = [r.tokens for r in Generator(pipe).generate_all(
             [Request.checked(p, n, layout, key=i) for i, (p, n) in enumerate(zip(prompts, news))])]
-    with Pipeline(bundles[9], 2, launcher="process", timeouts=Timeouts(progress=20)) as pipe:
+    with Pipeline(bundles[9], 2, launcher="process", timeouts=Timeouts(progress=20), kv_tokens=None) as pipe:
         core = EngineCore(pipe, results={})
         step = 0
         while step < 200 and (core.has_work or any(a >= step for a in arrive)):
