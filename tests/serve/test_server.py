@@ -79,7 +79,8 @@ def test_completions_plain_and_streamed(client, oracle, offline):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == choice.finish_reason and set(finishes[:-1]) == {None}
+    # (outputs that arrive before the stream writes are merged: a reader behind may get all in one chunk)
+    assert finishes[-1] == choice.finish_reason and set(finishes[:-1]) <= {None}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
     assert all(c.usage is None for c in chunks[:-1])
 
