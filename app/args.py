@@ -22,9 +22,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def number(convert: Callable[[str], Any], minimum: float, *, inclusive: bool = True,
+def number(convert: Callable[[str], Any], minimum: float, *, inclusive: bool = True, maximum: float | None = None,
            what: str = "a number") -> Callable[[str], Any]:
-    """An argparse `type`: `convert(text)`, at least (or, not inclusive, above) `minimum`."""
+    """An argparse `type`: `convert(text)`, at least (or, not inclusive, above) `minimum`, and at
+    most `maximum` where given."""
 
     def parse(text: str) -> Any:
         try:
@@ -33,6 +34,8 @@ def number(convert: Callable[[str], Any], minimum: float, *, inclusive: bool = T
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not (value >= minimum if inclusive else value > minimum):  # also refuses nan
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {minimum}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {text}")
         return value
 
     parse.__name__ = what  # argparse names the type in some messages

@@ -23,23 +23,8 @@ from tvmpipe.app.args import (COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, a
                               cluster_options, number)
 from tvmpipe.core.errors import TvmpipeError
 
-_NON_NEGATIVE_PORT = number(int, 0, what="a port number")
-
-
-def port(text: str) -> int:
-    """An argparse type: 0..65535 (0: any free port; the ready line says which)."""
-    value = _NON_NEGATIVE_PORT(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be <= 65535, got {text}")
-    return value
-
-
-def _nice(text: str) -> int:
-    """An argparse type: a nice increment 0..19."""
-    value = NON_NEGATIVE_INT(text)
-    if value > 19:
-        raise argparse.ArgumentTypeError(f"must be <= 19, got {text}")
-    return value
+PORT = number(int, 0, maximum=65535, what="a port number")  # 0: any free port; the ready line says which
+NICE = number(int, 0, maximum=19, what="a nice increment")
 
 
 DEFAULT_MAX_BODY = 1 << 20
@@ -65,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h = s.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine "
                    "only; 0.0.0.0 for every interface, with an API key)")
-    h.add_argument("--port", type=port, default=8000, help="port (default 8000; 0: any free one)")
+    h.add_argument("--port", type=PORT, default=8000, help="port (default 8000; 0: any free one)")
     h.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every endpoint but "
                    "/health (default: the environment variable TVMPIPE_API_KEY; prefer it, a command line is "
                    "visible to every user of the machine)")
@@ -81,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "arrive after its headers before it is answered 408 (default 30)")
     h.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0, help="seconds an idle connection is kept "
                    "open between requests (default 5)")
-    h.add_argument("--http-nice", type=_nice, default=10, help="the HTTP process's CPU priority below the engine's "
+    h.add_argument("--http-nice", type=NICE, default=10, help="the HTTP process's CPU priority below the engine's "
                    "and the stages' (a nice increment, 0..19; default 10; 0: the same): where they share cores, the "
                    "pipeline's next step runs before the HTTP process relays the last one's tokens")
     add_cluster_args(s)

@@ -75,8 +75,7 @@ def _serve(conn: Any, engine: Any) -> None:
     pipe = engine.pipe
     pending: list[tuple] = []
     figures: tuple = ()  # the engine's figures as last sent: sent again only when they change
-    poller = select.poll()  # one, not Connection.poll's selector built a call
-    poller.register(conn.fileno(), select.POLLIN)
+    poller = _poller(conn)
     while True:
         if not (engine.has_work and pipe.ready):  # about to wait for a step, or idle: commands first
             while poller.poll(0 if engine.has_work or pending else 500):
@@ -99,6 +98,13 @@ def _serve(conn: Any, engine: Any) -> None:
             now = engine.figures()
             conn.send(("out", pending) if now == figures else ("out", pending, *now))
             pending, figures = [], now
+
+
+def _poller(conn: Any) -> "select.poll":
+    """A poll object on `conn`'s data, made once: Connection.poll builds a selector a call."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return poller
 
 
 def _call(engine: Any, what: str) -> Any:
@@ -145,8 +151,7 @@ class EngineProcess(RequestBook):
         if self._loop is not None:
             raise TvmpipeError("the engine process is attached to an event loop already")
         self._loop = loop
-        self._poller = select.poll()  # one, not Connection.poll's selector built a call
-        self._poller.register(self._conn.fileno(), select.POLLIN)
+        self._poller = _poller(self._conn)
         loop.add_reader(self._conn.fileno(), self._readable)
 
     def _first_message(self) -> tuple[str, Any]:
@@ -163,10 +168,14 @@ class EngineProcess(RequestBook):
             return "failed", f"the engine process exited while starting (exit code {self._proc.exitcode})"
 
     def _send(self, msg: tuple) -> bool:
-        """Whether it went (a child that is gone is noticed by the reader: EOF). Nothing answers
-        before an event loop reads the pipe: refused until then."""
+        """`_write` a message that expects an answer: refused before an event loop reads the pipe
+        (nothing would read the answer)."""
         if self._loop is None:
             raise TvmpipeError("attach the engine process to an event loop before using it")
+        return self._write(msg)
+
+    def _write(self, msg: tuple) -> bool:
+        """Whether it went (a child that is gone is noticed by the reader: EOF)."""
         try:
             with self._send_lock:
                 self._conn.send(msg)
@@ -195,11 +204,7 @@ class EngineProcess(RequestBook):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        try:
-            with self._send_lock:
-                self._conn.send(("close",))
-        except (OSError, ValueError):
-            pass
+        self._write(("close",))  # attached or not
         self._proc.join(timeout=60)
         if self._proc.is_alive():
             self._proc.kill()
@@ -227,8 +232,9 @@ class EngineProcess(RequestBook):
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "out":  # with the engine's figures, or without where they have not changed
-            self._deliver([RequestOutput(*fields) for fields in msg[1]], *(msg[2:] or self._figures))
-            self._figures = msg[2:] or self._figures
+            if len(msg) > 2:
+                self._figures = msg[2:]
+            self._deliver([RequestOutput(*fields) for fields in msg[1]], *self._figures)
         elif kind == "reply":
             future = self._calls.get(msg[1])
             if future is not None:

@@ -715,8 +715,8 @@ class Reply:
 
 
 _TEXT_PROBE = "\u0000text\u0000"  # placeholders of Reply.token_event's template
-_json_str = json.encoder.encode_basestring  # json.dumps(s, ensure_ascii=False) of a str, C, no encoder made
 _IDS_PROBE = -987654321
+_json_str = json.encoder.encode_basestring  # json.dumps(s, ensure_ascii=False) of a str, C, no encoder made
 
 
 def sse(obj: Mapping[str, Any] | str) -> bytes:

@@ -11,10 +11,10 @@ need; the engine process does the stepping.
 Priority: the HTTP process runs `http_nice` (`--http-nice`, 10 by default) below the engine process
 and the stages. Where they share cores (local mode, the reference backend, a busy head node), a
 step's outputs reaching this process would otherwise preempt the stage that runs the next step
-(the scheduler favours a process waking from sleep): `bench/serve.py --http-nice` measured 1.10x
-the tokens/s at 16 httpx clients on the 2-core VM against --http-nice 0, two servers side by side,
-higher in 11 of 14 paired rounds (bench/results/serve_http_nice.json). This process then takes the cores the pipeline leaves, and falls behind rather than
-holding it up: outputs that arrive meanwhile go out as one event (ServedSequence.outputs).
+(the scheduler favours a process waking from sleep); `bench/serve.py --http-nice` measures the
+difference, two servers side by side (bench/results/serve_http_nice.json). This process then takes
+the cores the pipeline leaves, and falls behind rather than holding it up: outputs that arrive
+meanwhile go out as one event (ServedSequence.outputs).
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes at once (new connections are refused),
 requests on open connections get 503, the sequences in flight run on for up to `drain_timeout`
@@ -188,6 +188,7 @@ class Runner:
         self.on_ready = on_ready
         self.log = log or (lambda line: print(f"tvmpipe serve: {line}", file=sys.stderr, flush=True))
         self.engine = engine
+        self.attached = hasattr(engine, "attach")  # an EngineProcess: its pipe read on this loop
         self.service = Service(self.engine, codec, settings.model)
         self.counters = metrics.Counters()
         app = create_app(self.service, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
@@ -206,7 +207,7 @@ class Runner:
         """Serve until a signal and the drain, or a pipeline failure; the exit status (0, or 1 when
         the pipeline failed)."""
         interval = sys.getswitchinterval()
-        if not hasattr(self.engine, "attach"):
+        if not self.attached:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         elif self.settings.http_nice:  # the engine and its stages, started already, keep their priority
             os.nice(self.settings.http_nice)
@@ -224,7 +225,7 @@ class Runner:
 
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
-        if hasattr(self.engine, "attach"):  # an EngineProcess: its outputs read on this loop
+        if self.attached:
             self.engine.attach(self.loop)
         watch = asyncio.ensure_future(self._watch_pipeline())
         try:
