@@ -115,9 +115,9 @@ def check_logit_bias(bias: Mapping[int, float], vocab: int) -> tuple[tuple[int, 
     out = []
     for t, v in bias.items():
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-            raise FieldError("logit_bias", f"token id {t!r} is outside the vocabulary 0..{vocab - 1}")
+            raise FieldError("logit_bias", f"names token id {t!r}, outside the vocabulary 0..{vocab - 1}")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not -MAX_BIAS <= v <= MAX_BIAS:
-            raise FieldError("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {v!r}")
+            raise FieldError("logit_bias", f"of token {t} must be a number in [-100, 100], got {v!r}")
         out.append((int(t), float(v)))
     return tuple(sorted(out))
 

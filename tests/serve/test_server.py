@@ -134,12 +134,14 @@ def test_unsupported_parameters_are_refused_with_openai_errors(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
         assert info.value.param == param and info.value.code == "unsupported_parameter", kw
-    for kw, param in [({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 1, "n": 2}, "best_of"),
-                      ({"logit_bias": {"999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
-                      ({"extra_body": {"min_tokens": 3}}, "min_tokens")]:
+    for kw, param, says in [({"n": 17}, "n", "n must be"), ({"logprobs": 21}, "logprobs", "logprobs must be"),
+                            ({"best_of": 1, "n": 2}, "best_of", "best_of"),
+                            ({"logit_bias": {"999": 1}}, "logit_bias", "logit_bias names token id 999, outside the vocabulary"),
+                            ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias of token 5 must be a number in [-100, 100]"),
+                            ({"extra_body": {"min_tokens": 3}}, "min_tokens", "min_tokens")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **kw)
-        assert info.value.param == param, kw
+        assert info.value.param == param and says in info.value.message, (kw, info.value.message)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True,
                                        top_logprobs=21)
