@@ -10,7 +10,10 @@ Modules:
   core       EngineCore: the scheduler and the pipeline's I/O (submit the plan, receive a step)
   output     OutputProcessor: text, stop strings and finish reasons of every request (RequestOutput)
   engine     Engine: a request's whole life (core + output processor), synchronous; EngineThread:
-             the same Engine on a thread of its own, for servers (streams, cancel, drain)
+             the same Engine on a thread of its own (streams, cancel, drain)
+  engine_process  EngineProcess: the same Engine in a process of its own, for servers (off their GIL)
+  pages      PagePool: a paged KV cache's pages, which each sequence holds, shared prompt prefixes
+  tools      tool calls: how a chat template writes them, read back, and the grammar that asks for one
   generator  Generator: token-level generate / generate_all over a prompt set
   text       tokenizer.json through `tokenizers`, streaming detokenization, stop strings, chat templates
 

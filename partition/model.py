@@ -5,7 +5,7 @@ device s: `speeds[s]` divides its compute time (1 = the device the op times are 
 `memory_caps[s]` bounds its memory, and `links[s]` is the link its inbound frames cross (from the
 device before it; for stage 0, from the driver's host). A single speed, cap or link applies to every
 stage; per-stage lists longer than the plan are cut to its length, so one device list (a cluster
-description, cluster.py) serves a sweep over stage counts. `runtime` holds what the pipeline
+description, hardware.py) serves a sweep over stage counts. `runtime` holds what the pipeline
 runtime itself costs per micro-batch (runtime.py).
 """
 

@@ -5,7 +5,7 @@ largest stage cycle (compute / speed + link time of received bytes over that sta
 runtime's per-frame costs, runtime.py); then, among plans within
 `tolerance` of that optimum, it picks one moving the fewest bytes, because transfers are where a
 real pipeline loses most against its model. Both passes are O(K n^2) on numpy arrays over
-precomputed range tables (tables.py): a 700-op graph with K = 8 takes well under a second.
+precomputed range tables (range_tables.py): a 700-op graph with K = 8 takes well under a second.
 """
 
 from __future__ import annotations
