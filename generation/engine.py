@@ -296,10 +296,10 @@ class RequestBook:
         return clean
 
     # ---- outputs coming back ------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], running: int, restarts: tuple[int, ...], step_errors: int,
-                 kv: "PoolStats | None" = None) -> None:
+    def _deliver(self, outputs: list[RequestOutput], figures: tuple | None = None) -> None:
         """Hand each output to its stream; end the streams whose request ended; take the engine's
-        figures (`running`, each stage's restarts, steps failed, a paged step's pool)."""
+        figures (Engine.figures: running, each stage's restarts, steps failed, a paged step's pool)
+        where given (None: unchanged since the last)."""
         ended: list[Stream] = []
         tokens = 0
         with self._lock:
@@ -320,7 +320,8 @@ class RequestBook:
                 self._cancelled += finish == FinishReason.CANCELLED
                 self._errors += finish == FinishReason.ERROR
             self._tokens += tokens
-            self._running, self._restarts, self._step_errors, self._kv = running, restarts, step_errors, kv
+            if figures is not None:
+                self._running, self._restarts, self._step_errors, self._kv = figures
             self._lock.notify_all()
         for stream in ended:
             stream._end()
@@ -395,6 +396,6 @@ class EngineThread(RequestBook):
                 for index in cancels:
                     engine.cancel(index)
                 outputs = engine.step() if engine.has_work else engine.collect()
-                self._deliver(outputs, *engine.figures())
+                self._deliver(outputs, engine.figures())
         except Exception as exc:  # the pipeline failed for good: every open stream ends with its error
             self._fail_all(str(exc) if isinstance(exc, TvmpipeError) else f"{type(exc).__name__}: {exc}")

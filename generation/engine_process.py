@@ -140,7 +140,6 @@ class EngineProcess(RequestBook):
         self.backend = info["backend"]
         self.kv_tokens = info["kv_tokens"]  # a paged step's KV pool in tokens (None: static caches)
         self._restarts = info["restarts"]
-        self._figures: tuple = (0, self._restarts, 0, None)  # the engine's, as last sent (_serve)
         self._loop: Any = None  # the event loop that reads the pipe (attach)
 
     def attach(self, loop: Any) -> None:
@@ -232,9 +231,7 @@ class EngineProcess(RequestBook):
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "out":  # with the engine's figures, or without where they have not changed
-            if len(msg) > 2:
-                self._figures = msg[2:]
-            self._deliver([RequestOutput(*fields) for fields in msg[1]], *self._figures)
+            self._deliver([RequestOutput(*fields) for fields in msg[1]], msg[2:] or None)
         elif kind == "reply":
             future = self._calls.get(msg[1])
             if future is not None:
